@@ -1,0 +1,53 @@
+"""The `rose` command.
+
+Each subcommand lives in the package it drives, as a module with `add_arguments(parser)` and
+`run(args) -> int`; only the invoked one is imported, so `rose --help` stays fast.
+Benchmarks are `rose bench NAME`, each a module with the same two functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init-model": ("rose.model.cli", "write a random-initialised Qwen2/Qwen3 checkpoint"),
+    "generate": ("rose.engine.cli", "generate text from a checkpoint"),
+}
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def _add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, str]],
+                  dest: str, words: list[str]) -> None:
+    """A subparser per entry; the chosen one (`words[0]`) is filled by its own module."""
+    sub = parser.add_subparsers(dest=dest, required=True, metavar=dest.upper())
+    for name, (module, help_text) in table.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if not words or name != words[0]:
+            continue
+        if name == "bench":
+            _add_commands(p, BENCHES, "bench", words[1:])
+        else:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(run=mod.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="rose", description=__doc__.splitlines()[0])
+    table = {**COMMANDS, "bench": ("", "run a benchmark: rose bench NAME [--quick] --json OUT")}
+    _add_commands(parser, table, "command", [a for a in argv if not a.startswith("-")])
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        # Bad input (config, file, request) is a one-line error, not a traceback.
+        print(f"rose {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Native generation engine."""

@@ -1,0 +1,142 @@
+"""Byte-level BPE tokenizer files (`tokenizer.json` + `tokenizer_config.json`) and a thin wrapper.
+
+Random-initialised checkpoints need a real tokenizer so that the server, the environments and
+HF `transformers` all see the same ids. `build_tokenizer` trains a small byte-level BPE with the
+`tokenizers` library on an embedded corpus (words of the built-in environments and of chat), with
+Qwen's ChatML special tokens. Byte-level means any text round-trips, whatever the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from rose.model.config import CheckpointError
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+# ChatML, as Qwen models use it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS_LINES = [
+    "You are playing FrozenLake. The agent starts at S and must reach the goal G without "
+    "falling into a hole H. Frozen tiles are F. Actions: Left, Down, Right, Up.",
+    "You are playing Sokoban. Push every box onto a target. Walls are #, boxes are X, targets "
+    "are O, the player is P. Actions: Up, Down, Left, Right.",
+    "Answer with one action in brackets, for example <action>Right</action>.",
+    "The current map is shown below. Row 0 is the top row and column 0 is the left column.",
+    "You reached the goal. You fell into a hole. The box is on the target. Invalid action.",
+    "system user assistant tool observation reward done step turn episode success failure",
+    "Let me think step by step about where to move next before I answer.",
+    "The quick brown fox jumps over the lazy dog. Hello, how can I help you today?",
+    "Please write a short answer. Thank you! Sure, here is the result of the calculation.",
+    "def main(): return 0  # import numpy as np; for i in range(10): print(i)",
+]
+
+
+def _corpus() -> list[str]:
+    grids = []
+    for n in (4, 8):
+        row = "F" * n
+        grids.append("\n".join(["S" + row[1:], *[row] * (n - 2), row[:-1] + "G"]))
+    numbers = [" ".join(str(i) for i in range(k, k + 20)) for k in range(0, 200, 20)]
+    return (_CORPUS_LINES + grids + numbers) * 4
+
+
+def build_tokenizer(vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE of at most `vocab_size` ids (fewer if the corpus runs out of merges)."""
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts the way the checkpoint's files say."""
+
+    def __init__(self, tok: HFTokenizer, chat_template: str = CHAT_TEMPLATE,
+                 eos_token: str = IM_END, pad_token: str = ENDOFTEXT) -> None:
+        self._tok = tok
+        self.chat_template = chat_template
+        self.eos_token, self.pad_token = eos_token, pad_token
+        self.eos_token_id = self._id(eos_token)
+        self.pad_token_id = self._id(pad_token)
+        self._template = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
+
+    def _id(self, token: str) -> int:
+        idx = self._tok.token_to_id(token)
+        if idx is None:
+            raise CheckpointError(f"tokenizer: special token {token!r} is not in the vocabulary")
+        return idx
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end an assistant turn: end-of-message and end-of-text."""
+        return sorted({self.eos_token_id, self.pad_token_id})
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def save(self, path: str | Path, model_max_length: int) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(path / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "chat_template": self.chat_template,
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": False,
+        }
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Read `tokenizer.json` and the chat template / special tokens of `tokenizer_config.json`."""
+    path = Path(path)
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no tokenizer.json; expected a Hugging Face tokenizer file")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template_file = path / "chat_template.jinja"  # where transformers 5 writes the template
+    template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+
+    def token(key: str, default: str) -> str:
+        value = config.get(key) or default
+        return value["content"] if isinstance(value, dict) else value
+
+    return Tokenizer(HFTokenizer.from_file(str(file)), template or CHAT_TEMPLATE,
+                     token("eos_token", IM_END), token("pad_token", ENDOFTEXT))
