@@ -1,0 +1,1 @@
+"""SLO-safe co-serving executor: serving and rollout models on one device, one page pool."""

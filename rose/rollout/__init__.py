@@ -1,0 +1,1 @@
+"""Elastic rollout scheduler: per-turn routing across dedicated and serving devices."""

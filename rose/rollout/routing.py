@@ -1,0 +1,222 @@
+"""Per-turn routing of multi-turn rollouts across dedicated workers and serving executors.
+
+Pure policy over plain data (no I/O, no clock of its own): the real rollout scheduler feeds it
+heartbeats and capacity reports and acts on its answers; the cluster simulator drives the very
+same code. Each *turn* of a trajectory is routed, in this order:
+
+1. cache affinity: the worker that ran the trajectory's previous turn, if it has capacity (its
+   prefix KV is reusable, so only the new observation needs a prefill);
+2. else a serving-GPU executor whose SLOs would still hold (it reports free rollout slots and a
+   positive predicted slack), the one with the most free slots;
+3. else the least-loaded eligible worker (active turns over its concurrency cap);
+4. else the turn queues (FIFO) until `drain` finds room.
+
+A worker is eligible when alive (a heartbeat within `stall_timeout_s`, default 2 s), on at
+least the turn's policy version, and under its concurrency cap. Turns aborted by an executor
+(emergency cut) or lost with a dead worker are resumed: `resume` folds the tokens already
+produced into the prompt, so routing them again continues where they stopped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Hashable, Iterable
+
+STALL_TIMEOUT_S = 2.0
+
+
+class WorkerKind(enum.Enum):
+    DEDICATED = "dedicated"      # rollout model only; first-class capacity
+    SERVING = "serving"          # a co-serving executor; opportunistic capacity
+
+
+@dataclasses.dataclass
+class WorkerState:
+    """What the scheduler knows of one worker. `free_slots` and `slack_s` come from a serving
+    executor's capacity report; dedicated workers leave them at their defaults."""
+
+    worker_id: Hashable
+    kind: WorkerKind
+    max_concurrency: int
+    active: int = 0
+    last_heartbeat_s: float = 0.0
+    policy_version: int = 0
+    free_slots: int = 0
+    slack_s: float = 0.0
+
+    def alive(self, now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
+        return now - self.last_heartbeat_s <= stall_timeout_s
+
+    def room(self) -> int:
+        """Turns it can take now."""
+        room = self.max_concurrency - self.active
+        if self.kind is WorkerKind.SERVING:
+            room = min(room, self.free_slots) if self.slack_s > 0 else 0
+        return max(0, room)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRequest:
+    """One turn of one trajectory. Token ids travel beside it; routing needs only counts."""
+
+    trajectory_id: Hashable
+    turn: int
+    prompt_tokens: int
+    max_tokens: int
+    policy_version: int = 0
+    produced_tokens: int = 0     # tokens earlier attempts produced, now part of the prompt
+    attempt: int = 0
+
+
+def resume(turn: TurnRequest, produced: int) -> TurnRequest:
+    """The turn continued after an abort or a lost worker: the `produced` tokens it already
+    generated join its prompt and come off its budget. Nothing is regenerated."""
+    if not 0 <= produced <= turn.max_tokens:
+        raise ValueError(f"produced must be in [0, {turn.max_tokens}], got {produced}")
+    return dataclasses.replace(turn, prompt_tokens=turn.prompt_tokens + produced,
+                               max_tokens=turn.max_tokens - produced,
+                               produced_tokens=turn.produced_tokens + produced,
+                               attempt=turn.attempt + 1)
+
+
+class RouteReason(enum.Enum):
+    AFFINITY = "affinity"
+    SERVING = "serving"
+    LEAST_LOADED = "least_loaded"
+    QUEUED = "queued"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    worker_id: Hashable | None       # None when queued
+    reason: RouteReason
+
+    @property
+    def cache_hit(self) -> bool:
+        """The worker holds this trajectory's prefix KV from its previous turn."""
+        return self.reason is RouteReason.AFFINITY
+
+
+QUEUED = Route(None, RouteReason.QUEUED)
+
+
+def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: WorkerState | None,
+                  now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
+    """The routing decision for one turn; `previous` is the worker of its previous turn (None
+    for a first turn or with affinity disabled)."""
+
+    def eligible(w: WorkerState) -> bool:
+        return (w.policy_version >= turn.policy_version and w.room() > 0
+                and w.alive(now, stall_timeout_s))
+
+    if previous is not None and eligible(previous):
+        return Route(previous.worker_id, RouteReason.AFFINITY)
+    best_serving, best_slots = None, 0
+    least, least_load = None, 2.0
+    for w in workers:
+        if not eligible(w):
+            continue
+        if w.kind is WorkerKind.SERVING and w.room() > best_slots:
+            best_serving, best_slots = w, w.room()
+        load = w.active / w.max_concurrency
+        if load < least_load:
+            least, least_load = w, load
+    if best_serving is not None:
+        return Route(best_serving.worker_id, RouteReason.SERVING)
+    if least is not None:
+        return Route(least.worker_id, RouteReason.LEAST_LOADED)
+    return QUEUED
+
+
+class RoutingTable:
+    """The scheduler's routing state: workers, the cache-affinity table, turns in flight per
+    worker, and the FIFO of queued turns. Every method is a pure state update."""
+
+    def __init__(self, stall_timeout_s: float = STALL_TIMEOUT_S, affinity: bool = True) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self.use_affinity = affinity
+        self.workers: dict[Hashable, WorkerState] = {}
+        self.affinity: dict[Hashable, Hashable] = {}                 # trajectory -> worker
+        self.in_flight: dict[Hashable, dict[Hashable, TurnRequest]] = {}   # worker -> traj -> turn
+        self.queue: collections.deque[TurnRequest] = collections.deque()
+        self.counts: collections.Counter[RouteReason] = collections.Counter()
+
+    def register(self, worker: WorkerState) -> None:
+        self.workers[worker.worker_id] = worker
+        self.in_flight.setdefault(worker.worker_id, {})
+
+    def heartbeat(self, worker_id: Hashable, now: float, *, free_slots: int | None = None,
+                  slack_s: float | None = None, policy_version: int | None = None) -> None:
+        w = self.workers[worker_id]
+        w.last_heartbeat_s = now
+        if free_slots is not None:
+            w.free_slots = free_slots
+        if slack_s is not None:
+            w.slack_s = slack_s
+        if policy_version is not None:
+            w.policy_version = policy_version
+
+    def _place(self, turn: TurnRequest, route: Route) -> None:
+        w = self.workers[route.worker_id]
+        w.active += 1
+        if w.kind is WorkerKind.SERVING:
+            w.free_slots -= 1
+        self.in_flight[route.worker_id][turn.trajectory_id] = turn
+        self.affinity[turn.trajectory_id] = route.worker_id
+
+    def route(self, turn: TurnRequest, now: float) -> Route:
+        """Route (and place) a turn, or queue it when no worker has room."""
+        prev_id = self.affinity.get(turn.trajectory_id) if self.use_affinity else None
+        previous = self.workers.get(prev_id) if prev_id is not None else None
+        decision = choose_worker(turn, self.workers.values(), previous, now, self.stall_timeout_s)
+        self.counts[decision.reason] += 1
+        if decision.worker_id is None:
+            self.queue.append(turn)
+        else:
+            self._place(turn, decision)
+        return decision
+
+    def drain(self, now: float) -> list[tuple[TurnRequest, Route]]:
+        """Route queued turns, FIFO, until one finds no room."""
+        placed = []
+        while self.queue:
+            turn = self.queue.popleft()
+            decision = self.route(turn, now)
+            if decision.worker_id is None:
+                self.queue.pop()                 # route() re-queued it at the back
+                self.queue.appendleft(turn)
+                break
+            placed.append((turn, decision))
+        return placed
+
+    def complete(self, worker_id: Hashable, trajectory_id: Hashable) -> TurnRequest:
+        """The turn finished (or was aborted) on `worker_id`; its slot frees."""
+        turn = self.in_flight[worker_id].pop(trajectory_id)
+        self.workers[worker_id].active -= 1
+        return turn
+
+    def abort(self, worker_id: Hashable, trajectory_id: Hashable, produced: int, now: float) -> Route:
+        """An executor aborted the turn (emergency cut): resume it elsewhere with its tokens.
+        The aborting executor loses the trajectory's affinity (its KV is gone)."""
+        turn = self.complete(worker_id, trajectory_id)
+        self.affinity.pop(trajectory_id, None)
+        return self.route(resume(turn, produced), now)
+
+    def finish_trajectory(self, trajectory_id: Hashable) -> None:
+        self.affinity.pop(trajectory_id, None)
+
+    def reap(self, now: float) -> list[TurnRequest]:
+        """Remove workers silent past the stall timeout; return their turns in flight, which the
+        caller resumes (`resume(turn, produced)`) and routes again."""
+        dead = [w.worker_id for w in self.workers.values() if not w.alive(now, self.stall_timeout_s)]
+        return [turn for wid in dead for turn in self.remove(wid)]
+
+    def remove(self, worker_id: Hashable) -> list[TurnRequest]:
+        """Take a worker out now (dead, released, preempted); return its turns in flight."""
+        lost = list(self.in_flight.pop(worker_id).values())
+        del self.workers[worker_id]
+        for tid in [t for t, w in self.affinity.items() if w == worker_id]:
+            del self.affinity[tid]
+        return lost

@@ -1,0 +1,150 @@
+"""Dual-SLO admission and the burst state machine (`rose.coserve.admission`) on constructed cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from rose.coserve.admission import (
+    BurstController,
+    BurstState,
+    RolloutDemand,
+    ServingState,
+    SLOBudgets,
+    TokenLoad,
+    admit,
+    iteration_limit,
+    slacks,
+)
+
+
+@dataclasses.dataclass
+class LinearLatency:
+    """10 ms base, 1 ms per 100 prefill tokens, 0.1 ms per decode sequence, per model."""
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        def part(x: TokenLoad) -> float:
+            return 0.0 if x == TokenLoad() else 0.005 + x.prefill_tokens * 1e-5 + x.decode_seqs * 1e-4
+        return 0.005 + part(serving) + part(rollout)
+
+
+SLO = SLOBudgets(ttft_s=1.0, tpot_s=0.05)
+LAT = LinearLatency()
+
+
+def test_no_serving_admits_everything_up_to_the_chunk():
+    a = admit(0.0, ServingState(), RolloutDemand([100] * 300, 5000), LAT, SLO, chunk_tokens=512)
+    assert (a.decode_seqs, a.prefill_tokens) == (300, 512)
+    assert math.isinf(a.limit_s) and math.isinf(a.prefill_slack_s) and math.isinf(a.decode_slack_s)
+
+
+def test_decode_slack_caps_rollout_decode_sequences():
+    # Serving: 10 decoding requests, last token at t=0; now t=0; T_dec must stay < 50 ms.
+    serving = ServingState(decoding_last_token_s=[0.0] * 10, decode_context_tokens=1000)
+    a = admit(0.0, serving, RolloutDemand([50] * 1000, 0), LAT, SLO)
+    # base 5 ms + serving 5 + 1 ms + rollout 5 ms + 0.1 ms * d < 50 ms  ->  d < 340
+    assert a.decode_seqs == 339
+    assert a.decode_slack_s > 0
+    assert a.iteration_s < a.limit_s == pytest.approx(0.05)
+
+
+def test_time_since_last_token_eats_decode_slack():
+    serving = ServingState(decoding_last_token_s=[0.0], decode_context_tokens=10)
+    a = admit(0.04, serving, RolloutDemand([50] * 1000, 512), LAT, SLO)
+    # Only 10 ms of budget left and serving alone takes 10.1 ms: nothing joins.
+    assert (a.decode_seqs, a.prefill_tokens) == (0, 0)
+    assert a.decode_slack_s < 0
+
+
+def test_prefill_slack_counts_the_queue_ahead():
+    # Two waiting prompts of 1024 tokens; chunk 512 -> the second needs 4 iterations.
+    serving = ServingState(waiting=[(0.0, 1024), (0.0, 1024)])
+    limit = iteration_limit(0.9, serving, SLO, 512)
+    assert limit == pytest.approx(0.1 / 4)
+    a = admit(0.9, serving, RolloutDemand([10] * 100, 1000), LAT, SLO, chunk_tokens=512)
+    assert a.iteration_s < 0.025
+    assert a.prefill_slack_s > 0
+    # serving alone: 5 + 5 + 5.12 = 15.12 ms; rollout adds 5 ms + 0.1 ms/seq: 48 seqs fit,
+    # then 0.08 ms of the ceiling is left for 7 prefill tokens at 0.01 ms each.
+    assert a.decode_seqs == 48 and a.prefill_tokens == 7
+
+
+def test_prefill_tokens_fill_what_decode_leaves():
+    serving = ServingState(decoding_last_token_s=[1.0], decode_context_tokens=10)
+    a = admit(1.0, serving, RolloutDemand([10] * 5, 100_000), LAT, SLO, rollout_chunk_tokens=4096)
+    # 5 + 5.1 + 5 + 0.5 + 0.01 ms * p < 50  ->  p < 3440 (within float rounding)
+    assert a.decode_seqs == 5 and a.prefill_tokens == pytest.approx(3440, abs=1)
+    assert a.decode_slack_s >= 0
+
+
+def test_slacks_match_the_design_formulas():
+    serving = ServingState(waiting=[(0.2, 600)], decoding_last_token_s=[0.25, 0.3])
+    s_prf, s_dec = slacks(0.3, serving, SLO, 512, iteration_s=0.02)
+    assert s_prf == pytest.approx((0.2 + 1.0) - 0.3 - 2 * 0.02)
+    assert s_dec == pytest.approx((0.25 + 0.05) - 0.3 - 0.02)
+
+
+def test_bad_budgets_and_chunk_are_rejected():
+    with pytest.raises(ValueError, match="SLO budgets must be positive"):
+        SLOBudgets(0, 1)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        admit(0.0, ServingState(), RolloutDemand(), LAT, SLO, chunk_tokens=0)
+
+
+# Burst state machine: pool 1000 units, headroom 200, trigger when free <= 100.
+
+def test_normal_budget_follows_serving_usage():
+    bc = BurstController(1000, headroom=0.2, high_watermark=0.5)
+    d = bc.observe(300, [("a", 100)])
+    assert d.state is BurstState.NORMAL and d.rollout_budget == 500 and not d.cut
+    assert bc.can_grant(100, 400) and not bc.can_grant(100, 401)
+    assert bc.observe(100, []).rollout_budget == 700
+
+
+def test_burst_trigger_halves_budget_and_aborts_newest_first():
+    bc = BurstController(1000)
+    bc.observe(100, [("a", 200), ("b", 200), ("c", 200)])
+    d = bc.observe(310, [("a", 200), ("b", 200), ("c", 200)])    # free 90 <= 100
+    assert d.cut and d.state is BurstState.BURST
+    assert d.rollout_budget == 300                                 # min(budget 700, used 600) / 2
+    assert d.abort == ("c", "b")                                   # 600 -> 200 <= 300
+    assert bc.bursts == 1 and bc.aborted == 2
+
+
+def test_burst_then_frozen_until_new_rl_step():
+    bc = BurstController(1000)
+    bc.observe(310, [("a", 600)])                                  # cut: budget 300, abort a
+    assert bc.state is BurstState.BURST
+    d = bc.observe(310, [])                                        # free 690: burst over
+    assert d.state is BurstState.FROZEN and d.rollout_budget == 300
+    d = bc.observe(0, [])                                          # serving drained: no regrowth
+    assert d.state is BurstState.FROZEN and d.rollout_budget == 300
+    bc.new_rl_step()
+    d = bc.observe(0, [])
+    assert d.state is BurstState.NORMAL and d.rollout_budget == 800
+
+
+def test_repeated_crossing_halves_again_and_frozen_can_burst():
+    bc = BurstController(1000)
+    bc.observe(500, [("a", 150), ("b", 150)])                      # free 200: normal, budget 300
+    d = bc.observe(750, [("a", 150), ("b", 150)])                  # free -50: cut to 150
+    assert d.abort == ("b",) and d.rollout_budget == 150
+    d = bc.observe(860, [("a", 150)])                              # still crossed: cut to 75
+    assert d.abort == ("a",) and d.rollout_budget == 75 and bc.bursts == 2
+    bc.observe(100, [])                                            # -> FROZEN
+    d = bc.observe(950, [("x", 10)])                               # crossing again while frozen
+    assert d.cut and d.state is BurstState.BURST and d.rollout_budget == 5
+
+
+def test_crossing_with_no_rollout_cuts_nothing():
+    bc = BurstController(1000)
+    d = bc.observe(950, [])
+    assert not d.cut and d.abort == () and d.rollout_budget == 0
+
+
+def test_bad_controller_arguments():
+    for kwargs in (dict(pool=0), dict(pool=10, headroom=1.0), dict(pool=10, high_watermark=0)):
+        with pytest.raises(ValueError):
+            BurstController(**kwargs)

@@ -1,0 +1,116 @@
+"""Per-turn routing (`rose.rollout.routing`): affinity, serving executors, least loaded, queue."""
+
+from __future__ import annotations
+
+import pytest
+
+from rose.rollout.routing import (
+    RouteReason,
+    RoutingTable,
+    TurnRequest,
+    WorkerKind,
+    WorkerState,
+    choose_worker,
+    resume,
+)
+
+D, S = WorkerKind.DEDICATED, WorkerKind.SERVING
+
+
+def table(affinity: bool = True) -> RoutingTable:
+    t = RoutingTable(stall_timeout_s=2.0, affinity=affinity)
+    t.register(WorkerState("d0", D, max_concurrency=2))
+    t.register(WorkerState("d1", D, max_concurrency=4))
+    t.register(WorkerState("s0", S, max_concurrency=8, free_slots=1, slack_s=0.01))
+    t.register(WorkerState("s1", S, max_concurrency=8, free_slots=3, slack_s=0.02))
+    return t
+
+
+def turn(tid: str, k: int = 0) -> TurnRequest:
+    return TurnRequest(tid, k, prompt_tokens=100, max_tokens=50)
+
+
+def test_order_serving_first_then_least_loaded_then_queue():
+    t = table()
+    reasons = [t.route(turn(f"t{i}"), 0.0) for i in range(11)]
+    assert [r.worker_id for r in reasons[:4]] == ["s1", "s1", "s0", "s1"]    # most free slots
+    assert all(r.reason is RouteReason.SERVING for r in reasons[:4])
+    # Then least loaded by active/cap: d0 (0/2), d1 (0/4) -> d0 first, then d1 (0/4 < 1/2) ...
+    assert [r.worker_id for r in reasons[4:10]] == ["d0", "d1", "d1", "d0", "d1", "d1"]
+    assert reasons[10].reason is RouteReason.QUEUED and len(t.queue) == 1
+
+
+def test_affinity_wins_when_the_previous_worker_has_room():
+    t = table()
+    first = t.route(turn("a", 0), 0.0)
+    t.complete(first.worker_id, "a")
+    t.heartbeat(first.worker_id, 0.1, free_slots=1)
+    again = t.route(turn("a", 1), 0.1)
+    assert again.worker_id == first.worker_id and again.cache_hit
+
+
+def test_no_affinity_ablation_ignores_the_previous_worker():
+    t = table(affinity=False)
+    t.workers["s0"].free_slots = 0
+    t.workers["s1"].free_slots = 0
+    first = t.route(turn("a", 0), 0.0)
+    assert first.worker_id == "d0"
+    t.complete("d0", "a")
+    t.route(turn("b", 0), 0.0)                 # d0 now 1/2, d1 0/4
+    again = t.route(turn("a", 1), 0.0)
+    assert again.worker_id == "d1" and not again.cache_hit
+
+
+def test_serving_executor_without_slack_is_not_eligible():
+    workers = [WorkerState("s", S, 8, free_slots=5, slack_s=-0.001),
+               WorkerState("d", D, 1)]
+    assert choose_worker(turn("x"), workers, None, 0.0).worker_id == "d"
+
+
+def test_stale_policy_version_and_stalled_worker_are_skipped():
+    workers = [WorkerState("old", D, 4, policy_version=1),
+               WorkerState("silent", D, 4, last_heartbeat_s=-3.0, policy_version=2),
+               WorkerState("ok", D, 4, policy_version=2)]
+    t = TurnRequest("x", 0, 10, 10, policy_version=2)
+    assert choose_worker(t, workers, workers[0], 0.0).worker_id == "ok"
+
+
+def test_drain_routes_queued_turns_fifo_when_room_frees():
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 1))
+    t.route(turn("a"), 0.0)
+    assert t.route(turn("b"), 0.0).reason is RouteReason.QUEUED
+    t.route(turn("c"), 0.0)
+    t.complete("d", "a")
+    placed = t.drain(0.0)
+    assert [p[0].trajectory_id for p in placed] == ["b"]
+    assert [q.trajectory_id for q in t.queue] == ["c"]
+
+
+def test_resume_folds_produced_tokens_into_the_prompt():
+    r = resume(TurnRequest("x", 3, prompt_tokens=100, max_tokens=50), 20)
+    assert (r.prompt_tokens, r.max_tokens, r.produced_tokens, r.attempt) == (120, 30, 20, 1)
+    with pytest.raises(ValueError):
+        resume(r, 31)
+
+
+def test_abort_reroutes_with_tokens_and_drops_affinity():
+    t = table()
+    t.route(turn("a"), 0.0)                                  # -> s1
+    r = t.abort("s1", "a", produced=30, now=0.0)
+    assert r.worker_id is not None
+    moved = t.in_flight[r.worker_id]["a"]
+    assert moved.produced_tokens == 30 and moved.max_tokens == 20 and moved.prompt_tokens == 130
+
+
+def test_dead_worker_turns_come_back_for_resume():
+    t = table()
+    for i in range(6):
+        t.route(turn(f"t{i}"), 0.0)
+    for wid in ("d1", "s0", "s1"):
+        t.heartbeat(wid, 2.5)
+    lost = t.reap(2.5)                                      # d0 silent for 2.5 s > 2 s
+    assert "d0" not in t.workers and len(lost) == 1
+    assert all(w != "d0" for w in t.affinity.values())
+    r = t.route(resume(lost[0], 5), 2.5)
+    assert r.worker_id in t.workers
