@@ -34,8 +34,9 @@ def preset_config(arch: str, preset: str, **overrides: int | bool) -> ModelConfi
     return ModelConfig(model_type=arch, **{**PRESETS[preset], **overrides})
 
 
-def random_model(config: ModelConfig, seed: int = 0) -> QwenForCausalLM:
-    """Weights and biases drawn normal with std 0.02 (HF's initialiser range), norms at 1."""
+def random_model(config: ModelConfig, seed: int = 0, std: float = 0.02) -> QwenForCausalLM:
+    """Weights and biases drawn normal with `std` (HF's initialiser range by default), norms
+    at 1. Tests use a larger std for peakier, more varied generations."""
     gen = torch.Generator().manual_seed(seed)
     model = QwenForCausalLM(config)
     with torch.no_grad():
@@ -43,7 +44,7 @@ def random_model(config: ModelConfig, seed: int = 0) -> QwenForCausalLM:
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
     return model.eval()
 
 

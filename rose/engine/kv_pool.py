@@ -1,0 +1,118 @@
+"""One physical pool of KV pages, sized in bytes, that several models draw from.
+
+A page holds one block (`block_size` tokens) of K and V for every layer of one model. Models
+with different KV shapes share the pool: a page is `page_bytes` long and each model views the
+first `spec.block_bytes` of it as `[layers, 2, block_size, kv_heads, head_dim]`. Each model
+keeps its own block tables (its own "virtual" KV space) in a `BlockManager`; the pool only
+knows which pages are free, who maps the others, and each owner's page budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from rose.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """The KV shape of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: torch.dtype = torch.float32,
+           block_size: int = 16) -> KVSpec:
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype,
+                   block_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+class KVPool:
+    """Free pages, pages mapped per owner, and per-owner budgets (in pages)."""
+
+    def __init__(self, total_bytes: int, page_bytes: int, device: str | torch.device = "cpu") -> None:
+        if page_bytes <= 0 or total_bytes < page_bytes:
+            raise ValueError(f"KV pool of {total_bytes} bytes cannot hold one page of {page_bytes} bytes")
+        self.page_bytes = page_bytes
+        self.num_pages = total_bytes // page_bytes
+        self.buffer = torch.zeros(self.num_pages, page_bytes, dtype=torch.uint8, device=device)
+        self._free: collections.deque[int] = collections.deque(range(self.num_pages))
+        self._used: collections.Counter[str] = collections.Counter()
+        self._budget: dict[str, int] = {}
+        # Owners hand back pages that only their prefix cache holds, when the pool runs dry.
+        self._reclaimers: dict[str, Callable[[], bool]] = {}
+
+    @classmethod
+    def for_specs(cls, total_bytes: int, *specs: KVSpec) -> KVPool:
+        """A pool whose page fits the largest block among `specs`."""
+        return cls(total_bytes, max(s.block_bytes for s in specs))
+
+    def register(self, owner: str, reclaim: Callable[[], bool]) -> None:
+        if owner in self._reclaimers:
+            raise ValueError(f"KV pool owner {owner!r} is already registered")
+        self._reclaimers[owner] = reclaim
+
+    def view(self, spec: KVSpec) -> torch.Tensor:
+        """The pool as `[pages, layers, 2, block_size, kv_heads, head_dim]` for one model."""
+        if spec.block_bytes > self.page_bytes:
+            raise ValueError(f"a block of {spec.block_bytes} bytes does not fit a page of "
+                             f"{self.page_bytes} bytes")
+        raw = self.buffer[:, :spec.block_bytes].view(spec.dtype)
+        return raw.view(self.num_pages, spec.num_layers, 2, spec.block_size, spec.num_kv_heads,
+                        spec.head_dim)
+
+    def set_budget(self, owner: str, pages: int | None) -> None:
+        """Cap what `owner` may map (None: the whole pool)."""
+        if pages is None:
+            self._budget.pop(owner, None)
+        else:
+            self._budget[owner] = max(0, pages)
+
+    def budget(self, owner: str) -> int:
+        return self._budget.get(owner, self.num_pages)
+
+    def used(self, owner: str) -> int:
+        return self._used[owner]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def headroom(self, owner: str) -> int:
+        """Pages `owner` could map right now without reclaiming anyone's cache."""
+        return max(0, min(self.num_free, self.budget(owner) - self._used[owner]))
+
+    def allocate(self, owner: str) -> int | None:
+        """A free page for `owner`, reclaiming cached pages if needed; None when none can be had."""
+        reclaim_own = self._reclaimers.get(owner, lambda: False)
+        if self._used[owner] >= self.budget(owner) and not reclaim_own():
+            return None
+        # Reclaim from the owner itself first, then from the others.
+        while not self._free:
+            if not any(r() for r in (reclaim_own, *(r for o, r in self._reclaimers.items() if o != owner))):
+                return None
+        self._used[owner] += 1
+        return self._free.popleft()
+
+    def release(self, owner: str, page: int) -> None:
+        self._used[owner] -= 1
+        self._free.append(page)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.buffer[dst].copy_(self.buffer[src])

@@ -1,0 +1,199 @@
+"""The engine: requests in, one iteration per `step()`, tokens with logprobs and versions out."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from rose.engine.block_manager import BlockManager
+from rose.engine.kv_pool import KVPool, KVSpec
+from rose.engine.model_runner import ModelRunner
+from rose.engine.sampling import SamplingParams, sample
+from rose.engine.scheduler import Scheduler, SchedulerConfig
+from rose.engine.sequence import RequestOutput, Sequence, Status
+from rose.model import load_model
+from rose.model.qwen import QwenForCausalLM
+
+
+class InFlight(enum.Enum):
+    """What `load_weights` does to sequences already running."""
+
+    CONTINUE = "continue"  # keep their KV; later tokens come from the new weights (per-token versions)
+    RECOMPUTE = "recompute"  # preempt them: their KV is recomputed under the new weights
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_bytes: int = 256 * 1024**2
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int = 512
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.chunk_size)
+
+
+class LLMEngine:
+    def __init__(self, model: QwenForCausalLM, config: EngineConfig | None = None,
+                 eos_token_ids: Iterable[int] = (), pool: KVPool | None = None,
+                 name: str = "model") -> None:
+        """`pool`: a KV pool shared with other engines (one is made from the config if None);
+        `name` owns this engine's pages in it."""
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self.name = name
+        dtype = next(model.parameters()).dtype
+        spec = KVSpec.of(model.config, dtype, self.config.block_size)
+        self.pool = pool or KVPool.for_specs(self.config.kv_cache_bytes, spec)
+        self.blocks = BlockManager(self.pool, spec, name)
+        self.scheduler = Scheduler(self.blocks, self.config.scheduler)
+        self.runner = ModelRunner(model, self.pool.view(spec))
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size
+        self.policy_version = 0
+        self.num_preemptions = 0
+        self._seqs: dict[str, Sequence] = {}
+        self._seeds = torch.Generator().manual_seed(0)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        **config: int) -> LLMEngine:
+        """Load a checkpoint; stop at its end-of-sequence ids (generation_config.json first)."""
+        model = load_model(path, dtype=dtype)
+        eos: int | list[int] | None = model.config.eos_token_id
+        gen_file = Path(path) / "generation_config.json"
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+        return cls(model, EngineConfig(**config), eos_token_ids=eos_ids)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request; bad input raises ValueError naming the request, nothing else changes."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        where = f"request {request_id!r}"
+        if request_id in self._seqs:
+            raise ValueError(f"{where}: a request with this id is already running")
+        if not prompt_token_ids:
+            raise ValueError(f"{where}: the prompt is empty; expected at least one token id")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"{where}: the prompt has {len(prompt_token_ids)} tokens; the model's "
+                             f"context is {self.max_model_len}, so at most {self.max_model_len - 1}")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seeds))
+        seq = Sequence(request_id, prompt_token_ids, params, priority,
+                       torch.Generator().manual_seed(seed))
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; returns what it produced so far (None if unknown or finished)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return RequestOutput.of(seq, 0)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the requests that produced a token (or finished)."""
+        batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
+        if not batch.seqs:
+            return []
+        sampling, logits = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.blocks.commit(seq)
+        if not sampling:
+            return []
+        tokens, logprobs = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        outputs = []
+        for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            seq.append(token, logprob, self.policy_version)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason:
+                seq.status = Status.FINISHED
+                self.scheduler.remove(seq)
+                del self._seqs[seq.request_id]
+            outputs.append(RequestOutput.of(seq, 1))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Offline generation: one finished output per prompt, in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    # -- weights and state ---------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     in_flight: InFlight = InFlight.CONTINUE) -> None:
+        """Copy new weights in (any dtype: bf16 bits are upcast) and stamp later tokens with
+        `version`. Call between iterations. The prefix cache is dropped: its KV is stale."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in params:
+                    raise ValueError(f"load_weights: unknown parameter {name!r}")
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+        if in_flight is InFlight.RECOMPUTE:
+            for seq in list(self.scheduler.running):
+                self.scheduler.preempt(seq)
+        self.blocks.reset_prefix_cache()
+        self.policy_version = version
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "policy_version": self.policy_version,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_pages_active": self.blocks.num_active_pages,
+            "kv_pages_cached": self.blocks.num_cached_pages,
+            "kv_pages_total": self.pool.num_pages,
+            "prefix_cache_hit_rate": self.blocks.hit_rate,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,77 @@
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p exclude, row by row, in one sort."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab).expand_as(sorted_logits)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k])[:, None]
+    drop = ranks >= k
+    p = torch.tensor(top_p, dtype=logits.dtype)[:, None]
+    probs = sorted_logits.masked_fill(drop, -math.inf).softmax(-1)
+    # Drop a token once the mass strictly before it already reaches top_p (the top one stays).
+    drop |= (probs.cumsum(-1) - probs) >= p
+    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+    """Pick one token per row; return them with their log-probability under the raw softmax.
+
+    Each row draws from its own generator, so a seeded request gives the same tokens whatever
+    else shares its batch.
+    """
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1)
+    tokens = logits.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = logits[sampled] / torch.tensor([params[i].temperature for i in sampled])[:, None]
+        if any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled):
+            rows = _filter_top_k_top_p(rows, [params[i].top_k for i in sampled],
+                                       [params[i].top_p for i in sampled])
+        probs = rows.softmax(-1)
+        # Exponential race (Gumbel-max in another guise): argmax p / E with E ~ Exp(1).
+        noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=generators[i])
+                             for i in sampled])
+        tokens[sampled] = (probs / noise).argmax(-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()

@@ -1,0 +1,115 @@
+"""Continuous batching: which sequences run this iteration, and how many tokens each.
+
+Every iteration: running sequences first (in priority order: decodes take one token, unfinished
+prefills a chunk), then waiting ones while the token budget, the sequence cap and the pages
+allow. When pages run out the lowest-priority, latest-arrived running sequence is preempted by
+recomputation: its pages are freed and it waits again with every token it has.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from rose.engine.block_manager import BlockManager
+from rose.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunk_size: int = 512  # longest prefill chunk of one sequence in one iteration
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"scheduler {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass
+class Batch:
+    """This iteration's work: `num_tokens[i]` tokens of `seqs[i]`."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None) -> None:
+        self.blocks = blocks
+        self.config = config or SchedulerConfig()
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and give back its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_preemptions += 1
+        self.add(seq)
+
+    def schedule(self) -> Batch:
+        budget = self.config.max_num_batched_tokens
+        chosen: dict[Sequence, int] = {}
+        preempted: list[Sequence] = []
+
+        def make_room(seq: Sequence, n: int, victims: list[Sequence]) -> bool:
+            """Preempt from the end of `victims` until `seq` gets its pages."""
+            nonlocal budget
+            while not self.blocks.ensure_slots(seq, n):
+                if not victims:
+                    return False
+                victim = victims.pop()
+                budget += chosen.pop(victim, 0)
+                self.preempt(victim)
+                preempted.append(victim)
+            return True
+
+        for seq in sorted(self.running, key=lambda s: s.sort_key):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted for an earlier one in this loop
+            n = min(seq.num_uncomputed, self.config.chunk_size, budget)
+            if n == 0:
+                continue
+            later = sorted((s for s in self.running if s.sort_key > seq.sort_key),
+                           key=lambda s: s.sort_key)
+            if make_room(seq, n, later):
+                chosen[seq] = n
+                budget -= n
+            else:
+                self.preempt(seq)
+                preempted.append(seq)
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_uncomputed, self.config.chunk_size, budget)
+            # A waiting sequence may only displace running ones of a lower priority class.
+            lower = sorted((s for s in self.running if s.priority > seq.priority),
+                           key=lambda s: s.sort_key)
+            if not make_room(seq, n, lower):
+                self.blocks.free(seq)
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chosen[seq] = n
+            budget -= n
+
+        return Batch(list(chosen), list(chosen.values()), preempted)
