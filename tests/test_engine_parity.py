@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from rose.engine import EngineConfig, InFlight, LLMEngine, SamplingParams
+from rose.engine import InFlight, LLMEngine, SamplingParams
 from rose.model import load_model, preset_config, random_model, save_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
