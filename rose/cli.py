@@ -16,7 +16,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rose.model.cli", "write a random-initialised Qwen2/Qwen3 checkpoint"),
     "generate": ("rose.engine.cli", "generate text from a checkpoint"),
 }
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
+}
 
 
 def _add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, str]],

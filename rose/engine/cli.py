@@ -1,4 +1,4 @@
-"""`rose generate`: greedy or sampled text from a checkpoint."""
+"""`rose generate`: text from a checkpoint through the engine."""
 
 from __future__ import annotations
 
@@ -6,29 +6,36 @@ import argparse
 
 import torch
 
-from rose.model import load_model, load_tokenizer
+from rose.engine.llm_engine import LLMEngine
+from rose.engine.sampling import SamplingParams
+from rose.model import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF-format checkpoint directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, action="append",
+                   help="prompt text; repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--logprobs", action="store_true", help="print each token with its logprob")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    model, tok = load_model(args.model), load_tokenizer(args.model)
-    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
-        else args.prompt
-    ids = tok.encode(text)
-    out: list[int] = []
-    with torch.inference_mode():
-        for _ in range(args.max_tokens):
-            nxt = int(model(torch.tensor([ids + out]))[0, -1].argmax())
-            out.append(nxt)
-            if nxt in tok.stop_token_ids:
-                break
-    print(text + tok.decode(out))
+    tok = load_tokenizer(args.model)
+    engine = LLMEngine.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop_token_ids=tuple(tok.stop_token_ids))
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
+             for p in args.prompt]
+    for text, out in zip(texts, engine.generate([tok.encode(t) for t in texts], params), strict=True):
+        print(text + tok.decode(out.token_ids))
+        if args.logprobs:
+            for token, logprob in zip(out.token_ids, out.logprobs, strict=True):
+                print(f"  {tok.decode([token], skip_special_tokens=False)!r}\t{logprob:.4f}")
     return 0

@@ -1,0 +1,160 @@
+"""`rose bench engine`: ROSE's engine beside `transformers.generate` (and vLLM's CPU build).
+
+Side by side in one process tree, on the `small` preset (or `--model DIR`):
+- a mixed workload: requests whose prompt and output lengths come from the Azure conversation
+  trace (context / 4 capped at 512, output capped at 256); ROSE takes them all at once
+  (continuous batching), transformers in static batches of 16, left padded, as users run it;
+  throughput counts useful tokens (each request's own output length) per second;
+- batch-1 decode: one short prompt, 128 new tokens;
+- the prefix-cache hit rate of a multi-turn replay (each turn = the trajectory so far + a new
+  observation), the reuse that cache-affinity routing relies on;
+- vLLM's CPU build as a third column when it is installed (`rose.bench.vllm_peer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rose.bench import write_report
+from rose.engine import LLMEngine, SamplingParams
+from rose.model import init_model
+from rose.traces import load_trace
+
+HF_BATCH = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="16 requests, outputs capped at 64")
+    p.add_argument("--json", help="write the full report here")
+    p.add_argument("--model", help="checkpoint to use (default: a fresh qwen3 `small`)")
+    p.add_argument("--requests", type=int, help="number of requests (default 64, quick 16)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=2)
+
+
+def mixed_workload(n: int, output_cap: int, vocab: int, seed: int = 0
+                   ) -> tuple[list[list[int]], list[int]]:
+    """`n` requests with Azure-conversation lengths; prompt token ids drawn uniformly."""
+    trace = load_trace("azure-conv")
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(trace), n, replace=False)
+    prompt_lens = np.clip(trace.prompt_tokens[idx] // 4, 1, 512)
+    output_lens = np.clip(trace.output_tokens[idx], 1, output_cap)
+    prompts = [rng.integers(0, vocab, int(k)).tolist() for k in prompt_lens]
+    return prompts, [int(k) for k in output_lens]
+
+
+def run_rose(engine: LLMEngine, prompts: list[list[int]], outputs: list[int]) -> dict[str, float]:
+    params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in outputs]
+    engine.generate(prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+
+
+def run_hf(model: torch.nn.Module, prompts: list[list[int]], outputs: list[int],
+           pad_id: int) -> dict[str, float]:
+    def batch(rows: list[list[int]], new: int) -> None:
+        width = max(map(len, rows))
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=pad_id)
+
+    batch(prompts[:2], 4)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), HF_BATCH):
+        batch(prompts[i:i + HF_BATCH], max(outputs[i:i + HF_BATCH]))
+    elapsed = time.perf_counter() - start
+    return {"tokens": sum(outputs), "seconds": elapsed, "tokens_per_s": sum(outputs) / elapsed}
+
+
+def batch1(generate_one: Callable[[int], object], new_tokens: int = 128) -> float:
+    generate_one(4)
+    start = time.perf_counter()
+    generate_one(new_tokens)
+    return new_tokens / (time.perf_counter() - start)
+
+
+def multi_turn_hit_rate(engine: LLMEngine, vocab: int, trajectories: int = 16, turns: int = 4,
+                        seed: int = 1) -> float:
+    """Replay multi-turn trajectories on a fresh engine; the share of prompt tokens served
+    from the prefix cache."""
+    rng = np.random.default_rng(seed)
+    history = [rng.integers(0, vocab, 96).tolist() for _ in range(trajectories)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    for _ in range(turns):
+        outs = engine.generate(history, params)
+        history = [h + o.token_ids + rng.integers(0, vocab, 40).tolist()
+                   for h, o in zip(history, outs, strict=True)]
+    return engine.stats()["prefix_cache_hit_rate"]
+
+
+def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int]) -> dict | None:
+    """vLLM's CPU build in its own process (it must start under __main__); None if absent."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "outputs": outputs}))
+        subprocess.run([sys.executable, "-m", "rose.bench.vllm_peer", str(job)], check=True)
+        return json.loads(job.with_suffix(".out.json").read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    import transformers  # the oracle; imported here so that `rose --help` stays fast
+
+    transformers.utils.logging.disable_progress_bar()
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    n = args.requests or (16 if args.quick else 64)
+    output_cap = 64 if args.quick else 256
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else init_model("qwen3", "small", Path(tmp) / "m")
+        engine = LLMEngine.from_pretrained(model_dir, dtype=dtype)
+        tokenizer_vocab = 800  # ids the small preset's tokenizer uses; any id in range works
+        vocab = min(engine.vocab_size, tokenizer_vocab)
+        prompts, outputs = mixed_workload(n, output_cap, vocab)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        pad = 0
+
+        rose = run_rose(engine, prompts, outputs)
+        ref = run_hf(hf, prompts, outputs, pad)
+        one = prompts[0][:32]
+        rose_b1 = batch1(lambda k: engine.generate(
+            [one], SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)))
+        hf_b1 = batch1(lambda k: hf.generate(torch.tensor([one]), max_new_tokens=k,
+                                             min_new_tokens=k, do_sample=False, pad_token_id=pad))
+        hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, dtype=dtype), vocab)
+        vllm = run_vllm(model_dir, prompts, outputs)
+
+    summary = {
+        "tokens_per_s": round(rose["tokens_per_s"], 2),
+        "hf_tokens_per_s": round(ref["tokens_per_s"], 2),
+        "speedup_vs_hf": round(rose["tokens_per_s"] / ref["tokens_per_s"], 3),
+        "batch1_tokens_per_s": round(rose_b1, 2),
+        "hf_batch1_tokens_per_s": round(hf_b1, 2),
+        "batch1_ratio_vs_hf": round(rose_b1 / hf_b1, 3),
+        "vllm_tokens_per_s": round(vllm["tokens_per_s"], 2) if vllm else None,
+        "speedup_vs_vllm": round(rose["tokens_per_s"] / vllm["tokens_per_s"], 3) if vllm else None,
+        "prefix_cache_hit_rate": round(hit_rate, 4),
+    }
+    write_report(args.json, summary, workload={"requests": n, "output_cap": output_cap,
+                                               "dtype": args.dtype, "threads": args.threads,
+                                               "hf_batch": HF_BATCH},
+                 rose=rose, hf=ref, vllm=vllm, engine=engine.stats())
+    return 0
