@@ -1,0 +1,154 @@
+"""The delta codec: bit-exact round trips on raw bits, idempotence, and refusing bad payloads."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rose.transfer import codec
+from rose.transfer.codec import CorruptDelta, apply, encode
+
+DTYPES = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+SPECIAL = {  # NaN with payloads, infinities, signed zeros, as raw bits
+    torch.bfloat16: [0x7FC1, 0xFF81, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001],
+    torch.float16: [0x7E01, 0xFC01, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001],
+    torch.float32: [0x7FC00001, 0xFF800001, 0x7F800000, 0xFF800000, 0x80000000, 0x00000000, 0x00000001],
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(DTYPES[t.dtype])
+
+
+def from_bits(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(raw.astype(np.int64).astype(np.int16 if dtype != torch.float32 else np.int32)
+                            ).view(dtype)
+
+
+@st.composite
+def pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = draw(st.sampled_from(list(DTYPES)))
+    shape = tuple(draw(st.lists(st.integers(0, 40), min_size=0, max_size=3)))
+    n = int(np.prod(shape))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    width = 16 if dtype != torch.float32 else 32
+    special = np.array([s - (1 << width) if s >= 1 << (width - 1) else s for s in SPECIAL[dtype]])
+    old = rng.integers(-(1 << (width - 1)), 1 << (width - 1), n)
+    odd = rng.random(n) < 0.1
+    old[odd] = rng.choice(special, int(odd.sum()))
+    density = draw(st.sampled_from([0.0, 0.01, 0.05, 0.3, 1.0]))
+    new = old.copy()
+    changed = rng.random(n) < density
+    pool = np.concatenate([special, rng.integers(-(1 << (width - 1)), 1 << (width - 1), 8)])
+    new[changed] = rng.choice(pool, int(changed.sum()))
+    return from_bits(old, dtype).reshape(shape), from_bits(new, dtype).reshape(shape)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pair=pairs(), zstd=st.sampled_from([None, 1]))
+def test_round_trip_is_bit_exact_and_idempotent(pair: tuple[torch.Tensor, torch.Tensor],
+                                                zstd: int | None) -> None:
+    old, new = pair
+    payload = encode(old, new, zstd_level=zstd)
+    out = apply(old, payload)
+    assert out.dtype == new.dtype and out.shape == new.shape
+    assert torch.equal(bits(out), bits(new))
+    assert torch.equal(bits(apply(out, payload)), bits(new))  # applying twice is harmless
+    assert len(payload) <= new.numel() * new.element_size() + 200  # never much worse than raw
+
+
+@settings(max_examples=100, deadline=None)
+@given(pair=pairs(), where=st.floats(0, 1, exclude_max=True), flip=st.integers(1, 255))
+def test_any_corrupted_byte_is_refused(pair: tuple[torch.Tensor, torch.Tensor], where: float,
+                                       flip: int) -> None:
+    old, new = pair
+    payload = bytearray(encode(old, new))
+    payload[int(where * len(payload))] ^= flip
+    with pytest.raises(CorruptDelta):
+        apply(old, bytes(payload))
+
+
+def test_truncated_or_extended_payloads_are_refused() -> None:
+    old = torch.randn(64, 33).to(torch.bfloat16)
+    new = old.clone()
+    new[::7, ::5] += 1
+    payload = encode(old, new)
+    for n in range(len(payload)):
+        with pytest.raises(CorruptDelta):
+            apply(old, payload[:n])
+    with pytest.raises(CorruptDelta, match="truncated or extended"):
+        apply(old, payload + b"\0")
+
+
+def test_mismatches_name_what_is_wrong() -> None:
+    old = torch.randn(8, 16).to(torch.bfloat16)
+    new = old.clone()
+    new[0, :3] = 7
+    payload = encode(old, new)
+    with pytest.raises(CorruptDelta, match=r"shape mismatch: payload holds \(8, 16\), tensor is \(16, 8\)"):
+        apply(old.reshape(16, 8), payload)
+    dtype_error = "dtype mismatch: payload holds torch.bfloat16, tensor is torch.float16"
+    with pytest.raises(CorruptDelta, match=re.escape(dtype_error)):
+        apply(old.to(torch.float16), payload)
+    other_base = old.clone()
+    other_base[5, 5] = 3  # a position the delta does not touch
+    with pytest.raises(CorruptDelta, match="result checksum mismatch"):
+        apply(other_base, payload)
+    with pytest.raises(CorruptDelta, match="not a ROSE weight payload"):
+        apply(old, b"XXXX" + payload[4:])
+    with pytest.raises(ValueError, match=r"unsupported dtype torch\.int64"):
+        encode(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"shape mismatch: old is \(3,\), new is \(4,\)"):
+        encode(torch.zeros(3), torch.zeros(4))
+
+
+def test_sparse_payload_mixes_gaps_bitmaps_and_escapes() -> None:
+    n = 5 * codec.CHUNK + 123
+    old = (torch.randn(n) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    rng = np.random.default_rng(0)
+    sparse = rng.choice(codec.CHUNK, codec.CHUNK // 100, replace=False)  # chunk 0: 1%, byte gaps
+    dense = codec.CHUNK + rng.choice(codec.CHUNK, codec.CHUNK // 2, replace=False)  # chunk 1: bitmap
+    lonely = [3 * codec.CHUNK + 7, n - 1]  # gaps past 255: escapes; chunk 2 stays empty
+    for idx in (sparse, dense, lonely):
+        new[torch.as_tensor(idx)] = -new[torch.as_tensor(idx)] - 1
+    payload = encode(old, new)
+    assert torch.equal(bits(apply(old, payload)), bits(new))
+    changed = len(sparse) + len(dense) + len(lonely)
+    # values 2 bytes each, sparse indices a byte (some 5: an escape), the dense chunk an 8 KiB bitmap
+    assert len(payload) < 2 * changed + 1.5 * len(sparse) + codec.CHUNK // 8 + 200
+
+
+def test_delta_of_a_real_sparsity_is_small_and_applies_through_strides() -> None:
+    old = (torch.randn(1024, 1024) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    mask = torch.rand(old.shape) < 0.01
+    new[mask] = (new[mask].float() * 1.01).to(torch.bfloat16)
+    payload = encode(old, new)
+    assert len(payload) < 0.02 * old.numel() * 2  # 1% changed: ~3 bytes per change
+    # The receiver applies into views of its shard: rows, columns, transposes.
+    big = torch.zeros(1024, 2048, dtype=torch.bfloat16)
+    big[:, 1024:] = old
+    header, body = codec.split_payload(payload)
+    codec.apply_into(big[:, 1024:], header, body)
+    assert torch.equal(bits(big[:, 1024:]), bits(new)) and not big[:, :1024].any()
+    t = old.t().clone().t()  # same values, column-major strides
+    codec.apply_into(t, header, body)
+    assert torch.equal(bits(t), bits(new))
+
+
+def test_encode_delta_advances_the_baseline_sparsely() -> None:
+    base = torch.randn(300, 7).to(torch.float16)
+    new = base.clone()
+    new[17] = torch.inf
+    enc = codec.encode_delta(base, new)
+    assert torch.equal(bits(base), bits(new)) and enc.changed == 7 and not enc.full
+    flipped = (bits(new) ^ 1).view(torch.float16)
+    dense = codec.encode_delta(base, flipped)  # everything changed: a full copy is smaller
+    assert dense.full and dense.changed == new.numel()
+    assert torch.equal(bits(codec.apply(new, dense.to_bytes())), bits(flipped))
