@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
+    "transfer": ("rose.bench.transfer", "weight sync after AdamW steps: naive, shard-aware, sparse delta"),
 }
 
 

@@ -84,6 +84,10 @@ class Receiver:
     def id(self) -> str:
         return self.me.id
 
+    def digests(self) -> dict[str, int]:
+        """xxh3 of each held tensor: compare with the trainer's (`codec.tensor_hash`) to audit a replica."""
+        return {name: codec.tensor_hash(t) for name, t in self.tensors.items()}
+
     def join(self) -> None:
         """Become a member: the next sync announced after this includes us."""
         self._seen = self._latest()

@@ -1,0 +1,270 @@
+"""`rose bench transfer`: weight sync after real optimizer steps, three ways side by side.
+
+A trainer of 2 FSDP ranks (fp32 master weights, AdamW at lr 1e-6 on a next-token loss, bf16
+policy weights cast from the master after every step) syncs three rollout replicas -- two with
+TP=2 and one with TP=1, five receiving processes -- over a cross-cluster link emulated at 20
+Gbps, through the Ray object store relay. After every step, in rotating order:
+
+- `naive`: rank 0 gathers the full weights and sends a full copy to every receiving process,
+  which keeps its own slice (what frameworks that broadcast to every inference worker do);
+- `shard_full`: shard-aware routing, full weights (each slice crosses the link once);
+- `rose`: shard-aware routing and bit-exact sparse deltas.
+
+The `small` preset with `--quick`; a synthetic ~0.5 B-parameter model (Qwen2.5-0.5B's shape)
+otherwise. Sync time runs from "the new weights are ready" until every receiver has applied
+and verified them. Codec throughput is measured single-threaded on the same real deltas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rose.bench import write_report
+from rose.model import ModelConfig, preset_config, random_model
+from rose.transfer import codec
+from rose.transfer.layouts import (
+    ReceiverSpec,
+    TrainerSpec,
+    full_box,
+    local_slices,
+    model_spec,
+    receiver_layout,
+    shard,
+    trainer_layout,
+)
+from rose.transfer.link import Link
+from rose.transfer.receiver import Receiver
+from rose.transfer.relay import LocalRelay, RayRelay, Relay
+from rose.transfer.sender import Sender
+from rose.transfer.versions import SyncPolicy
+
+# Qwen2.5-0.5B's shape (494 M parameters, tied embeddings) on the qwen3 architecture.
+HALF_B = dict(model_type="qwen3", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+              tie_word_embeddings=True)
+REPLICAS = (("tp2a", 2), ("tp2b", 2), ("tp1", 1))
+MODES = ("naive", "shard_full", "rose")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="the `small` preset (34 M) instead of ~0.5 B")
+    p.add_argument("--preset", choices=["tiny", "small", "0.5b"], help="model (default 0.5b, quick small)")
+    p.add_argument("--json", help="write the full report here")
+    p.add_argument("--steps", type=int, help="optimizer steps, each followed by the three syncs "
+                                             "(default 4, quick 3)")
+    p.add_argument("--gbps", type=float, default=20.0, help="emulated cross-cluster link (default 20)")
+    p.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default 64, quick 8: "
+                                                 "several buckets per rank so the pipeline fills)")
+    p.add_argument("--relay", choices=["ray", "local"], default="ray")
+    p.add_argument("--zstd-level", type=int, help="compress delta bodies with zstd at this level")
+    p.add_argument("--seed", type=int, default=0)
+
+
+class Trainer:
+    """fp32 master weights, AdamW, and the bf16 policy weights the senders publish."""
+
+    def __init__(self, config: ModelConfig, seed: int, batch: int, seq: int, lr: float = 1e-6) -> None:
+        self.model = random_model(config, seed).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, foreach=False)
+        self.policy = {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
+        self.gen = torch.Generator().manual_seed(seed)
+        self.batch, self.seq, self.vocab = batch, seq, config.vocab_size
+
+    def step(self) -> float:
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.gen)
+        logits = self.model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                self.policy[n].copy_(p)
+        return loss.item()
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(2)
+    steps = args.steps or (3 if args.quick else 4)
+    bucket_bytes = (args.bucket_mb or (8 if args.quick else 64)) << 20
+    preset = args.preset or ("small" if args.quick else "0.5b")
+    config = ModelConfig(**HALF_B) if preset == "0.5b" else preset_config("qwen3", preset)
+    trainer = Trainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)))
+    spec = model_spec(trainer.model)
+    tspec = TrainerSpec(fsdp=2)
+    tlayout = trainer_layout(spec, tspec)
+    relay, ray = _relay(args.relay, args.quick)
+    link = Link(args.gbps)
+    try:
+        senders = [Sender(relay, spec, shard(trainer.policy, tlayout.rank_boxes(r)), trainer=tspec, rank=r,
+                          group="bench", policy=SyncPolicy(full_every=0), link=link, keep_syncs=1,
+                          bucket_bytes=bucket_bytes, zstd_level=args.zstd_level) for r in range(tspec.world)]
+        receivers = [Receiver(relay, spec, ReceiverSpec(name, tp, 1, r), group="bench")
+                     for name, tp in REPLICAS for r in range(tp)]
+        for r in receivers:
+            r.join()
+        pool = ThreadPoolExecutor(max_workers=len(senders) + len(receivers))
+        version = 0
+        _sync(pool, senders, receivers, version, full=True)  # receivers start with the weights
+        rows = []
+        for step in range(1, steps + 1):
+            loss = trainer.step()
+            version += 1
+            codec_rates = _codec_rates(senders) if step == steps else None
+            row: dict = {"step": step, "loss": loss}
+            # The delta goes first (it needs the previous version's baseline); the two full modes
+            # then resend the same version, in alternating order.
+            for mode in ("rose", *(MODES[:2] if step % 2 else MODES[1::-1])):
+                before = link.bytes_sent
+                if mode == "naive":
+                    seconds = _naive(pool, relay, link, senders, receivers, trainer.policy, version,
+                                     bucket_bytes)
+                else:
+                    seconds, reports = _sync(pool, senders, receivers, version, full=mode == "shard_full")
+                    if mode == "rose":
+                        row["changed"] = sum(r.changed for r in reports)
+                        row["compared"] = sum(r.compared for r in reports)
+                row[mode] = {"seconds": seconds, "bytes": link.bytes_sent - before}
+            rows.append(row)
+            print(f"step {step}: changed {row['changed'] / row['compared']:.4f}, " + ", ".join(
+                f"{m} {row[m]['seconds']:.3f} s / {row[m]['bytes'] / 1e6:.1f} MB" for m in MODES), flush=True)
+        bit_exact = _bit_exact(trainer.policy, receivers)
+        pool.shutdown()
+        for s in senders:
+            s.close()
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    summary = _summary(rows, link, codec_rates, bit_exact)
+    write_report(args.json, summary, steps=rows, config={
+        "model_params": sum(p.numel for p in spec.params), "model_bytes_bf16": spec.nbytes,
+        "trainer": "fsdp=2", "receivers": [f"{n} tp={tp}" for n, tp in REPLICAS], "gbps": args.gbps,
+        "bucket_bytes": bucket_bytes, "relay": args.relay, "zstd_level": args.zstd_level,
+        "optimizer": "AdamW lr=1e-6, fp32 master, bf16 policy", "torch": torch.__version__,
+        "cpus": torch.get_num_threads(), "machine": platform.machine()})
+    return 0
+
+
+def _relay(kind: str, quick: bool) -> tuple[Relay, object | None]:
+    if kind == "local":
+        return LocalRelay(), None
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             object_store_memory=(1 if quick else 3) << 30)
+    return RayRelay(name="rose-bench-relay"), ray
+
+
+def _sync(pool: ThreadPoolExecutor, senders: list[Sender], receivers: list[Receiver], version: int,
+          full: bool) -> tuple[float, list]:
+    start = time.perf_counter()
+    pulls = [pool.submit(r.sync, 120) for r in receivers]
+    pushes = [pool.submit(s.publish, version, full=full) for s in senders]
+    reports = [f.result() for f in pushes]
+    got = [f.result() for f in pulls]
+    seconds = time.perf_counter() - start
+    if got != [version] * len(receivers):
+        raise RuntimeError(f"sync of version {version} failed: {[r.last for r in receivers]}")
+    return seconds, reports
+
+
+def _naive(pool: ThreadPoolExecutor, relay: Relay, link: Link, senders: list[Sender],
+           receivers: list[Receiver], policy: dict[str, torch.Tensor], version: int,
+           bucket_bytes: int) -> float:
+    """Gather on rank 0, then a full copy of every tensor to every receiving process, bucketed
+    and pipelined like the others, each receiver keeping its own slice."""
+    start = time.perf_counter()
+    names = list(policy)
+    buckets, size = [[]], 0
+    for n in names:
+        if size and size + policy[n].nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(n)
+        size += policy[n].nbytes
+
+    def push() -> None:
+        for i, group in enumerate(buckets):
+            # The all-gather: rank 0 concatenates every rank's dim-0 shard.
+            full = [torch.cat([s.tensors[n] for s in senders if n in s.tensors]).view(-1).view(torch.uint8)
+                    for n in group]
+            parts = [t.numpy() for t in full]
+            for r in receivers:
+                key = f"naive/{version}/{r.id}/{i}"
+                link.transmit(key, sum(p.nbytes for p in parts))
+                relay.put(key, parts)
+
+    def pull(r: Receiver) -> None:
+        boxes = receiver_layout(r.spec, r.me.tp, r.me.pp).rank_boxes(r.me.rank)
+        for i, group in enumerate(buckets):
+            key = f"naive/{version}/{r.id}/{i}"
+            parts = relay.get(key, 120)
+            for n, raw in zip(group, parts, strict=True):
+                if n in boxes:  # keep our slice of the full tensor (copied on the raw bits)
+                    dst = r.tensors[n].view(torch.int16).numpy()
+                    dst[...] = raw.view(dst.dtype).reshape(policy[n].shape)[local_slices(boxes[n], full_box(
+                        policy[n].shape))]
+            relay.delete(key)
+
+    jobs = [pool.submit(push)] + [pool.submit(pull, r) for r in receivers]
+    for j in jobs:
+        j.result()
+    return time.perf_counter() - start
+
+
+def _codec_rates(senders: list[Sender]) -> dict[str, float]:
+    """Single-threaded encode and apply of this step's real delta (baseline -> new), in GB/s of weights."""
+    enc_s = app_s = nbytes = 0.0
+    for s in senders:
+        for name, new in s.tensors.items():
+            base = s.baseline[name]
+            t0 = time.perf_counter()
+            enc = codec.encode_delta(base, new, advance=False)
+            t1 = time.perf_counter()
+            target = base.clone()
+            t2 = time.perf_counter()
+            codec.apply_into(target, enc.header, enc.body)
+            t3 = time.perf_counter()
+            enc_s, app_s, nbytes = enc_s + t1 - t0, app_s + t3 - t2, nbytes + new.nbytes
+    return {"encode_gb_per_s": nbytes / enc_s / 1e9, "apply_gb_per_s": nbytes / app_s / 1e9}
+
+
+def _bit_exact(policy: dict[str, torch.Tensor], receivers: list[Receiver]) -> bool:
+    for r in receivers:
+        want = shard(policy, receiver_layout(r.spec, r.me.tp, r.me.pp).rank_boxes(r.me.rank))
+        if any(codec.tensor_hash(want[n]) != codec.tensor_hash(t) for n, t in r.tensors.items()):
+            return False
+    return True
+
+
+def _summary(rows: list[dict], link: Link, rates: dict[str, float], bit_exact: bool) -> dict:
+    sync = {m: statistics.median(r[m]["seconds"] for r in rows) for m in MODES}
+    nbytes = {m: statistics.median(r[m]["bytes"] for r in rows) for m in MODES}
+    eff = {m: link.seconds(nbytes[m]) / sync[m] for m in MODES}
+    return {
+        "changed_fraction": sum(r["changed"] for r in rows) / sum(r["compared"] for r in rows),
+        "delta_bytes_ratio": (sum(r["rose"]["bytes"] for r in rows)
+                              / sum(r["shard_full"]["bytes"] for r in rows)),
+        "bytes_naive": nbytes["naive"],
+        "bytes_shard_full": nbytes["shard_full"],
+        "bytes_rose": nbytes["rose"],
+        "sync_s_naive": sync["naive"],
+        "sync_s_shard_full": sync["shard_full"],
+        "sync_s_rose": sync["rose"],
+        "speedup_vs_naive": sync["naive"] / sync["rose"],
+        # The link-bound full sync (the path new receivers and periodic full syncs take): how
+        # close the relay pipeline gets to the link. The delta sync is CPU-bound here, below.
+        "efficiency_vs_link": eff["shard_full"],
+        "efficiency_vs_link_rose": eff["rose"],
+        "efficiency_vs_link_naive": eff["naive"],
+        **rates,
+        "bit_exact": bit_exact,
+        "gbps": link.gbps,
+    }
+
