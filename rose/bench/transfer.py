@@ -111,10 +111,13 @@ def run(args: argparse.Namespace) -> int:
             r.join()
         pool = ThreadPoolExecutor(max_workers=len(senders) + len(receivers))
         version = 0
+        torch.set_num_threads(1)  # the syncs run numpy in many threads; torch's pool would only spin
         _sync(pool, senders, receivers, version, full=True)  # receivers start with the weights
         rows = []
         for step in range(1, steps + 1):
+            torch.set_num_threads(2)
             loss = trainer.step()
+            torch.set_num_threads(1)
             version += 1
             codec_rates = _codec_rates(senders) if step == steps else None
             row: dict = {"step": step, "loss": loss}

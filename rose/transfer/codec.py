@@ -81,7 +81,7 @@ def payload_parts(encoded: Sequence[Encoded]) -> list[bytes | np.ndarray]:
 
 def tensor_hash(t: torch.Tensor) -> int:
     """xxh3-64 of a tensor's bytes in row-major order (the streaming form releases the GIL)."""
-    return xxhash.xxh3_64(_raw(t.contiguous()).reshape(-1).view(np.uint8)).intdigest()
+    return xxhash.xxh3_64(_flat(t).view(np.uint8)).intdigest()
 
 
 def encode(old: torch.Tensor, new: torch.Tensor, *, zstd_level: int | None = None) -> bytes:
@@ -99,8 +99,8 @@ def apply(old: torch.Tensor, payload: bytes | bytearray | memoryview | np.ndarra
 
 def encode_full(new: torch.Tensor) -> Encoded:
     """A payload holding all of `new` (for new or late receivers and periodic full syncs)."""
-    src = _raw(new.contiguous())
-    body = src.reshape(-1).view(np.uint8)
+    src = _flat(new)
+    body = src.view(np.uint8)
     return Encoded(_header(FULL, new, src.size, 0, body.nbytes, body, xxhash.xxh3_64(body).intdigest(), 0),
                    body, src.size, True)
 
@@ -112,7 +112,7 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, *, zstd_level: int | Non
     The sender keeps `base` as its baseline: advancing it writes only the changed positions.
     """
     _check_pair(base, new)
-    a, b = _raw(base.contiguous()).reshape(-1), _raw(new.contiguous()).reshape(-1)
+    a, b = _flat(base), _flat(new)
     idx, vals = _changed(a, b)
     if advance:
         _write(base, idx, vals)
@@ -127,6 +127,12 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, *, zstd_level: int | Non
             flags, stored = ZSTD, np.frombuffer(packed, np.uint8)
     header = _header(DELTA, new, idx.size, n_escapes, body.nbytes, stored, result_hash, flags)
     return Encoded(header, stored, idx.size, False)
+
+
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src on the raw bits (any strides), without torch's thread pool."""
+    _check_pair(dst, src)
+    np.copyto(_raw(dst), _raw(src))
 
 
 def split_payload(payload: bytes | bytearray | memoryview | np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -187,6 +193,12 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     if t.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {t.dtype}; expected one of bfloat16, float16, float32")
     return _bits(t).numpy()
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    """The raw bits as a flat array: a view when `t` is contiguous, else a copy (numpy's, single-threaded:
+    torch's copy would wake its thread pool inside every sync thread)."""
+    return np.ascontiguousarray(_raw(t)).reshape(-1)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

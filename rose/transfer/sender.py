@@ -166,7 +166,7 @@ class Sender:
             else:
                 enc = codec.encode_full(new)
                 if copy_baseline:
-                    base.copy_(new)
+                    codec.copy_bits(base, new)
             out += [enc.header, enc.body]
         return out
 
