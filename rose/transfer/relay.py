@@ -127,10 +127,12 @@ class RayRelay:
         self._dir = actor.options(name=name, namespace=namespace, get_if_exists=True).remote()
 
     def put(self, key: str, value: Any) -> None:
+        """Store `value` (the payload is in the object store when this returns) and register it
+        without waiting: one caller's registrations reach the directory in order."""
         # A reference goes wrapped in a list so that Ray hands the directory the reference itself.
         bulk = _nbytes(value) >= _INLINE_LIMIT
         item = ("ref", [self._ray.put(value)]) if bulk else ("inline", value)
-        self._ray.get(self._dir.put.remote(key, item))
+        self._dir.put.remote(key, item)
 
     def get(self, key: str, timeout: float | None = None) -> Any:
         start = time.monotonic()
@@ -143,7 +145,7 @@ class RayRelay:
         return {k: self._resolve(v) for k, v in self._ray.get(self._dir.scan.remote(prefix)).items()}
 
     def delete(self, prefix: str) -> None:
-        self._ray.get(self._dir.delete.remote(prefix))
+        self._dir.delete.remote(prefix)  # ordered after this caller's earlier puts
 
     def close(self) -> None:
         """Remove the directory (and with it every payload it still references)."""

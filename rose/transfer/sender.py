@@ -119,6 +119,7 @@ class Sender:
         self.baseline_version = version
         if ann.base is None and ann.full_for:
             self._last_full = version
+        self._forget_old_syncs()
         report.seconds = time.perf_counter() - start
         return report
 
@@ -143,11 +144,13 @@ class Sender:
         self.relay.put(_version_key(self.group, version, k), sync)
         self.relay.put(latest_key(self.group), sync)
         self._history.append((sync, version, k))
-        while len(self._history) > self.keep_syncs:  # old syncs: nobody should still pull them
+        return ann
+
+    def _forget_old_syncs(self) -> None:
+        while len(self._history) > self.keep_syncs:  # nobody should still pull these
             old, old_version, old_k = self._history.popleft()
             self.relay.delete(sync_prefix(self.group, old))
             self.relay.delete(_version_key(self.group, old_version, old_k))
-        return ann
 
     def _read_announcement(self, version: int, k: int) -> Announcement:
         sync = self.relay.get(_version_key(self.group, version, k), self.timeout)
