@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rose.model.cli", "write a random-initialised Qwen2/Qwen3 checkpoint"),
     "generate": ("rose.engine.cli", "generate text from a checkpoint"),
+    "serve": ("rose.coserve.cli", "serve a model over an OpenAI-compatible API, with rollouts beside it"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),

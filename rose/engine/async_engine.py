@@ -1,7 +1,9 @@
-"""An asyncio front for `LLMEngine`: iterations run on a background thread, callers stream.
+"""An asyncio front for an engine: iterations run on a background thread, callers stream.
 
 Everything that touches the engine (adding, aborting, loading weights) is queued and run by
 that thread between two iterations, so a weight swap or an abort never lands mid-iteration.
+`EngineLoop` drives anything with `step`, `has_unfinished` and `abort` (an `LLMEngine`, or the
+co-serving executor that steps two of them); `AsyncLLMEngine` adds `LLMEngine`'s calls.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import itertools
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -23,16 +25,24 @@ from rose.engine.sequence import RequestOutput
 T = TypeVar("T")
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+class Steppable(Protocol):
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+
+
+class EngineLoop:
+    def __init__(self, target: Steppable, name: str = "rose-engine") -> None:
+        self.target = target
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = (
             queue.SimpleQueue())
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="rose-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -51,19 +61,21 @@ class AsyncLLMEngine:
         """Run `fn` on the engine thread between two iterations and return its result."""
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs, one per iteration that advanced it; the last is finished.
-        Bad input raises ValueError before anything is queued. Leaving the loop early (a client
-        that went away) aborts the request."""
-        rid = request_id or f"async-{next(self._ids)}"
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def stream(self, request_id: str, add: Callable[[], object]) -> AsyncIterator[RequestOutput]:
+        """Run `add` (which queues `request_id`) on the engine thread, then yield the request's
+        outputs, one per iteration that advanced it; the last is finished. Whatever `add` raises
+        (bad input) is raised here before anything is queued. Leaving early (a client that went
+        away) aborts the request."""
         stream = (asyncio.get_running_loop(), asyncio.Queue())
 
-        def add() -> None:
-            self.engine.add_request(prompt_token_ids, params, rid, priority)
-            self._streams[rid] = stream  # only once accepted, before any step can answer
+        def register() -> None:
+            add()
+            self._streams[request_id] = stream  # only once accepted, before any step can answer
 
-        await self.call(add)
+        await self.call(register)
         try:
             while True:
                 out = await stream[1].get()
@@ -71,21 +83,17 @@ class AsyncLLMEngine:
                 if out.finished:
                     return
         finally:
-            if self._streams.pop(rid, None) is not None:
-                self.submit(lambda: self.engine.abort(rid))
+            if self._streams.pop(request_id, None) is not None:
+                self.submit(lambda: self.target.abort(request_id))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request; its stream ends with the partial output (finish_reason 'abort')."""
-        out = await self.call(lambda: self.engine.abort(request_id))
+        out = await self.call(lambda: self.target.abort(request_id))
         if out is not None:
-            self._deliver([out])
+            self.deliver([out])
         return out
 
-    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                           in_flight: InFlight = InFlight.CONTINUE) -> None:
-        await self.call(lambda: self.engine.load_weights(named_tensors, version, in_flight))
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -102,8 +110,24 @@ class AsyncLLMEngine:
                     future.set_result(fn())
                 except Exception as exc:  # handed to the awaiting caller
                     future.set_exception(exc)
-            if self.engine.has_unfinished():
-                self._deliver(self.engine.step())
+            if self.target.has_unfinished():
+                self.deliver(self.target.step())
             else:
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
+
+
+class AsyncLLMEngine(EngineLoop):
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine)
+        self.engine = engine
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (see `EngineLoop.stream`)."""
+        rid = request_id or self.new_id("async")
+        return self.stream(rid, lambda: self.engine.add_request(prompt_token_ids, params, rid, priority))
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                           in_flight: InFlight = InFlight.CONTINUE) -> None:
+        await self.call(lambda: self.engine.load_weights(named_tensors, version, in_flight))

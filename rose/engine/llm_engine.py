@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import itertools
 import json
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from rose.engine.model_runner import ModelRunner
 from rose.engine.sampling import SamplingParams, sample
 from rose.engine.scheduler import Scheduler, SchedulerConfig
 from rose.engine.sequence import RequestOutput, Sequence, Status
-from rose.model import load_model
+from rose.model import ModelConfig, load_model
 from rose.model.qwen import QwenForCausalLM
 
 
@@ -26,6 +27,16 @@ class InFlight(enum.Enum):
 
     CONTINUE = "continue"  # keep their KV; later tokens come from the new weights (per-token versions)
     RECOMPUTE = "recompute"  # preempt them: their KV is recomputed under the new weights
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLoad:
+    """What one iteration computed, and how long it took (the latency model learns from it)."""
+
+    prefill_tokens: int = 0  # tokens of sequences with more than one token this iteration
+    decode_seqs: int = 0  # sequences with one token
+    context_tokens: int = 0  # KV tokens the decodes attend to
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +50,15 @@ class EngineConfig:
     @property
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.chunk_size)
+
+
+def eos_ids(path: str | Path, config: ModelConfig) -> list[int]:
+    """A checkpoint's end-of-sequence ids: generation_config.json's, else config.json's."""
+    eos: int | list[int] | None = config.eos_token_id
+    gen_file = Path(path) / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 class LLMEngine:
@@ -61,6 +81,7 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.policy_version = 0
         self.num_preemptions = 0
+        self.last_load = StepLoad()
         self._seqs: dict[str, Sequence] = {}
         self._seeds = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
@@ -68,14 +89,8 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         **config: int) -> LLMEngine:
-        """Load a checkpoint; stop at its end-of-sequence ids (generation_config.json first)."""
         model = load_model(path, dtype=dtype)
-        eos: int | list[int] | None = model.config.eos_token_id
-        gen_file = Path(path) / "generation_config.json"
-        if gen_file.is_file():
-            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
-        return cls(model, EngineConfig(**config), eos_token_ids=eos_ids)
+        return cls(model, EngineConfig(**config), eos_token_ids=eos_ids(path, model.config))
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -119,24 +134,39 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
     # -- one iteration -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the requests that produced a token (or finished)."""
-        batch = self.scheduler.schedule()
+    def step(self, token_budget: int | None = None) -> list[RequestOutput]:
+        """Run one iteration (at most `token_budget` tokens if given); return the requests that
+        produced a token (or finished)."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule(token_budget)
         self.num_preemptions += len(batch.preempted)
         if not batch.seqs:
+            self.last_load = StepLoad()
             return []
+        decodes = [s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if n == 1]
+        prefill = sum(batch.num_tokens) - len(decodes)
+        context = sum(s.num_computed_tokens + 1 for s in decodes)
         sampling, logits = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
-        if not sampling:
-            return []
+        outputs = []
+        if sampling:
+            outputs = self._sample(sampling, logits)
+        self.last_load = StepLoad(prefill, len(decodes), context, time.perf_counter() - start)
+        return outputs
+
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         tokens, logprobs = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        now = time.monotonic()
         outputs = []
         for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
-            seq.append(token, logprob, self.policy_version)
+            seq.append(token, logprob, self.policy_version, now)
             seq.finish_reason = self._finish_reason(seq, token)
             if seq.finish_reason:
                 seq.status = Status.FINISHED

@@ -64,8 +64,12 @@ class Scheduler:
         seq.num_preemptions += 1
         self.add(seq)
 
-    def schedule(self) -> Batch:
+    def schedule(self, token_budget: int | None = None) -> Batch:
+        """This iteration's batch; `token_budget` lowers the configured one (the co-serving
+        executor grants rollouts only what the serving SLOs leave)."""
         budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = min(budget, token_budget)
         chosen: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
 
@@ -81,7 +85,8 @@ class Scheduler:
                 preempted.append(victim)
             return True
 
-        for seq in sorted(self.running, key=lambda s: s.sort_key):
+        # Decodes before prefill chunks: a decode holds pages already and finishing it frees them.
+        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING:
                 continue  # preempted for an earlier one in this loop
             n = min(seq.num_uncomputed, self.config.chunk_size, budget)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import time
 
 import torch
 
@@ -30,6 +31,9 @@ class Sequence:
         self.params = params
         self.priority = priority  # lower runs first; the executor puts serving at 0
         self.arrival = next(_arrivals)
+        self.arrival_time = time.monotonic()
+        self.last_token_time: float | None = None  # when the latest output token was sampled
+        self.first_token_time: float | None = None
         self.generator = generator or torch.Generator()
         self.status = Status.WAITING
         self.block_table: list[int] = []
@@ -54,7 +58,9 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append(self, token: int, logprob: float, version: int) -> None:
+    def append(self, token: int, logprob: float, version: int, now: float) -> None:
+        self.first_token_time = self.first_token_time or now
+        self.last_token_time = now
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
@@ -73,10 +79,14 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
+    arrival_time: float  # time.monotonic() of add_request
+    first_token_time: float | None
+    last_token_time: float | None
 
     @classmethod
     def of(cls, seq: Sequence, num_new: int) -> RequestOutput:
         out = seq.output_token_ids
         return cls(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], out, list(seq.logprobs),
                    list(seq.versions), out[len(out) - num_new:], seq.status is Status.FINISHED,
-                   seq.finish_reason, seq.num_cached_tokens)
+                   seq.finish_reason, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
+                   seq.last_token_time)

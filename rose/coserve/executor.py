@@ -1,0 +1,293 @@
+"""The SLO-safe co-serving executor: a serving model and a rollout model on one device.
+
+Two engines draw KV pages from one pool, each with its own block tables. Every iteration:
+1. memory: the burst state machine (`admission.BurstController`) sets the rollout page budget
+   from serving's usage, and on a burst aborts the rollout turns that no longer fit (they are
+   handed back with their partial tokens; the scheduler reroutes them);
+2. compute: dual-SLO admission (`admission.admit`) decides how many rollout tokens may join,
+   predicted with the fitted iteration-time model;
+3. serving's batch runs first, then the rollout model's with the admitted tokens;
+4. the measured times refit the latency model.
+
+Policies other than `rose` exist for the benchmark: `naive` (rollouts take whatever pages and
+tokens they like, no priority), `static` (a fixed page split and a fixed rollout token budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from rose.coserve.admission import (
+    BurstController,
+    BurstState,
+    RolloutDemand,
+    ServingState,
+    SLOBudgets,
+    admit,
+    iteration_limit,
+)
+from rose.coserve.latency import FittedLatencyModel, as_token_load, profile
+from rose.coserve.metrics import ExecutorMetrics
+from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
+from rose.engine.llm_engine import eos_ids
+from rose.engine.sequence import Sequence
+from rose.model import load_model
+from rose.model.qwen import QwenForCausalLM
+
+SERVING, ROLLOUT = "serving", "rollout"
+
+
+class Policy(enum.Enum):
+    ROSE = "rose"
+    NAIVE = "naive"
+    STATIC = "static"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorConfig:
+    pool_bytes: int = 256 * 1024**2
+    headroom: float = 0.2  # H: share of the pool only serving may use
+    high_watermark: float = 0.5  # burst when serving has eaten this share of H
+    slo_ttft_ms: float = 1000.0
+    slo_tpot_ms: float = 200.0
+    chunk_tokens: int = 512
+    max_num_seqs: int = 64  # per engine
+    max_rollout_turns: int = 32  # lease slots
+    policy: Policy = Policy.ROSE
+    static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
+    static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
+
+    def __post_init__(self) -> None:
+        if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
+            raise ValueError(f"SLOs must be positive, got ttft {self.slo_ttft_ms} ms, "
+                             f"tpot {self.slo_tpot_ms} ms")
+        if not 0 < self.static_rollout_pages < 1:
+            raise ValueError(f"static_rollout_pages must be in (0, 1), got {self.static_rollout_pages}")
+
+    @property
+    def slo(self) -> SLOBudgets:
+        return SLOBudgets(self.slo_ttft_ms / 1e3, self.slo_tpot_ms / 1e3)
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(max_num_seqs=self.max_num_seqs, chunk_size=self.chunk_tokens,
+                            max_num_batched_tokens=max(2048, self.chunk_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One turn of one rollout trajectory, leased to this executor."""
+
+    turn_id: str
+    trajectory_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    policy_version: int | None = None  # the version the scheduler expects; None: any
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    free_slots: int  # rollout turns this executor would take now
+    predicted_slack_ms: float  # serving's iteration-time headroom under the SLOs (inf: idle)
+    state: str
+    policy_version: int
+    rollout_budget_pages: int
+    rollout_pages_used: int
+    running_turns: int
+
+
+class CoServingExecutor:
+    def __init__(self, serving: QwenForCausalLM, rollout: QwenForCausalLM | None,
+                 config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
+                 rollout_eos: Iterable[int] = ()) -> None:
+        self.config = cfg = config or ExecutorConfig()
+        specs = [KVSpec.of(m.config, next(m.parameters()).dtype) for m in (serving, rollout) if m]
+        self.pool = KVPool.for_specs(cfg.pool_bytes, *specs)
+        self.serving = LLMEngine(serving, cfg.engine(), serving_eos, self.pool, SERVING)
+        self.rollout = LLMEngine(rollout, cfg.engine(), rollout_eos, self.pool, ROLLOUT) if rollout else None
+        self.burst = BurstController(self.pool.num_pages, cfg.headroom, cfg.high_watermark)
+        self.latency = FittedLatencyModel()
+        self.metrics = ExecutorMetrics()
+        self.slo = cfg.slo
+        self._turns: dict[str, Turn] = {}
+        self.served = self.served_within_slo = 0
+        if cfg.policy is Policy.STATIC:
+            rollout_pages = int(cfg.static_rollout_pages * self.pool.num_pages)
+            self.pool.set_budget(ROLLOUT, rollout_pages)
+            self.pool.set_budget(SERVING, self.pool.num_pages - rollout_pages)
+        elif cfg.policy is Policy.ROSE:
+            self.pool.set_budget(ROLLOUT, self.burst.budget)
+
+    @classmethod
+    def from_pretrained(cls, serving_path: str | Path, rollout_path: str | Path | None = None,
+                        config: ExecutorConfig | None = None,
+                        dtype: torch.dtype = torch.float32) -> CoServingExecutor:
+        serving = load_model(serving_path, dtype)
+        rollout = load_model(rollout_path, dtype) if rollout_path else None
+        return cls(serving, rollout, config, eos_ids(serving_path, serving.config),
+                   eos_ids(rollout_path, rollout.config) if rollout else ())
+
+    def profile(self) -> None:
+        """Fit the latency model on both engines (a few seconds, at start-up)."""
+        profile(self.serving, SERVING, self.latency)
+        if self.rollout:
+            profile(self.rollout, ROLLOUT, self.latency)
+
+    # -- serving requests ------------------------------------------------------------------------
+
+    def add_serving(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        self._check_free(request_id)
+        return self.serving.add_request(prompt_token_ids, params, request_id)
+
+    # -- the lease interface -----------------------------------------------------------------------
+
+    def submit_turn(self, turn: Turn) -> str:
+        """Queue a rollout turn; its outputs come from `step()` under `turn.turn_id`."""
+        rollout = self._rollout()
+        self._check_free(turn.turn_id)
+        if turn.policy_version is not None and turn.policy_version != rollout.policy_version:
+            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
+                             f"this executor has {rollout.policy_version}")
+        rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1)
+        self._turns[turn.turn_id] = turn
+        return turn.turn_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        out = self.serving.abort(request_id)
+        if out is None and self.rollout:
+            out = self.rollout.abort(request_id)
+            self._turns.pop(request_id, None)
+        return out
+
+    def capacity(self) -> Capacity:
+        rollout = self._rollout()
+        running = len(self._turns)
+        free = self.config.max_rollout_turns - running
+        if self.burst.state is BurstState.BURST or self.pool.headroom(ROLLOUT) == 0:
+            free = 0
+        state = self._serving_state(time.monotonic())
+        slack = iteration_limit(time.monotonic(), state, self.slo, self.config.chunk_tokens)
+        slack -= self.latency.time(SERVING, state.load(self.config.chunk_tokens))
+        return Capacity(max(0, free), slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
+                        self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
+
+    def new_rl_step(self) -> None:
+        """A new RL step: the rollout budget may grow again after a burst."""
+        self.burst.new_rl_step()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     in_flight: InFlight = InFlight.CONTINUE) -> None:
+        self._rollout().load_weights(named_tensors, version, in_flight)
+
+    def has_unfinished(self) -> bool:
+        return self.serving.has_unfinished() or bool(self.rollout and self.rollout.has_unfinished())
+
+    # -- one iteration ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._control_memory() if self.rollout else []
+        budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
+        outputs += self._run(self.serving, SERVING, None)
+        if self.rollout and budget != 0 and self.rollout.has_unfinished():
+            outputs += self._run(self.rollout, ROLLOUT, budget)
+        self._export_pool()
+        return outputs
+
+    def _run(self, engine: LLMEngine, name: str, budget: int | None) -> list[RequestOutput]:
+        outputs = engine.step(budget)
+        load = engine.last_load
+        self.latency.observe(name, as_token_load(load), load.seconds)
+        if load.seconds:
+            self.metrics.iterations.labels(name).inc()
+            self.metrics.busy.labels(name).inc(load.seconds)
+        for out in outputs:
+            if name == ROLLOUT:
+                self.metrics.rollout_tokens.inc(len(out.new_token_ids))
+                if out.finished:
+                    self._turns.pop(out.request_id, None)
+            elif out.finished:
+                self._record_serving(out)
+        return outputs
+
+    def _record_serving(self, out: RequestOutput) -> None:
+        if out.first_token_time is None:
+            return  # aborted before its first token
+        ttft = out.first_token_time - out.arrival_time
+        n = len(out.token_ids)
+        tpot = (out.last_token_time - out.first_token_time) / (n - 1) if n > 1 else 0.0
+        self.metrics.ttft.observe(ttft)
+        self.metrics.tpot.observe(tpot)
+        self.metrics.serving_requests.inc()
+        self.served += 1
+        if ttft <= self.slo.ttft_s and tpot <= self.slo.tpot_s:
+            self.metrics.slo_met.inc()
+            self.served_within_slo += 1
+        self.metrics.slo_attainment.set(self.served_within_slo / self.served)
+
+    def _control_memory(self) -> list[RequestOutput]:
+        """The burst state machine (rose only): set the rollout budget, abort what no longer fits."""
+        if self.config.policy is not Policy.ROSE:
+            return []
+        before = self.burst.state
+        held = [(s.request_id, len(s.block_table))
+                for s in sorted(self._rollout_seqs(), key=lambda s: s.arrival)]
+        decision = self.burst.observe(self.pool.used(SERVING), held)
+        self.pool.set_budget(ROLLOUT, decision.rollout_budget)
+        if decision.state is not before:
+            self.metrics.transitions.labels(before.name.lower(), decision.state.name.lower()).inc()
+        self.metrics.state.set(int(decision.state))
+        self.metrics.rollout_budget.set(decision.rollout_budget)
+        aborted = [out for rid in decision.abort if (out := self.abort(str(rid))) is not None]
+        self.metrics.rollout_aborts.inc(len(aborted))
+        return aborted
+
+    def _rollout_token_budget(self, now: float) -> int | None:
+        """Rollout tokens that may join this iteration (None: no limit)."""
+        policy = self.config.policy
+        if policy is Policy.NAIVE:
+            return None
+        if policy is Policy.STATIC:
+            return self.config.static_rollout_tokens
+        running = sorted(self.rollout.scheduler.running, key=lambda s: s.sort_key)
+        demand = RolloutDemand(
+            decode_context=[s.num_computed_tokens + 1 for s in running if s.num_uncomputed == 1],
+            prefill_tokens=sum(s.num_uncomputed for s in self._rollout_seqs() if s.num_uncomputed > 1))
+        decision = admit(now, self._serving_state(now), demand, self.latency, self.slo,
+                         self.config.chunk_tokens)
+        self.metrics.latency_error.set(self.latency.error)
+        return decision.rollout_tokens
+
+    def _serving_state(self, now: float) -> ServingState:
+        sched = self.serving.scheduler
+        seqs = sorted(sched.running + sched.waiting, key=lambda s: s.arrival)
+        waiting = [(s.arrival_time, s.num_uncomputed) for s in seqs if s.last_token_time is None]
+        decoding = [s for s in seqs if s.last_token_time is not None]
+        return ServingState(waiting, [s.last_token_time for s in decoding],
+                            sum(len(s.token_ids) for s in decoding))
+
+    def _rollout_seqs(self) -> list[Sequence]:
+        sched = self._rollout().scheduler
+        return sched.running + sched.waiting
+
+    def _export_pool(self) -> None:
+        for owner in (SERVING, ROLLOUT):
+            self.metrics.pool_pages.labels(owner).set(self.pool.used(owner))
+        self.metrics.pool_pages.labels("free").set(self.pool.num_free)
+
+    def _rollout(self) -> LLMEngine:
+        if self.rollout is None:
+            raise ValueError("this executor has no rollout model (start it with --rollout-model)")
+        return self.rollout
+
+    def _check_free(self, request_id: str | None) -> None:
+        if request_id is None:
+            return
+        engines = [self.serving, *([self.rollout] if self.rollout else [])]
+        if any(e.has_request(request_id) for e in engines):
+            raise ValueError(f"request {request_id!r}: the id is already in use on this executor")

@@ -1,0 +1,112 @@
+"""The iteration-time model that dual-SLO admission predicts with.
+
+An iteration on a co-serving device runs the serving model's batch, then the rollout model's
+(two models cannot share one forward pass), so its time is the sum of two per-model terms, each
+linear in (1, prefill tokens, prefill tokens^2, decode sequences, KV tokens the decodes read):
+the constant is per-iteration overhead, prefill is matmul-bound (the square term is attention
+within a chunk), decode is weight-bound per iteration plus KV-bound per context token. It is
+profiled for a few seconds at start-up on the engine itself and refitted online from every
+measured iteration; `error` is the mean relative error of the predictions made before each
+measurement was known.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+
+from rose.coserve.admission import TokenLoad
+from rose.engine import LLMEngine, SamplingParams
+from rose.engine.llm_engine import StepLoad
+
+
+def _features(load: TokenLoad) -> np.ndarray:
+    p = load.prefill_tokens
+    return np.array([1.0, p, p * p / 1024.0, load.decode_seqs, load.context_tokens / 1024.0])
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0 (times only grow with load): drop the most negative
+    feature and refit until none is negative."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+        if coef.min() >= 0:
+            return coef
+        active.remove(int(np.argmin(coef)))
+
+
+def as_token_load(load: StepLoad) -> TokenLoad:
+    return TokenLoad(load.prefill_tokens, load.decode_seqs, load.context_tokens)
+
+
+class FittedLatencyModel:
+    """`iteration_time(serving, rollout)` from per-model fits of measured iterations."""
+
+    def __init__(self, window: int = 512, refit_every: int = 32) -> None:
+        self.window, self.refit_every = window, refit_every
+        self._obs: dict[str, collections.deque[tuple[np.ndarray, float]]] = {}
+        self._coef: dict[str, np.ndarray] = {}
+        self._errors: collections.deque[float] = collections.deque(maxlen=window)
+        self._since_fit = 0
+
+    def time(self, model: str, load: TokenLoad) -> float:
+        if load == TokenLoad() or model not in self._coef:
+            return 0.0
+        return float(_features(load) @ self._coef[model])
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return self.time("serving", serving) + self.time("rollout", rollout)
+
+    def observe(self, model: str, load: TokenLoad, seconds: float) -> None:
+        """Record a measured iteration of `model`; refit every `refit_every` observations."""
+        if load == TokenLoad():
+            return
+        if model in self._coef and seconds > 0:
+            self._errors.append(abs(self.time(model, load) - seconds) / seconds)
+        self._obs.setdefault(model, collections.deque(maxlen=self.window)).append(
+            (_features(load), seconds))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every or model not in self._coef:
+            self.fit()
+
+    def fit(self) -> None:
+        for model, obs in self._obs.items():
+            x = np.stack([f for f, _ in obs])
+            y = np.array([t for _, t in obs])
+            self._coef[model] = _nonnegative_lstsq(x, y)
+        self._since_fit = 0
+
+    def reset_error(self) -> None:
+        self._errors.clear()
+
+    @property
+    def error(self) -> float:
+        """Mean relative error of recent predictions (made before the measurement)."""
+        return float(np.mean(self._errors)) if self._errors else float("nan")
+
+
+def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,
+            prompt_lens: tuple[int, ...] = (16, 64, 256, 512), batch_sizes: tuple[int, ...] = (1, 4, 16, 32),
+            context_lens: tuple[int, ...] = (32, 256), decode_steps: int = 4) -> None:
+    """Measure prefill chunks of `prompt_lens` and decode batches of `batch_sizes` at
+    `context_lens` on an idle engine (a few seconds on a CPU), fit `model`'s term, and start the
+    error count afresh. Leaves the engine empty."""
+    gen = torch.Generator().manual_seed(0)
+    limit = engine.max_model_len - decode_steps - 1
+    jobs = [(1, length, 1) for length in prompt_lens]
+    jobs += [(batch, ctx, decode_steps) for batch in batch_sizes for ctx in context_lens]
+    for batch, length, steps in jobs:
+        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(torch.randint(0, engine.vocab_size, (min(length, limit),),
+                                             generator=gen).tolist(), params)
+        while engine.has_unfinished():
+            engine.step()
+            latency.observe(model, as_token_load(engine.last_load), engine.last_load.seconds)
+    engine.blocks.reset_prefix_cache()
+    latency.fit()
+    latency.reset_error()
