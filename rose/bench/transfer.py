@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             # The delta goes first (it needs the previous version's baseline); the two full modes
             # then resend the same version, in alternating order.
             for mode in ("rose", *(MODES[:2] if step % 2 else MODES[1::-1])):
-                before = link.bytes_sent
+                before, cpu = link.bytes_sent, time.process_time()
                 if mode == "naive":
                     seconds = _naive(pool, relay, link, senders, receivers, trainer.policy, version,
                                      bucket_bytes)
@@ -140,7 +140,10 @@ def run(args: argparse.Namespace) -> int:
                     if mode == "rose":
                         row["changed"] = sum(r.changed for r in reports)
                         row["compared"] = sum(r.compared for r in reports)
-                row[mode] = {"seconds": seconds, "bytes": link.bytes_sent - before}
+                # CPU seconds of this process (senders, receivers, Ray client): the work each mode needs
+                # apart from the link, whatever else shares the machine.
+                row[mode] = {"seconds": seconds, "bytes": link.bytes_sent - before,
+                             "cpu_s": time.process_time() - cpu}
             rows.append(row)
             print(f"step {step}: changed {row['changed'] / row['compared']:.4f}, " + ", ".join(
                 f"{m} {row[m]['seconds']:.3f} s / {row[m]['bytes'] / 1e6:.1f} MB" for m in MODES), flush=True)
@@ -255,6 +258,7 @@ def _bit_exact(policy: dict[str, torch.Tensor], receivers: list[Receiver]) -> bo
 
 def _summary(rows: list[dict], link: Link, rates: dict[str, float], bit_exact: bool) -> dict:
     sync = {m: statistics.median(r[m]["seconds"] for r in rows) for m in MODES}
+    cpu = {m: statistics.median(r[m]["cpu_s"] for r in rows) for m in MODES}
     nbytes = {m: statistics.median(r[m]["bytes"] for r in rows) for m in MODES}
     eff = {m: link.seconds(nbytes[m]) / sync[m] for m in MODES}
     return {
@@ -268,6 +272,9 @@ def _summary(rows: list[dict], link: Link, rates: dict[str, float], bit_exact: b
         "sync_s_shard_full": sync["shard_full"],
         "sync_s_rose": sync["rose"],
         "speedup_vs_naive": sync["naive"] / sync["rose"],
+        "cpu_s_naive": cpu["naive"],
+        "cpu_s_shard_full": cpu["shard_full"],
+        "cpu_s_rose": cpu["rose"],
         # The link-bound full sync (the path new receivers and periodic full syncs take): how
         # close the relay pipeline gets to the link. The delta sync is CPU-bound here, below.
         "efficiency_vs_link": eff["shard_full"],
