@@ -18,6 +18,7 @@ and verified them. Codec throughput is measured single-threaded on the same real
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -97,6 +98,7 @@ class Trainer:
 
 
 def run(args: argparse.Namespace) -> int:
+    load_start = os.getloadavg()
     torch.set_num_threads(2)
     steps = args.steps or (3 if args.quick else 4)
     bucket_bytes = (args.bucket_mb or (8 if args.quick else 64)) << 20
@@ -160,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
         "trainer": "fsdp=2", "receivers": [f"{n} tp={tp}" for n, tp in REPLICAS], "gbps": args.gbps,
         "bucket_bytes": bucket_bytes, "relay": args.relay, "zstd_level": args.zstd_level,
         "optimizer": "AdamW lr=1e-6, fp32 master, bf16 policy", "torch": torch.__version__,
-        "cpus": torch.get_num_threads(), "machine": platform.machine()})
+        "cpus": os.cpu_count(), "machine": platform.machine(),
+        # The machine may be shared: its load says how much of it this run had.
+        "load_average_start": load_start, "load_average_end": os.getloadavg()})
     return 0
 
 
