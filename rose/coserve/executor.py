@@ -62,6 +62,9 @@ class ExecutorConfig:
     policy: Policy = Policy.ROSE
     static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
+    # TTFT slack is kept for a request that may arrive while this iteration runs: admission
+    # sees a phantom arrival "now" with this many prompt tokens (0: none).
+    arrival_reserve_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
@@ -237,7 +240,8 @@ class CoServingExecutor:
         before = self.burst.state
         held = [(s.request_id, len(s.block_table))
                 for s in sorted(self._rollout_seqs(), key=lambda s: s.arrival)]
-        decision = self.burst.observe(self.pool.used(SERVING), held)
+        # Pages only a prefix cache holds are reclaimable: they count as free here.
+        decision = self.burst.observe(self.serving.blocks.num_active_pages, held)
         self.pool.set_budget(ROLLOUT, decision.rollout_budget)
         if decision.state is not before:
             self.metrics.transitions.labels(before.name.lower(), decision.state.name.lower()).inc()
@@ -258,8 +262,11 @@ class CoServingExecutor:
         demand = RolloutDemand(
             decode_context=[s.num_computed_tokens + 1 for s in running if s.num_uncomputed == 1],
             prefill_tokens=sum(s.num_uncomputed for s in self._rollout_seqs() if s.num_uncomputed > 1))
-        decision = admit(now, self._serving_state(now), demand, self.latency, self.slo,
-                         self.config.chunk_tokens)
+        state = self._serving_state(now)
+        if self.config.arrival_reserve_tokens:
+            phantom = (now, self.config.arrival_reserve_tokens)
+            state = dataclasses.replace(state, waiting=[*state.waiting, phantom])
+        decision = admit(now, state, demand, self.latency, self.slo, self.config.chunk_tokens)
         self.metrics.latency_error.set(self.latency.error)
         return decision.rollout_tokens
 

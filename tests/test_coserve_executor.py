@@ -1,0 +1,146 @@
+"""The co-serving executor's mechanisms: pool split, burst states, admission in the loop,
+partial tokens handed back, the latency model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rose.coserve.admission import TokenLoad
+from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy, Turn
+from rose.coserve.latency import FittedLatencyModel, _nonnegative_lstsq
+from rose.engine import KVSpec, SamplingParams
+from rose.model import preset_config, random_model
+
+
+def _executor(pages: int = 64, **config: object) -> CoServingExecutor:
+    serving = random_model(preset_config("qwen2", "tiny"), seed=1)
+    rollout = random_model(preset_config("qwen3", "tiny", num_hidden_layers=3, head_dim=8), seed=2)
+    spec = max(KVSpec.of(serving.config).block_bytes, KVSpec.of(rollout.config).block_bytes)
+    return CoServingExecutor(serving, rollout, ExecutorConfig(pool_bytes=pages * spec, **config))
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+def test_two_kv_shapes_share_one_pool() -> None:
+    ex = _executor(pages=64)
+    assert ex.serving.blocks.spec != ex.rollout.blocks.spec
+    assert ex.pool.budget("rollout") == 64 - int(64 * 0.2)  # NORMAL: pool - H - serving (0)
+    ex.add_serving(_ids(40), SamplingParams(max_tokens=2))
+    ex.submit_turn(Turn("t", "traj", _ids(70, 1), SamplingParams(max_tokens=2)))
+    ex.step()
+    assert (ex.pool.used("serving"), ex.pool.used("rollout")) == (3, 5)
+    assert ex.pool.num_free == 64 - 8
+
+
+def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> None:
+    ex = _executor(pages=40, slo_ttft_ms=1e6, slo_tpot_ms=1e6)  # memory alone decides here
+    for i in range(4):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(60, i), LONG))
+    for _ in range(6):
+        ex.step()
+    assert ex.burst.state.name == "NORMAL" and ex.pool.used("rollout") >= 20
+    before = {t: len(ex.rollout._seqs[t].output_token_ids) for t in ex._turns}
+    # A serving burst: long prompts that eat the headroom.
+    for i in range(3):
+        ex.add_serving(_ids(150, 10 + i), SamplingParams(max_tokens=4))
+    aborted = []
+    for _ in range(8):
+        aborted += [o for o in ex.step() if o.finish_reason == "abort"]
+        if aborted:
+            break
+    assert aborted and ex.burst.state.name == "BURST"
+    assert ex.capacity().free_slots == 0
+    for out in aborted:  # nothing lost: partial tokens with their logprobs and versions
+        assert len(out.token_ids) >= before[out.request_id] > 0
+        assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
+        assert out.request_id not in ex._turns
+    budget = ex.pool.budget("rollout")
+    while ex.serving.has_unfinished():
+        ex.step()
+    ex.step()
+    assert ex.burst.state.name == "FROZEN" and ex.pool.budget("rollout") <= budget
+    ex.new_rl_step()
+    ex.step()
+    assert ex.burst.state.name == "NORMAL" and ex.pool.budget("rollout") > budget
+    metrics = ex.metrics.expose().decode()
+    assert 'rose_executor_transitions_total{from_state="normal",to_state="burst"} 1.0' in metrics
+    assert 'rose_executor_transitions_total{from_state="burst",to_state="frozen"} 1.0' in metrics
+    assert "rose_rollout_aborted_turns_total" in metrics
+
+
+def _rollout_tokens_per_iteration(ex: CoServingExecutor) -> list[int]:
+    for i in range(6):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(30, i), LONG))
+    ex.add_serving(_ids(20, 50), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    def computed() -> int:
+        return sum(len(s.token_ids) - s.num_uncomputed for s in ex._rollout_seqs())
+
+    counts = []
+    for _ in range(12):
+        before = computed()
+        ex.step()
+        counts.append(computed() - before)
+    return counts
+
+
+def test_admission_holds_rollouts_back_only_when_serving_slo_is_tight() -> None:
+    loose = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1e5)
+    loose.profile()
+    assert sum(_rollout_tokens_per_iteration(loose)) >= 6 * 30  # all prefills and decodes ran
+    tight = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=0.01)  # 10 us per token: never
+    tight.profile()
+    # Once serving decodes, no rollout token fits its TPOT budget.
+    assert sum(_rollout_tokens_per_iteration(tight)[2:]) == 0
+
+
+def test_static_and_naive_policies() -> None:
+    static = _executor(pages=100, policy=Policy.STATIC, static_rollout_pages=0.3, static_rollout_tokens=8)
+    assert (static.pool.budget("rollout"), static.pool.budget("serving")) == (30, 70)
+    static.submit_turn(Turn("t", "traj", _ids(40), LONG))
+    static.step()
+    assert static.rollout.last_load.prefill_tokens == 8
+    naive = _executor(pages=100, policy=Policy.NAIVE)
+    naive.submit_turn(Turn("t", "traj", _ids(40), LONG))
+    naive.step()
+    assert naive.rollout.last_load.prefill_tokens == 40 and naive.pool.budget("rollout") == 100
+
+
+def test_lease_refuses_bad_turns() -> None:
+    ex = _executor()
+    ex.submit_turn(Turn("t", "traj", _ids(5), LONG))
+    with pytest.raises(ValueError, match="already in use"):
+        ex.submit_turn(Turn("t", "traj", _ids(5), LONG))
+    with pytest.raises(ValueError, match="expects policy version 3"):
+        ex.submit_turn(Turn("u", "traj", _ids(5), LONG, policy_version=3))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        ex.submit_turn(Turn("v", "traj", [], LONG))
+    partial = ex.abort("t")
+    assert partial is not None and partial.finish_reason == "abort"
+    serving_only = CoServingExecutor(random_model(preset_config("qwen2", "tiny")), None)
+    with pytest.raises(ValueError, match="no rollout model"):
+        serving_only.submit_turn(Turn("t", "traj", _ids(5), LONG))
+
+
+def test_latency_model_fits_and_reports_its_error() -> None:
+    rng = np.random.default_rng(0)
+    model = FittedLatencyModel(refit_every=8)
+    truth = np.array([0.002, 1e-4, 1e-5, 3e-4, 2e-3])  # per feature, seconds
+    for _ in range(200):
+        load = TokenLoad(int(rng.integers(0, 512)), int(rng.integers(0, 32)), int(rng.integers(0, 8000)))
+        p = load.prefill_tokens
+        t = truth @ [1, p, p * p / 1024, load.decode_seqs, load.context_tokens / 1024]
+        model.observe("serving", load, float(t * rng.uniform(0.95, 1.05)))
+    assert model.error < 0.1
+    load = TokenLoad(256, 8, 2048)
+    both = model.iteration_time(load, TokenLoad())
+    assert both == pytest.approx(truth @ [1, 256, 64, 8, 2], rel=0.1)
+    assert model.iteration_time(TokenLoad(), TokenLoad()) == 0.0
+    coef = _nonnegative_lstsq(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
+    assert (coef >= 0).all()
