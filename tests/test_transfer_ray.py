@@ -20,7 +20,9 @@ ray = pytest.importorskip("ray")
 def relay():
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
              object_store_memory=200 << 20)
-    yield RayRelay(name="rose-test-relay")
+    relay = RayRelay(name="rose-test-relay")
+    yield relay
+    relay.close()
     ray.shutdown()
 
 

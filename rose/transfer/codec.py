@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -72,11 +71,6 @@ class Encoded:
 
     def to_bytes(self) -> bytes:
         return self.header + self.body.tobytes()
-
-
-def payload_parts(encoded: Sequence[Encoded]) -> list[bytes | np.ndarray]:
-    """A bucket's relay value: headers and bodies alternating, bodies left uncopied."""
-    return [part for e in encoded for part in (e.header, e.body)]
 
 
 def tensor_hash(t: torch.Tensor) -> int:

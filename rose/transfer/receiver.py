@@ -98,7 +98,8 @@ class Receiver:
         self._fetcher.shutdown(wait=False)
 
     def sync(self, timeout: float | None = None) -> int | None:
-        """Wait for the next sync (up to `timeout`), apply it; the version now held, or None on failure."""
+        """Wait for the next sync and apply it: the version now held, or None if the sync failed
+        (the next one brings a full copy). TimeoutError if nothing is announced within `timeout`."""
         ann = self._next_announcement(timeout)
         self._seen = ann.sync
         start = time.perf_counter()

@@ -46,13 +46,13 @@ class SendReport:
     version: int
     delta_for: int  # receivers
     full_for: int
-    buckets: int  # pushed, delta and full together
-    payload_bytes: int  # put on the link, retries not counted
-    raw_bytes: int  # raw weight bytes those payloads stand for
-    changed: int  # elements whose bits changed, over the delta-encoded fragments
-    compared: int  # elements of the delta-encoded fragments
-    retries: int
-    seconds: float
+    buckets: int = 0  # pushed, delta and full together
+    payload_bytes: int = 0  # put on the link, retries not counted
+    raw_bytes: int = 0  # raw weight bytes those payloads stand for
+    changed: int = 0  # elements whose bits changed, over the delta-encoded fragments
+    compared: int = 0  # elements of the delta-encoded fragments
+    retries: int = 0
+    seconds: float = 0.0
 
 
 class Sender:
@@ -75,7 +75,8 @@ class Sender:
         self.baseline = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in self.tensors.items()}
         self.baseline_version: int | None = None
         self._last_full: int | None = None
-        self._publishes: collections.Counter[int] = collections.Counter()
+        self._last_published: int | None = None
+        self._repeat = 0
         self._history: collections.deque[tuple[int, int, int]] = collections.deque()  # (sync, version, k)
         self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rose-push-{rank}")
 
@@ -86,14 +87,14 @@ class Sender:
         until it returns. Publishing the current version again serves members that fell behind.
         """
         start = time.perf_counter()
-        k = self._publishes[version]
-        self._publishes[version] += 1
+        k = self._repeat + 1 if version == self._last_published else 0  # nth publish of this version
+        self._last_published, self._repeat = version, k
         ann = self._announce(version, k, full) if self.rank == 0 else self._read_announcement(version, k)
         if ann.model != self.spec.fingerprint():
             raise ValueError(f"announcement is for model {ann.model}, "
                              f"this sender holds {self.spec.fingerprint()}")
         plan = member_plan(self.spec, ann.trainer, ann.members, ann.bucket_bytes)
-        report = SendReport(ann.sync, version, len(ann.delta_for), len(ann.full_for), 0, 0, 0, 0, 0, 0, 0.0)
+        report = SendReport(ann.sync, version, len(ann.delta_for), len(ann.full_for))
         pending: collections.deque[Future[int]] = collections.deque()
         delta_for, full_for = set(ann.delta_for), set(ann.full_for)
         try:
@@ -102,8 +103,9 @@ class Sender:
                 want_full = not full_for.isdisjoint(bucket.receivers)
                 for kind in ("delta",) * want_delta + ("full",) * want_full:
                     # The delta encode advances the baseline; a full-only bucket copies it instead.
-                    parts = self._encode(bucket, kind, copy_baseline=not want_delta, report=report)
-                    nbytes = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+                    encoded = self._encode(bucket, kind, copy_baseline=not want_delta, report=report)
+                    parts = [part for e in encoded for part in (e.header, e.body)]
+                    nbytes = sum(e.nbytes for e in encoded)
                     report.buckets += 1
                     report.payload_bytes += nbytes
                     report.raw_bytes += bucket.nbytes
@@ -113,9 +115,12 @@ class Sender:
                     pending.append(self._pusher.submit(self._push, key, parts, nbytes))
             while pending:
                 report.retries += pending.popleft().result()
-        finally:
+        except BaseException:
+            # The baseline may be half advanced: only full copies are safe until the next success.
+            self.baseline_version = None
             for f in pending:
                 f.cancel()
+            raise
         self.baseline_version = version
         if ann.base is None and ann.full_for:
             self._last_full = version
@@ -157,7 +162,7 @@ class Sender:
         return self.relay.get(announce_key(self.group, sync), self.timeout)
 
     def _encode(self, bucket: Bucket, kind: str, copy_baseline: bool,
-                report: SendReport) -> list[bytes | np.ndarray]:
+                report: SendReport) -> list[codec.Encoded]:
         out = []
         for frag in bucket.fragments:
             where = local_slices(frag.box, self._owned[frag.param])
@@ -170,7 +175,7 @@ class Sender:
                 enc = codec.encode_full(new)
                 if copy_baseline:
                     codec.copy_bits(base, new)
-            out += [enc.header, enc.body]
+            out.append(enc)
         return out
 
     def _push(self, key: str, parts: list[bytes | np.ndarray], nbytes: int) -> int:
