@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rose.model.cli", "write a random-initialised Qwen2/Qwen3 checkpoint"),
     "generate": ("rose.engine.cli", "generate text from a checkpoint"),
+    "simulate": ("rose.sim.cli", "simulate ROSE and its baselines at cluster scale from real traces"),
     "serve": ("rose.coserve.cli", "serve a model over an OpenAI-compatible API, with rollouts beside it"),
 }
 BENCHES: dict[str, tuple[str, str]] = {

@@ -261,10 +261,14 @@ def diurnal_for_peak(trace_name: str, minute_peak_to_mean: float, peak_hour: flo
     (bisection over the day built from the trace at its own mean rate). Amplitude 0 when the
     trace's own minute-scale bursts already reach it."""
     trace = load_trace(trace_name)
+    # The day's request stream in "unit" time is the same for every amplitude; only the warp
+    # to day time changes (see day_arrivals, phase 0, the trace's own rate).
+    u, _, _ = tile(trace, 0.0, DAY_S)
+    grid = np.linspace(0.0, DAY_S, 8641)
 
     def ratio(amplitude: float) -> float:
-        t, _, _ = day_arrivals(trace, trace.mean_rate, Diurnal(amplitude, peak_hour), 0.0, DAY_S)
-        counts = np.bincount((t // 60).astype(np.int64), minlength=1440)
+        t = np.interp(u, Diurnal(amplitude, peak_hour).cumulative(grid), grid)
+        counts = np.bincount((t // 60).astype(np.int64), minlength=1440)[:1440]
         return float(counts.max() / counts.mean())
 
     if ratio(0.0) >= minute_peak_to_mean:

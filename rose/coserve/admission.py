@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
 from collections.abc import Hashable, Sequence
 from typing import Protocol
@@ -119,31 +120,43 @@ def _prefill_terms(now: float, serving: ServingState, slo: SLOBudgets,
     return out
 
 
+def _limit(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tuple[float, int]]) -> float:
+    limit = math.inf
+    if serving.decoding_last_token_s:
+        limit = min(serving.decoding_last_token_s) + slo.tpot_s - now
+    for left, n in terms:
+        limit = min(limit, left / n)
+    return limit
+
+
+def _slacks(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tuple[float, int]],
+            iteration_s: float) -> tuple[float, float]:
+    s_dec = math.inf
+    if serving.decoding_last_token_s:
+        s_dec = min(serving.decoding_last_token_s) + slo.tpot_s - now - iteration_s
+    s_prf = min((left - n * iteration_s for left, n in terms), default=math.inf)
+    return s_prf, s_dec
+
+
 def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, chunk_tokens: int) -> float:
     """The largest iteration time T for which every serving slack stays non-negative:
     min over decoding r of (t_last + B_TPOT - now), and over waiting r of
     (t_arr + B_TTFT - now) / iterations_r. `inf` when no serving request is in flight."""
-    limit = math.inf
-    if serving.decoding_last_token_s:
-        limit = min(serving.decoding_last_token_s) + slo.tpot_s - now
-    for left, n in _prefill_terms(now, serving, slo, chunk_tokens):
-        limit = min(limit, left / n)
-    return limit
+    return _limit(serving, slo, now, _prefill_terms(now, serving, slo, chunk_tokens))
 
 
 def slacks(now: float, serving: ServingState, slo: SLOBudgets, chunk_tokens: int,
            iteration_s: float) -> tuple[float, float]:
     """(min S_prf, min S_dec) if the next iteration takes `iteration_s`; inf where none."""
-    s_dec = math.inf
-    if serving.decoding_last_token_s:
-        s_dec = min(serving.decoding_last_token_s) + slo.tpot_s - now - iteration_s
-    s_prf = min((left - n * iteration_s for left, n in _prefill_terms(now, serving, slo, chunk_tokens)),
-                default=math.inf)
-    return s_prf, s_dec
+    return _slacks(serving, slo, now, _prefill_terms(now, serving, slo, chunk_tokens), iteration_s)
 
 
 def _largest(lo: int, hi: int, fits) -> int:
-    """Largest k in [lo, hi] with fits(k), given fits is monotone (true then false) and fits(lo)."""
+    """Largest k in [lo, hi] with fits(k), given fits is monotone (true then false) and fits(lo).
+    Tries hi first: admission usually has room for everything offered."""
+    if fits(hi):
+        return hi
+    hi -= 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
@@ -160,10 +173,9 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     base = serving.load(chunk_tokens)
-    limit = iteration_limit(now, serving, slo, chunk_tokens)
-    prefix = [0]
-    for ctx in rollout.decode_context:
-        prefix.append(prefix[-1] + ctx)
+    terms = _prefill_terms(now, serving, slo, chunk_tokens)
+    limit = _limit(serving, slo, now, terms)
+    prefix = [0, *itertools.accumulate(rollout.decode_context)]
 
     def time_with(d: int, p: int) -> float:
         return latency.iteration_time(base, TokenLoad(p, d, prefix[d]))
@@ -175,8 +187,24 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
         max_p = min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens)
         p = _largest(0, max_p, lambda k: time_with(d, k) < limit)
     t = time_with(d, p) if (d or p) else t0
-    s_prf, s_dec = slacks(now, serving, slo, chunk_tokens, t)
+    s_prf, s_dec = _slacks(serving, slo, now, terms, t)
     return Admission(d, p, t, limit, s_prf, s_dec)
+
+
+def rollout_capacity(now: float, serving: ServingState, rollout: RolloutDemand,
+                     latency: LatencyModel, slo: SLOBudgets, typical_context: int,
+                     chunk_tokens: int = 512, limit: int = 1024) -> int:
+    """How many more rollout sequences of `typical_context` tokens could decode beside the ones
+    in `rollout` with every slack still positive (at most `limit`): the executor's capacity
+    report to the scheduler, so that turns go where admission will actually run them."""
+    base = serving.load(chunk_tokens)
+    ceiling = iteration_limit(now, serving, slo, chunk_tokens)
+    d0, c0 = len(rollout.decode_context), sum(rollout.decode_context)
+
+    def fits(k: int) -> bool:
+        return latency.iteration_time(base, TokenLoad(0, d0 + k, c0 + k * typical_context)) < ceiling
+
+    return _largest(0, limit, fits) if fits(0) else 0
 
 
 class BurstState(enum.IntEnum):

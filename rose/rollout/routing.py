@@ -5,11 +5,19 @@ heartbeats and capacity reports and acts on its answers; the cluster simulator d
 same code. Each *turn* of a trajectory is routed, in this order:
 
 1. cache affinity: the worker that ran the trajectory's previous turn, if it has capacity (its
-   prefix KV is reusable, so only the new observation needs a prefill);
+   prefix KV is reusable, so only the new observation needs a prefill). Dedicated GPUs are
+   first-class and serving GPUs opportunistic: a trajectory on a serving executor keeps its
+   affinity only while no dedicated worker is less loaded than that executor (a co-served
+   turn shares every iteration with the serving model, so it decodes slower; turns drift back
+   to dedicated workers as they free up, which is what finishes the long tail there);
 2. else a serving-GPU executor whose SLOs would still hold (it reports free rollout slots and a
    positive predicted slack), the one with the most free slots;
 3. else the least-loaded eligible worker (active turns over its concurrency cap);
 4. else the turn queues (FIFO) until `drain` finds room.
+
+`rebalance` is the other half of "dedicated first": it picks turns in flight on serving
+executors to move, with the tokens they produced, to dedicated workers that have fewer turns in
+flight, so the long tail of a step finishes on dedicated GPUs.
 
 A worker is eligible when alive (a heartbeat within `stall_timeout_s`, default 2 s), on at
 least the turn's policy version, and under its concurrency cap. Turns aborted by an executor
@@ -105,24 +113,38 @@ QUEUED = Route(None, RouteReason.QUEUED)
 def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: WorkerState | None,
                   now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
     """The routing decision for one turn; `previous` is the worker of its previous turn (None
-    for a first turn or with affinity disabled)."""
+    for a first turn or with affinity disabled). One pass over the workers."""
+    version = turn.policy_version
 
     def eligible(w: WorkerState) -> bool:
-        return (w.policy_version >= turn.policy_version and w.room() > 0
-                and w.alive(now, stall_timeout_s))
+        return w.policy_version >= version and now - w.last_heartbeat_s <= stall_timeout_s
 
-    if previous is not None and eligible(previous):
+    if (previous is not None and previous.kind is WorkerKind.DEDICATED and eligible(previous)
+            and previous.room() > 0):
         return Route(previous.worker_id, RouteReason.AFFINITY)
-    best_serving, best_slots = None, 0
+    best_serving, best_room = None, 0
     least, least_load = None, 2.0
+    least_ded, least_ded_load = None, 2.0
     for w in workers:
-        if not eligible(w):
+        room = w.max_concurrency - w.active
+        if room <= 0 or w.policy_version < version or now - w.last_heartbeat_s > stall_timeout_s:
             continue
-        if w.kind is WorkerKind.SERVING and w.room() > best_slots:
-            best_serving, best_slots = w, w.room()
         load = w.active / w.max_concurrency
+        if w.kind is WorkerKind.SERVING:
+            room = min(room, w.free_slots) if w.slack_s > 0 else 0
+            if room <= 0:
+                continue
+            if room > best_room:
+                best_serving, best_room = w, room
+        elif load < least_ded_load:
+            least_ded, least_ded_load = w, load
         if load < least_load:
             least, least_load = w, load
+    if previous is not None and eligible(previous) and previous.room() > 0:
+        # `previous` is a serving executor: keep it unless a dedicated worker is less loaded.
+        if least_ded is None or least_ded_load >= previous.active / previous.max_concurrency:
+            return Route(previous.worker_id, RouteReason.AFFINITY)
+        return Route(least_ded.worker_id, RouteReason.LEAST_LOADED)
     if best_serving is not None:
         return Route(best_serving.worker_id, RouteReason.SERVING)
     if least is not None:
@@ -157,6 +179,13 @@ class RoutingTable:
             w.slack_s = slack_s
         if policy_version is not None:
             w.policy_version = policy_version
+
+    def set_concurrency(self, worker_id: Hashable, max_concurrency: int) -> None:
+        """Change a worker's concurrency cap (the rollout manager's per-worker share)."""
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        w = self.workers[worker_id]
+        w.max_concurrency = max_concurrency
 
     def _place(self, turn: TurnRequest, route: Route) -> None:
         w = self.workers[route.worker_id]
@@ -203,6 +232,41 @@ class RoutingTable:
         turn = self.complete(worker_id, trajectory_id)
         self.affinity.pop(trajectory_id, None)
         return self.route(resume(turn, produced), now)
+
+    def rebalance(self, now: float) -> list[tuple[TurnRequest, Hashable, Hashable]]:
+        """Moves (turn, from serving executor, to dedicated worker) that even out turns in
+        flight: while some eligible dedicated worker with room has fewer turns in flight than a
+        serving executor, that executor's longest-running turn moves to it. The caller aborts
+        each on its executor and calls `move` with the tokens it produced."""
+        dedicated = [w for w in self.workers.values() if w.kind is WorkerKind.DEDICATED
+                     and w.alive(now, self.stall_timeout_s)]
+        serving = [w for w in self.workers.values() if w.kind is WorkerKind.SERVING and w.active]
+        if not dedicated or not serving:
+            return []
+        active = {w.worker_id: w.active for w in (*dedicated, *serving)}
+        taken = {w.worker_id: iter(self.in_flight[w.worker_id].values()) for w in serving}
+        moves = []
+        while True:
+            dst = min(dedicated, key=lambda w: active[w.worker_id])
+            src = max(serving, key=lambda w: active[w.worker_id])
+            if (active[dst.worker_id] >= active[src.worker_id]
+                    or active[dst.worker_id] >= dst.max_concurrency):
+                return moves
+            turn = next(taken[src.worker_id], None)
+            if turn is None or turn.policy_version > dst.policy_version:
+                return moves
+            moves.append((turn, src.worker_id, dst.worker_id))
+            active[src.worker_id] -= 1
+            active[dst.worker_id] += 1
+
+    def move(self, trajectory_id: Hashable, src: Hashable, dst: Hashable, produced: int) -> Route:
+        """Carry out one `rebalance` move: the turn resumes on `dst` with `produced` tokens."""
+        turn = self.complete(src, trajectory_id)
+        self.affinity.pop(trajectory_id, None)
+        route = Route(dst, RouteReason.LEAST_LOADED)
+        self._place(resume(turn, produced), route)
+        self.counts[RouteReason.LEAST_LOADED] += 1
+        return route
 
     def finish_trajectory(self, trajectory_id: Hashable) -> None:
         self.affinity.pop(trajectory_id, None)

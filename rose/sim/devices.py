@@ -1,0 +1,250 @@
+"""Cost models: devices, model shapes, iteration latency (roofline), training step, weight sync.
+
+Every constant has its source beside it. Datasheet figures are dense bf16 (no sparsity).
+Efficiency factors are what engines achieve of a roofline bound; they are assumptions taken
+from published measurements, not fitted to this simulator's results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rose.coserve.admission import TokenLoad
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    flops: float          # peak dense bf16 FLOP/s per device
+    hbm_bw: float         # bytes/s per device
+    memory: float         # bytes per device
+    nvlink_bw: float      # bytes/s per device, intra-node
+    nic_bw: float         # bytes/s per device, inter-node (one NIC per GPU)
+    source: str
+
+
+DEVICES: dict[str, Device] = {
+    # NVIDIA H100 datasheet (SXM5): 989 TFLOPS bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s;
+    # the H800 is the export variant with the same compute and memory and NVLink cut to 400 GB/s.
+    # NIC: one 400 Gb/s InfiniBand NDR port per GPU (the ROSE paper's clusters: 400 Gb/s IB inside).
+    "H800": Device("H800", 989e12, 3.35e12, 80 * GB, 400 * GB, 50 * GB,
+                   "NVIDIA H100/H800 SXM5 datasheets; 400 Gb/s IB per GPU"),
+    "H100": Device("H100", 989e12, 3.35e12, 80 * GB, 900 * GB, 50 * GB,
+                   "NVIDIA H100 SXM5 datasheet; 400 Gb/s IB per GPU"),
+    # NVIDIA H200 datasheet (SXM): same compute as H100, 141 GB HBM3e at 4.8 TB/s.
+    "H200": Device("H200", 989e12, 4.8e12, 141 * GB, 900 * GB, 50 * GB,
+                   "NVIDIA H200 SXM datasheet; 400 Gb/s IB per GPU"),
+    # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS bf16, 2,039 GB/s, NVLink 600 GB/s; HDR 200 Gb/s.
+    "A100": Device("A100", 312e12, 2.039e12, 80 * GB, 600 * GB, 25 * GB,
+                   "NVIDIA A100 80GB SXM4 datasheet; 200 Gb/s HDR IB per GPU"),
+    # This machine's 2 cores, float32. To be calibrated from this project's engine measurements
+    # (`rose bench train`, once it exists). Initial estimates from the design's reference figures:
+    # batch-1 decode of the 34 M `small` model at 32-37 tokens/s streams its 136 MB of fp32
+    # weights per token, about 5 GB/s; its mixed workload at 92-221 tokens/s of a 68 MFLOP/token
+    # model is 6-15 GFLOP/s achieved. Memory: what the project's CPU jobs may use. "Links":
+    # loopback copies, a few GB/s.
+    "cpu": Device("cpu", 15e9, 5 * GB, 8 * GB, 5 * GB, 2 * GB,
+                  "estimates from ARCHITECTURE.md reference figures; to be calibrated from this "
+                  "project's engine measurements"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the roofline that real engines reach, and fixed per-forward costs."""
+
+    # Assumption: large-GEMM prefill chunks reach about half of peak in serving engines.
+    prefill_mfu: float = 0.5
+    # Assumption: decode (weight and KV streaming) reaches 70-80% of HBM bandwidth in tuned kernels.
+    decode_bw: float = 0.75
+    # Assumption: dense LLM training at 40-55% MFU (Megatron-LM; MegaScale, NSDI 2024); RL
+    # trainers (FSDP, variable-length micro-batches) at the low end.
+    train_mfu: float = 0.40
+    # Assumption: scheduling + kernel launch per forward with CUDA graphs (vLLM V1: ~1-3 ms).
+    forward_overhead_s: float = 2e-3
+    # One small all-reduce over NVLink, ~10 us (nccl-tests); tensor parallelism needs 2 a layer.
+    allreduce_latency_s: float = 10e-6
+    # vLLM's default gpu_memory_utilization.
+    memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, int | float) and v > 0):
+                raise ValueError(f"efficiency.{f.name} must be positive, got {v!r}")
+        for name in ("prefill_mfu", "decode_bw", "train_mfu", "memory_utilization"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"efficiency.{name} is a fraction of peak, got {getattr(self, name)}")
+
+
+# The CPU device's own fixed costs: Python scheduling per forward is milliseconds there.
+CPU_EFFICIENCY = Efficiency(prefill_mfu=0.5, decode_bw=0.5, train_mfu=0.3, forward_overhead_s=5e-3,
+                            allreduce_latency_s=1e-4, memory_utilization=0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    bytes_per_param: int = 2      # bf16 weights and KV
+
+    @property
+    def layer_params(self) -> int:
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        return self.layers * (2 * q + kv + 3 * self.hidden * self.intermediate)
+
+    @property
+    def params(self) -> int:
+        return self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+
+# Shapes from each model's Hugging Face config.json (Qwen/Qwen3-8B, Qwen/Qwen3-32B,
+# Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen2.5-32B-Instruct); `small` is this project's CPU preset.
+MODELS: dict[str, ModelShape] = {
+    "qwen3-8b": ModelShape("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936),
+    "qwen3-32b": ModelShape("Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936),
+    "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
+    "qwen2.5-32b": ModelShape("Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648, 152064),
+    "small": ModelShape("small (34M)", 8, 512, 8, 4, 64, 1536, 8192, bytes_per_param=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCost:
+    """One model on one replica (tp devices): the roofline of a forward as linear terms.
+
+    time = max(compute, memory) + fixed, compute = s_token * tokens + s_attn * ctx + s_head * seqs,
+    memory = s_weights + s_kv * (ctx + tokens). Works on floats and numpy arrays alike."""
+
+    s_token: float       # matmul FLOPs of one token (2 x non-embedding params) / achieved FLOP/s
+    s_attn: float        # attention FLOPs per (query, cached key) pair / achieved FLOP/s
+    s_head: float        # LM head per sampled sequence
+    s_weights: float     # streaming the weights once
+    s_kv: float          # streaming one token's KV
+    fixed: float         # launch/scheduling + TP all-reduce latency
+    prefill_attn: float  # attention of a prefill chunk on itself, per token squared
+
+    @classmethod
+    def of(cls, model: ModelShape, device: Device, tp: int, eff: Efficiency) -> ForwardCost:
+        flops = device.flops * tp
+        bw = device.hbm_bw * tp * eff.decode_bw
+        attn = 4 * model.layers * model.heads * model.head_dim     # QK^T and PV, 2 FLOPs a MAC
+        fixed = eff.forward_overhead_s + (2 * model.layers * eff.allreduce_latency_s if tp > 1 else 0)
+        return cls(s_token=2 * model.layer_params / (flops * eff.prefill_mfu),
+                   s_attn=attn / (flops * eff.prefill_mfu),
+                   s_head=2 * model.hidden * model.vocab / (flops * eff.prefill_mfu),
+                   s_weights=model.weight_bytes / bw,
+                   s_kv=model.kv_bytes_per_token / bw,
+                   fixed=fixed,
+                   prefill_attn=attn / 2 / (flops * eff.prefill_mfu))
+
+    def time(self, prefill, decode, ctx, chunk_seqs=1):
+        """Forward time for `prefill` prompt tokens (in chunks over `chunk_seqs` sequences),
+        `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work."""
+        tokens = prefill + decode
+        seqs = decode + np.minimum(prefill, chunk_seqs)
+        compute = (self.s_token * tokens + self.s_attn * ctx + self.s_head * seqs
+                   + self.prefill_attn * prefill * prefill / np.maximum(chunk_seqs, 1))
+        memory = self.s_weights + self.s_kv * (ctx + tokens)
+        return np.where(tokens > 0, np.maximum(compute, memory) + self.fixed, 0.0)
+
+    def scalar(self, load: TokenLoad) -> float:
+        tokens = load.prefill_tokens + load.decode_seqs
+        if tokens == 0:
+            return 0.0
+        compute = (self.s_token * tokens + self.s_attn * load.context_tokens
+                   + self.s_head * (load.decode_seqs + (1 if load.prefill_tokens else 0))
+                   + self.prefill_attn * load.prefill_tokens ** 2)
+        memory = self.s_weights + self.s_kv * (load.context_tokens + tokens)
+        return max(compute, memory) + self.fixed
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineLatency:
+    """The admission controller's latency model in the simulator: the two models' forwards run
+    one after the other in each iteration (`rose.coserve.admission.LatencyModel`)."""
+
+    serving: ForwardCost
+    rollout: ForwardCost
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return self.serving.scalar(serving) + self.rollout.scalar(rollout)
+
+
+def kv_capacity_tokens(model: ModelShape, device: Device, tp: int, eff: Efficiency,
+                       other_weights: float = 0.0) -> int:
+    """KV tokens that fit beside the weights (and `other_weights`, a co-located model's)."""
+    free = device.memory * tp * eff.memory_utilization - model.weight_bytes - other_weights
+    return max(0, int(free / model.kv_bytes_per_token))
+
+
+def train_step_time(model: ModelShape, device: Device, gpus: int, tokens: float,
+                    logprob_passes: int, eff: Efficiency) -> float:
+    """Forward + backward (6 N FLOPs a token, Kaplan et al. 2020) plus `logprob_passes` forward
+    passes (2 N) that recompute old-policy / reference log-probabilities, at `train_mfu`."""
+    flops = (6 + 2 * logprob_passes) * model.params * tokens
+    return flops / (gpus * device.flops * eff.train_mfu)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSync:
+    """Bytes a weight update moves. A sparse delta sends (int32 index, bf16 value) per changed
+    element (6 bytes), overwrite semantics; a full update sends every bf16 weight."""
+
+    changed_fraction: float = 0.05   # ROSE paper: over 95% of bf16 weights unchanged at step 10
+    full_every: int = 10             # periodic full sync (design: "with a periodic full sync")
+
+    def payload_bytes(self, model: ModelShape, step: int, sparse: bool) -> float:
+        if not sparse or step % self.full_every == 0:
+            return model.weight_bytes
+        return min(model.weight_bytes, model.params * self.changed_fraction * 6)
+
+
+def cross_cluster_sync_time(payload: float, cross_bw: float, receivers: int, tp: int,
+                            nic_bw: float, senders: int) -> float:
+    """Shard-aware relay: every trainer rank sends only its own slice (`senders` in parallel,
+    each limited by its NIC), one copy crosses the inter-cluster link into the relay, and every
+    receiving replica pulls its TP shards over its own NICs; the stages pipeline bucket by
+    bucket (64 MB), so the slowest stage sets the time."""
+    if receivers == 0:
+        return 0.0
+    send = payload / min(cross_bw, senders * nic_bw)
+    fan_out = payload / (tp * nic_bw)            # each replica's tp NICs pull its shards
+    bucket = min(payload, 64e6) / cross_bw       # pipeline fill: first bucket end to end
+    return max(send, fan_out) + bucket
+
+
+def model_by_name(name: str) -> ModelShape:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def device_by_name(name: str) -> Device:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; expected one of {', '.join(DEVICES)}")
+    return DEVICES[name]
+
+
+def efficiency_for(device: Device) -> Efficiency:
+    return CPU_EFFICIENCY if device.name == "cpu" else Efficiency()

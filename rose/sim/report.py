@@ -1,0 +1,168 @@
+"""From runs to figures: serving latency percentiles and SLO windows, per-system results, the
+summary a scenario prints, and running a scenario or a sweep end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from rose.sim.engine import RunResult, Simulation, serving_alone
+from rose.sim.scenarios import SWEEPS, Scenario, Sweep, apply_overrides, load_scenario, scale_overrides
+from rose.sim.systems import SYSTEMS, Extra
+
+WINDOW_S = 60.0     # SLOs are judged per minute: P99 of the requests that arrived in it
+
+
+@dataclasses.dataclass
+class ServingStats:
+    p99_ttft_ms: float
+    p99_tpot_ms: float
+    attainment: float           # requests meeting both SLOs
+    violations: int             # minutes whose P99 TTFT or P99 TPOT broke its SLO
+    minutes: int
+    minute_t: np.ndarray        # window starts (s)
+    minute_ttft_ms: np.ndarray  # per-minute P99s
+    minute_tpot_ms: np.ndarray
+
+
+def serving_stats(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario,
+                  until_s: float) -> ServingStats:
+    arrival, ttft, tpot = log
+    keep = arrival < until_s
+    arrival, ttft, tpot = arrival[keep], ttft[keep] * 1e3, tpot[keep] * 1e3
+    slo_t, slo_o = sc.serving.slo_ttft_ms, sc.serving.slo_tpot_ms
+    ok = (ttft <= slo_t) & (np.nan_to_num(tpot) <= slo_o)
+    minute = (arrival // WINDOW_S).astype(np.int64)
+    starts, p_t, p_o = [], [], []
+    for m in np.unique(minute):
+        sel = minute == m
+        starts.append(m * WINDOW_S)
+        p_t.append(np.percentile(ttft[sel], 99))
+        tp = tpot[sel]
+        tp = tp[np.isfinite(tp)]
+        p_o.append(np.percentile(tp, 99) if len(tp) else 0.0)
+    p_t, p_o = np.array(p_t), np.array(p_o)
+    return ServingStats(
+        p99_ttft_ms=float(np.percentile(ttft, 99)) if len(ttft) else 0.0,
+        p99_tpot_ms=float(np.nanpercentile(tpot, 99)) if np.isfinite(tpot).any() else 0.0,
+        attainment=float(ok.mean()) if len(ok) else 1.0,
+        violations=int(np.count_nonzero((p_t > slo_t) | (p_o > slo_o))),
+        minutes=len(starts), minute_t=np.array(starts), minute_ttft_ms=p_t, minute_tpot_ms=p_o)
+
+
+@dataclasses.dataclass
+class ScenarioResult:
+    scenario: Scenario
+    runs: dict[str, RunResult]
+    serving: dict[str, ServingStats]     # "serving-alone" and every co-serving system
+    wall_s: float
+
+    def summary(self) -> dict[str, Any]:
+        runs, sv = self.runs, self.serving
+        rose = runs.get("rose")
+
+        def ratio(a: str, b: str, attr: str, inverse: bool = False) -> float | None:
+            if a not in runs or b not in runs:
+                return None
+            x, y = getattr(runs[a], attr), getattr(runs[b], attr)
+            return round((y / x) if inverse else (x / y), 3)
+
+        out: dict[str, Any] = {
+            "throughput_vs_fixed_sync": ratio("rose", "fixed-sync", "throughput"),
+            "throughput_vs_fixed_async": ratio("rose", "fixed-async", "throughput"),
+            "rollout_speedup_vs_elastic_spot": ratio("rose", "elastic-spot", "mean_rollout_s", True),
+            "rollout_speedup_vs_elastic_serverless": ratio("rose", "elastic-serverless", "mean_rollout_s",
+                                                           True),
+            "allocation_overhead": {k: round(r.allocation_overhead, 4) for k, r in runs.items()},
+            "serving_p99_ttft_ms": round(sv["rose"].p99_ttft_ms, 1) if "rose" in sv else None,
+            "serving_p99_tpot_ms": round(sv["rose"].p99_tpot_ms, 1) if "rose" in sv else None,
+            "serving_alone_p99_ttft_ms": round(sv["serving-alone"].p99_ttft_ms, 1) if sv else None,
+            "serving_alone_p99_tpot_ms": round(sv["serving-alone"].p99_tpot_ms, 1) if sv else None,
+            "slo_violations": sv["rose"].violations if "rose" in sv else None,
+            "naive_share_slo_violations": sv["naive-share"].violations if "naive-share" in sv else None,
+            "sim_wall_s": round(self.wall_s, 1),
+        }
+        if rose is not None:
+            out["rollout_share_fixed_sync"] = (round(runs["fixed-sync"].mean_rollout_s
+                                                     / runs["fixed-sync"].mean_step_s, 3)
+                                               if "fixed-sync" in runs else None)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        systems = {}
+        for name, r in self.runs.items():
+            systems[name] = {
+                "label": r.label, "mean_step_s": round(r.mean_step_s, 1),
+                "mean_rollout_s": round(r.mean_rollout_s, 1),
+                "mean_train_s": round(float(np.mean([s.train_s for s in r.steps])), 1),
+                "trajectories_per_hour": round(r.throughput * 3600, 1),
+                "allocation_overhead": round(r.allocation_overhead, 4),
+                "routes": r.routes, "aborted_turns": r.aborted_turns, "bursts": r.bursts,
+                "wall_s": round(r.wall_s, 2),
+                "steps": [dataclasses.asdict(s) for s in r.steps],
+            }
+        serving = {k: {"p99_ttft_ms": round(v.p99_ttft_ms, 1), "p99_tpot_ms": round(v.p99_tpot_ms, 1),
+                       "slo_attainment": round(v.attainment, 5), "violating_minutes": v.violations,
+                       "minutes": v.minutes} for k, v in self.serving.items()}
+        return {"scenario": self.scenario.name, "description": self.scenario.description,
+                "config": OmegaConf.to_container(OmegaConf.structured(self.scenario)),
+                "systems": systems, "serving": serving, "summary": self.summary()}
+
+
+def run_scenario(sc: Scenario, progress=None) -> ScenarioResult:
+    """Every system of `sc.sim.systems` on the same workload and traffic, then serving alone
+    over the same span for the SLO baseline."""
+    wall0 = time.perf_counter()
+    runs: dict[str, RunResult] = {}
+    for name in sc.sim.systems:
+        runs[name] = Simulation(sc, SYSTEMS[name]).run()
+        if progress:
+            progress(name, runs[name])
+    serving: dict[str, ServingStats] = {}
+    coserving = [n for n, r in runs.items() if SYSTEMS[n].extra is Extra.COSERVE]
+    if coserving and sc.cluster.serving_gpus:
+        span = min(runs[n].total_s for n in coserving)
+        serving["serving-alone"] = serving_stats(serving_alone(sc, span), sc, span)
+        for n in coserving:
+            serving[n] = serving_stats(runs[n].serving, sc, span)
+    return ScenarioResult(sc, runs, serving, time.perf_counter() - wall0)
+
+
+@dataclasses.dataclass
+class SweepResult:
+    sweep: Sweep
+    points: list[tuple[Any, dict[str, Any]]]    # (value, summary)
+    wall_s: float
+
+    def summary(self) -> dict[str, Any]:
+        keys = ("throughput_vs_fixed_sync", "slo_violations", "allocation_overhead")
+        return {"sweep": self.sweep.name, "key": self.sweep.key,
+                "values": [v for v, _ in self.points],
+                **{k: [s.get(k) for _, s in self.points] for k in keys},
+                "sim_wall_s": round(self.wall_s, 1)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sweep": self.sweep.name, "description": self.sweep.description,
+                "points": [{"value": v, "summary": s} for v, s in self.points],
+                "summary": self.summary()}
+
+
+def run_sweep(sweep: Sweep, overrides: list[str], progress=None) -> SweepResult:
+    wall0 = time.perf_counter()
+    points = []
+    base = load_scenario(sweep.base, [*sweep.overrides, f"sim.systems=[{','.join(sweep.systems)}]"])
+    for value in sweep.values:
+        sc = apply_overrides(base, [f"{sweep.key}={value}", *scale_overrides(sweep.key, value), *overrides])
+        result = run_scenario(sc)
+        points.append((value, result.summary()))
+        if progress:
+            progress(value, result)
+    return SweepResult(sweep, points, time.perf_counter() - wall0)
+
+
+def is_sweep(name: str) -> bool:
+    return name in SWEEPS

@@ -1,0 +1,217 @@
+"""Multi-turn trajectories on rollout workers, advanced one tick at a time (vectorised).
+
+Every trajectory of a round is one row. A turn is routed (by the shared routing policy, through
+the engine), prefilled (only the new observation on a cache-affinity hit, else the whole
+context), decoded, then the environment steps and the next turn becomes ready. Inside a tick a
+worker's iteration times are constant; each sequence's own clock (when it became ready, when
+its prefill ended) is kept exactly, so turn completions are not rounded to ticks.
+
+Per worker the engine supplies a *plan* for the tick: prefill tokens/s, and two decode tiers
+(rank < cap -> tokens/s) because a co-serving replica runs some iterations with a serving
+prefill chunk and some without, and admission lets a different number of rollout sequences
+into each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rose.sim.workloads import RoundDemand
+
+WAIT, PREFILL, DECODE, ENV, DONE = range(5)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-worker rates for one tick (arrays indexed by worker)."""
+
+    prefill_rate: np.ndarray     # prompt tokens/s, shared by the worker's prefilling sequences
+    cap1: np.ndarray             # decode ranks below cap1 get rate1 tokens/s ...
+    rate1: np.ndarray
+    cap2: np.ndarray             # ... and those below cap2 also rate2
+    rate2: np.ndarray
+
+
+@dataclasses.dataclass
+class ActiveView:
+    """The sequences on workers this tick, sorted by (worker, age), and what fits in memory."""
+
+    idx: np.ndarray              # trajectory rows
+    worker: np.ndarray
+    fits: np.ndarray             # within the worker's KV capacity and sequence cap
+    decode_rank: np.ndarray      # rank among the worker's fitting decode sequences (-1: none)
+    kv: np.ndarray               # KV tokens each holds now
+
+    def decode_contexts(self, rnd: Round, workers: np.ndarray) -> list[list[int]]:
+        """Per worker in `workers` (sorted ids): contexts of its fitting decode sequences, in
+        rank order (what admission is offered)."""
+        sel = self.fits & (self.decode_rank >= 0)
+        w, ctx = self.worker[sel], rnd.ctx[self.idx[sel]].astype(np.int64).tolist()
+        lo, hi = np.searchsorted(w, workers, "left").tolist(), np.searchsorted(w, workers, "right").tolist()
+        return [ctx[a:b] for a, b in zip(lo, hi, strict=True)]
+
+
+class Round:
+    """One rollout round's trajectories (`n` rows) from `start`, numbered from `id_base`."""
+
+    def __init__(self, demand: RoundDemand, start: float, id_base: int) -> None:
+        n = demand.trajectories
+        self.demand, self.env, self.id_base = demand, demand.env, id_base
+        self.phase = np.full(n, ENV)
+        self.ready = np.full(n, float(start))        # when the current turn may start
+        self.turn = np.zeros(n, np.int64)
+        self.worker = np.full(n, -1)
+        self.prefill_left = np.zeros(n)
+        self.decode_left = np.zeros(n)
+        self.ctx = np.zeros(n)                       # KV tokens on the worker for this turn
+        self.hist = np.full(n, float(self.env.prompt_tokens))   # context before generation
+        self.cached = np.zeros(n)                    # KV the last worker kept after the turn
+        self.turn_produced = np.zeros(n)             # tokens of this turn already in `hist`
+        self.age = np.zeros(n)
+        self.finished = np.full(n, np.nan)
+        self._order = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.phase)
+
+    def all_done(self) -> bool:
+        return bool(np.all(self.phase == DONE))
+
+    def due(self, t1: float) -> np.ndarray:
+        """Rows whose next turn becomes ready before t1, earliest first."""
+        rows = np.flatnonzero((self.phase == ENV) & (self.ready < t1))
+        return rows[np.argsort(self.ready[rows], kind="stable")]
+
+    def response_tokens(self, row: int) -> int:
+        return int(self.demand.response[row, self.turn[row]])
+
+    def start(self, row: int, worker: int, cache_hit: bool) -> None:
+        """The current turn of `row` was placed on `worker`."""
+        if cache_hit:
+            self.ctx[row] = self.cached[row]
+            self.prefill_left[row] = self.hist[row] - self.cached[row]
+        else:
+            self.ctx[row] = 0.0
+            self.prefill_left[row] = self.hist[row]
+        if self.decode_left[row] <= 0:
+            self.decode_left[row] = self.response_tokens(row)
+        self.worker[row] = worker
+        self.phase[row] = PREFILL
+        self._order += 1
+        self.age[row] = self._order
+
+    def queue(self, row: int) -> None:
+        self.phase[row] = WAIT
+        self.worker[row] = -1
+
+    def interrupt(self, row: int) -> int:
+        """The turn lost its worker (abort, preemption): the tokens produced so far join the
+        context (resume, not restart). Returns the tokens produced in this attempt."""
+        produced = int(self.response_tokens(row) - np.ceil(self.decode_left[row]) - self.turn_produced[row])
+        self.hist[row] += produced
+        self.turn_produced[row] += produced
+        self.worker[row] = -1
+        self.phase[row] = WAIT
+        self.cached[row] = 0.0
+        return produced
+
+    def active_view(self, kv_cap: np.ndarray, max_seqs: np.ndarray) -> ActiveView:
+        """Sequences on workers, in (worker, age) order; those that fit run (the others wait
+        for pages, as an engine's scheduler keeps them waiting)."""
+        idx = np.flatnonzero((self.phase == PREFILL) | (self.phase == DECODE))
+        w = self.worker[idx]
+        order = np.lexsort((self.age[idx], w))
+        idx, w = idx[order], w[order]
+        kv = self.ctx[idx] + np.where(self.phase[idx] == PREFILL, self.prefill_left[idx], 0.0)
+        if not len(idx):
+            e = np.zeros(0, np.int64)
+            return ActiveView(e, e, np.zeros(0, bool), e, np.zeros(0))
+        first = np.r_[True, w[1:] != w[:-1]]
+        start = np.maximum.accumulate(np.where(first, np.arange(len(idx)), 0))
+        ckv = np.cumsum(kv)
+        kv_in_group = ckv - (ckv - kv)[start]
+        rank = np.arange(len(idx)) - start
+        fits = (kv_in_group <= kv_cap[w]) & (rank < max_seqs[w])
+        fits[first & (kv <= kv_cap[w])] = True         # a lone sequence always fits if it can
+        is_dec = fits & (self.phase[idx] == DECODE)
+        cdec = np.cumsum(is_dec)
+        dec_rank = np.where(is_dec, cdec - 1 - (cdec - is_dec)[start], -1)
+        return ActiveView(idx, w, fits, dec_rank, kv)
+
+    def held_kv(self, first_worker: int) -> dict[int, list[tuple[int, float]]]:
+        """Per worker from `first_worker` on: (row, KV tokens held) of its sequences, oldest first."""
+        on = (self.phase == PREFILL) | (self.phase == DECODE)
+        idx = np.flatnonzero(on & (self.worker >= first_worker))
+        if not len(idx):
+            return {}
+        idx = idx[np.lexsort((self.age[idx], self.worker[idx]))]
+        w = self.worker[idx]
+        kv = self.ctx[idx] + np.where(self.phase[idx] == PREFILL, self.prefill_left[idx], 0.0)
+        cuts = np.flatnonzero(w[1:] != w[:-1]) + 1
+        parts = zip(np.split(w, cuts), np.split(idx, cuts), np.split(kv, cuts), strict=True)
+        return {int(ws[0]): list(zip(rs.tolist(), ks.tolist(), strict=True)) for ws, rs, ks in parts}
+
+    def advance(self, t: float, dt: float, view: ActiveView,
+                plan: Plan) -> tuple[list[tuple[int, float]], np.ndarray]:
+        """Run [t, t + dt). Returns (row, end time) of each turn that finished generating, and
+        the tokens each worker generated."""
+        t1 = t + dt
+        run = view.fits
+        idx, w = view.idx[run], view.worker[run]
+        n_workers = len(plan.prefill_rate)
+        if not len(idx):
+            return [], np.zeros(n_workers)
+        begin = np.maximum(t, self.ready[idx])
+        avail = np.maximum(0.0, t1 - begin)
+        # Prefill: the worker's prefill rate shared equally by its fitting prefilling sequences.
+        pre = self.phase[idx] == PREFILL
+        n_pre = np.bincount(w[pre], minlength=len(plan.prefill_rate))
+        prate = np.where(pre, plan.prefill_rate[w] / np.maximum(n_pre[w], 1), 0.0)
+        need = np.where(pre, self.prefill_left[idx] / np.where(prate > 0, prate, 1.0), 0.0)
+        need = np.where(pre & (prate <= 0), np.inf, need)
+        pre_done = pre & (need <= avail)
+        still_pre = pre & ~pre_done
+        self.prefill_left[idx[still_pre]] -= prate[still_pre] * avail[still_pre]
+        # Decode: tier rates by rank; sequences that just finished prefill decode with what is
+        # left of the tick at the worker's top tier.
+        rank = view.decode_rank[run]
+        drate = (np.where((rank >= 0) & (rank < plan.cap1[w]), plan.rate1[w], 0.0)
+                 + np.where((rank >= 0) & (rank < plan.cap2[w]), plan.rate2[w], 0.0))
+        drate = np.where(pre_done, plan.rate1[w] + plan.rate2[w], drate)
+        dbegin = np.where(pre_done, begin + np.where(pre_done, need, 0.0), begin)
+        decoding = (self.phase[idx] == DECODE) | pre_done
+        left = self.decode_left[idx]
+        dtime = np.maximum(0.0, t1 - dbegin)
+        tokens = np.where(decoding, drate * dtime, 0.0)
+        fin = decoding & (tokens >= left) & (drate > 0)
+        end = dbegin + left / np.where(drate > 0, drate, 1.0)
+        rows_pd = idx[pre_done]
+        self.ctx[rows_pd] = self.hist[rows_pd]
+        self.prefill_left[rows_pd] = 0.0
+        self.phase[rows_pd] = DECODE
+        going = decoding & ~fin
+        self.decode_left[idx[going]] = left[going] - tokens[going]
+        self.ctx[idx[going]] += tokens[going]
+        made = np.bincount(w, weights=np.minimum(tokens, left), minlength=n_workers)
+        return list(zip(idx[fin].tolist(), end[fin].tolist(), strict=True)), made
+
+    def finish_turn(self, row: int, end: float) -> bool:
+        """Generation of the current turn ended at `end`; the environment steps. True if the
+        trajectory is complete."""
+        self.hist[row] += self.response_tokens(row) - self.turn_produced[row]
+        self.cached[row] = self.hist[row]
+        self.turn_produced[row] = 0.0
+        self.decode_left[row] = 0.0
+        self.turn[row] += 1
+        self.worker[row] = -1
+        if self.turn[row] >= self.demand.turns[row]:
+            self.phase[row] = DONE
+            self.finished[row] = end
+            return True
+        self.hist[row] += self.env.obs_tokens
+        self.phase[row] = ENV
+        self.ready[row] = end + self.env.env_step_s
+        return False

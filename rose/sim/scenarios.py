@@ -1,0 +1,268 @@
+"""Scenario configurations: dataclasses with `key=value` dotted overrides, and the named ones.
+
+`load_scenario("paper-8b", ["cluster.serving_gpus=32", "rl.steps=4"])` returns a validated
+`Scenario`; unknown keys and values of the wrong type or range are one-line `ValueError`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rose.sim.devices import DEVICES, MODELS
+from rose.sim.systems import SYSTEMS
+from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
+from rose.traces import TRACE_FILES
+
+ENV_FIELDS = ("prompt_tokens", "obs_tokens", "response_median", "max_response", "max_turns", "env_step_s")
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    device: str = "H800"
+    train_gpus: int = 48            # the RL job's own GPUs (training; rollout too when colocated)
+    rollout_gpus: int = 0           # dedicated rollout-only GPUs besides them
+    serving_gpus: int = 64          # the production serving cluster
+    rollout_tp: int = 1             # tensor parallelism of a rollout replica
+    serving_tp: int = 1             # ... of a serving replica (a co-served rollout model matches it)
+    cross_gbps: float = 200.0       # link between the clusters (ROSE paper: 200 Gb/s Ethernet)
+    # fixed-async: share of the job's GPUs that generate; -1 balances them against training
+    # with the rollout/training times of one synchronous step of the same workload.
+    async_rollout_fraction: float = -1.0
+
+
+@dataclasses.dataclass
+class ModelsConfig:
+    policy: str = "qwen3-8b"
+    serving: str = "qwen2.5-7b"
+
+
+@dataclasses.dataclass
+class ServingConfig:
+    trace: str = "azure-conv"
+    load: float = 1.0                # x the trace's own mean request rate, per serving replica
+    minute_peak_to_mean: float = 1.7   # ROSE paper's 24 h trace; sets the diurnal amplitude
+    start_hour: float = 9.0          # time of day the run starts
+    # MLPerf Inference server-scenario latency constraints: TTFT 2 s and TPOT 100 ms for
+    # Llama-3.1-8B (used for 7-8B serving models), TTFT 2 s and TPOT 200 ms for Llama-2-70B
+    # (used for 32B ones).
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 100.0
+    chunk_tokens: int = 512          # chunked prefill (design default)
+    headroom: float = 0.2            # reserved serving headroom H (design default)
+    high_watermark: float = 0.5      # burst trigger: half of H used
+
+
+@dataclasses.dataclass
+class RLConfig:
+    env: str = "frozenlake"
+    algorithm: str = "grpo"          # grpo | dapo (DAPO adds dynamic sampling)
+    trajectories: int = 4096         # per step (prompts x group)
+    group: int = 16
+    steps: int = 6
+    demand_sigma: float = DEMAND_SIGMA
+    rollout_max_seqs: int = 256      # vLLM's default max_num_seqs
+    rollout_batched_tokens: int = 8192   # prefill token budget per iteration on dedicated GPUs
+    # Optional overrides of the environment profile (rose.sim.workloads.ENVS); None keeps it.
+    prompt_tokens: int | None = None
+    obs_tokens: int | None = None
+    response_median: float | None = None
+    max_response: int | None = None
+    max_turns: int | None = None
+    env_step_s: float | None = None
+
+    def env_profile(self) -> EnvProfile:
+        changes = {f: getattr(self, f) for f in ENV_FIELDS if getattr(self, f) is not None}
+        return dataclasses.replace(ENVS[self.env], **changes)
+
+
+@dataclasses.dataclass
+class ElasticConfig:
+    max_gpus: int = -1               # extra GPUs an elastic system may hold; -1: as many as serving
+    # Preemptible GPUs as measured for RLBoost-style systems (design): 56-67 s preparation
+    # (instance, container, engine, weights) and 11-18 s finalisation per allocation.
+    spot_prepare_min_s: float = 56.0
+    spot_prepare_max_s: float = 67.0
+    spot_finalize_min_s: float = 11.0
+    spot_finalize_max_s: float = 18.0
+    spot_mean_lifetime_h: float = 2.0    # assumption: GPU spot instances live hours (Can't Be Late, NSDI'24)
+    # Serverless functions (assumptions, no published lambda-RL figures at hand): a cold start
+    # is container start + engine initialisation + the full new weights from object storage;
+    # each turn is an invocation with its own dispatch latency and no KV kept between turns.
+    serverless_container_s: float = 5.0
+    serverless_engine_init_s: float = 20.0
+    serverless_storage_gbps: float = 16.0    # 2 GB/s per instance from object storage
+    serverless_invoke_s: float = 0.5
+    serverless_finalize_s: float = 3.0
+
+
+@dataclasses.dataclass
+class SyncConfig:
+    changed_fraction: float = 0.05   # ROSE paper: >95% of bf16 weights unchanged at step 10
+    full_every: int = 10             # periodic full sync
+    colocated_switch_s: float = 5.0  # assumption: offload/reload between train and rollout engines
+
+
+@dataclasses.dataclass
+class SimConfig:
+    tick_s: float = 1.0
+    seed: int = 0
+    systems: list[str] = dataclasses.field(default_factory=lambda: list(SYSTEMS))
+
+
+@dataclasses.dataclass
+class Scenario:
+    name: str = "custom"
+    description: str = ""
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    models: ModelsConfig = dataclasses.field(default_factory=ModelsConfig)
+    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    sim: SimConfig = dataclasses.field(default_factory=SimConfig)
+
+    @property
+    def elastic_gpus(self) -> int:
+        return self.cluster.serving_gpus if self.elastic.max_gpus < 0 else self.elastic.max_gpus
+
+
+def validate(sc: Scenario) -> Scenario:
+    c, s, r = sc.cluster, sc.serving, sc.rl
+
+    def need(ok: bool, key: str, what: str, value: Any) -> None:
+        if not ok:
+            raise ValueError(f"scenario {sc.name}: {key} must be {what}, got {value!r}")
+
+    need(c.device in DEVICES, "cluster.device", f"one of {', '.join(DEVICES)}", c.device)
+    need(sc.models.policy in MODELS, "models.policy", f"one of {', '.join(MODELS)}", sc.models.policy)
+    need(sc.models.serving in MODELS, "models.serving", f"one of {', '.join(MODELS)}", sc.models.serving)
+    need(s.trace in TRACE_FILES, "serving.trace", f"one of {', '.join(TRACE_FILES)}", s.trace)
+    need(r.env in ENVS, "rl.env", f"one of {', '.join(ENVS)}", r.env)
+    need(r.algorithm in ("grpo", "dapo"), "rl.algorithm", "grpo or dapo", r.algorithm)
+    for key, value in (("cluster.rollout_tp", c.rollout_tp), ("cluster.serving_tp", c.serving_tp),
+                       ("rl.group", r.group), ("rl.steps", r.steps),
+                       ("rl.rollout_max_seqs", r.rollout_max_seqs),
+                       ("rl.rollout_batched_tokens", r.rollout_batched_tokens),
+                       ("serving.chunk_tokens", s.chunk_tokens), ("sync.full_every", sc.sync.full_every)):
+        need(value >= 1, key, ">= 1", value)
+    need(c.train_gpus >= c.rollout_tp and c.train_gpus % c.rollout_tp == 0, "cluster.train_gpus",
+         f"a positive multiple of rollout_tp ({c.rollout_tp})", c.train_gpus)
+    for key, value, tp in (("cluster.rollout_gpus", c.rollout_gpus, c.rollout_tp),
+                           ("cluster.serving_gpus", c.serving_gpus, c.serving_tp)):
+        need(value >= 0 and value % tp == 0, key, f"a non-negative multiple of its tp ({tp})", value)
+    need(r.trajectories >= r.group and r.trajectories % r.group == 0, "rl.trajectories",
+         f"a positive multiple of rl.group ({r.group})", r.trajectories)
+    for key, value in (("cluster.cross_gbps", c.cross_gbps), ("serving.load", s.load),
+                       ("serving.slo_ttft_ms", s.slo_ttft_ms), ("serving.slo_tpot_ms", s.slo_tpot_ms),
+                       ("sim.tick_s", sc.sim.tick_s), ("rl.demand_sigma", r.demand_sigma + 1e-12),
+                       ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
+                       ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps)):
+        need(value > 0, key, "positive", value)
+    need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
+         "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
+    for key, value in (("serving.headroom", s.headroom), ("serving.high_watermark", s.high_watermark),
+                       ("sync.changed_fraction", sc.sync.changed_fraction)):
+        need(0 < value < 1 or (key == "serving.high_watermark" and value == 1), key, "in (0, 1)", value)
+    need(s.minute_peak_to_mean >= 1, "serving.minute_peak_to_mean", ">= 1", s.minute_peak_to_mean)
+    need(0 <= s.start_hour < 24, "serving.start_hour", "in [0, 24)", s.start_hour)
+    need(sc.elastic.spot_prepare_min_s <= sc.elastic.spot_prepare_max_s, "elastic.spot_prepare_max_s",
+         ">= spot_prepare_min_s", sc.elastic.spot_prepare_max_s)
+    need(sc.elastic.spot_finalize_min_s <= sc.elastic.spot_finalize_max_s,
+         "elastic.spot_finalize_max_s", ">= spot_finalize_min_s", sc.elastic.spot_finalize_max_s)
+    for f in ENV_FIELDS:
+        value = getattr(r, f)
+        need(value is None or value > 0 or (f == "env_step_s" and value == 0), f"rl.{f}",
+             "positive (or null for the environment's default)", value)
+    unknown = [x for x in sc.sim.systems if x not in SYSTEMS]
+    need(not unknown and sc.sim.systems, "sim.systems", f"a non-empty list from {', '.join(SYSTEMS)}",
+         sc.sim.systems)
+    return sc
+
+
+def apply_overrides(sc: Scenario, overrides: list[str]) -> Scenario:
+    """`key=value` dotted overrides (OmegaConf dotlist), type-checked against the dataclasses."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ValueError(f"override {item!r} is not key=value (for example rl.steps=4)")
+    try:
+        base = OmegaConf.structured(sc)
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
+        out = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        msg = str(exc).splitlines()[0]
+        key = getattr(exc, "full_key", None)
+        raise ValueError(f"bad override{f' {key}' if key else ''}: {msg}") from None
+    assert isinstance(out, Scenario)
+    return validate(out)
+
+
+def _paper_8b() -> Scenario:
+    return Scenario(
+        name="paper-8b",
+        description="Qwen3-8B on FrozenLake, GRPO, 256 prompts x group 16; 48 H800 training GPUs, "
+                    "64 H800 serving Qwen2.5-7B under the Azure conversation trace",
+    )
+
+
+def _paper_32b() -> Scenario:
+    return Scenario(
+        name="paper-32b",
+        description="Qwen3-32B on ALFWorld-like tasks, DAPO, 1,024 trajectories (64 prompts x 16); "
+                    "48 H800 training GPUs (TP 4), 64 H800 serving Qwen2.5-32B (TP 4)",
+        cluster=ClusterConfig(rollout_tp=4, serving_tp=4),
+        models=ModelsConfig(policy="qwen3-32b", serving="qwen2.5-32b"),
+        serving=ServingConfig(slo_ttft_ms=2000.0, slo_tpot_ms=200.0),
+        rl=RLConfig(env="alfworld", algorithm="dapo", trajectories=1024, group=16, steps=5),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """One key varied over values on a base scenario, with the systems it needs."""
+
+    name: str
+    description: str
+    base: str
+    key: str
+    values: tuple[Any, ...]
+    systems: tuple[str, ...]
+    overrides: tuple[str, ...] = ()
+
+
+SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b}
+SWEEPS: dict[str, Sweep] = {s.name: s for s in (
+    Sweep("sweep-bandwidth", "cross-cluster bandwidth 10-200 Gb/s: sparse deltas against full weights",
+          "paper-8b", "cluster.cross_gbps", (10, 25, 50, 100, 200),
+          ("fixed-sync", "rose", "rose-full-weights"), ("rl.steps=3",)),
+    Sweep("sweep-load", "serving load 0.5-4x the trace's rate per serving GPU",
+          "paper-8b", "serving.load", (0.5, 1.0, 2.0, 4.0), ("fixed-sync", "rose"), ("rl.steps=3",)),
+    Sweep("sweep-serving-gpus", "number of serving GPUs lent to rollouts",
+          "paper-8b", "cluster.serving_gpus", (0, 16, 32, 64, 128), ("fixed-sync", "rose"),
+          ("rl.steps=3",)),
+    Sweep("sweep-scale", "cluster size: training GPUs and batch scaled together, 3x as many serving GPUs",
+          "paper-32b", "cluster.train_gpus", (16, 64, 256),
+          ("fixed-sync", "rose"), ("rl.steps=2",)),
+)}
+
+
+def scale_overrides(key: str, value: Any) -> list[str]:
+    """Companion overrides that keep a sweep point sensible (cluster-size sweep)."""
+    if key == "cluster.train_gpus":
+        return [f"cluster.serving_gpus={3 * int(value)}", f"rl.trajectories={64 * int(value)}"]
+    return []
+
+
+def list_scenarios() -> list[tuple[str, str]]:
+    return ([(name, make().description) for name, make in SCENARIOS.items()]
+            + [(s.name, f"{s.description} ({s.key} in {list(s.values)})") for s in SWEEPS.values()])
+
+
+def load_scenario(name: str, overrides: list[str] | None = None) -> Scenario:
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; expected one of "
+                         f"{', '.join([*SCENARIOS, *SWEEPS])}")
+    return apply_overrides(SCENARIOS[name](), list(overrides or []))

@@ -1,0 +1,124 @@
+"""RL workloads: environments' turn structure, per-step demand variation, DAPO resampling.
+
+An environment profile says how long prompts, observations and responses are and how many
+turns an episode lasts. These are workload *assumptions* (stated with their reasoning), not
+measurements of the paper's runs, which it does not publish at this granularity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvProfile:
+    name: str
+    prompt_tokens: int       # system prompt + task + first observation
+    obs_tokens: int          # observation (and its template) appended before each later turn
+    response_median: float   # generated tokens a turn (lognormal median)
+    response_sigma: float    # lognormal shape: the long tail of reasoning lengths
+    max_response: int        # per-turn max_tokens, the cap that bounds the tail
+    end_prob: float          # chance the episode ends after a turn (goal, hole, task done)
+    max_turns: int
+    env_step_s: float        # one environment step, wall time
+    note: str
+
+
+ENVS: dict[str, EnvProfile] = {
+    # FrozenLake-like (RAGEN / ROLL agentic examples): a rules prompt with the rendered grid, a
+    # short grid observation per turn, a thinking model reasoning a few hundred tokens before
+    # each move, episodes of a handful of moves capped at 10; the env step is microseconds of
+    # Python plus the agent framework's bookkeeping.
+    "frozenlake": EnvProfile("frozenlake", prompt_tokens=400, obs_tokens=80, response_median=350,
+                             response_sigma=0.7, max_response=2048, end_prob=0.2, max_turns=10,
+                             env_step_s=0.01,
+                             note="short turns: small grid observations, up to 10 moves"),
+    # ALFWorld-like (ReAct agents on TextWorld): a long task prompt with few-shot examples and
+    # admissible commands, ~100-token observations, a thought + action per turn, episodes of
+    # up to 30 steps (ALFWorld allows 50; agents finish or fail well before), a TextWorld step
+    # of a few hundred milliseconds.
+    "alfworld": EnvProfile("alfworld", prompt_tokens=1500, obs_tokens=120, response_median=200,
+                           response_sigma=0.6, max_response=1024, end_prob=0.07, max_turns=30,
+                           env_step_s=0.3,
+                           note="long turns: growing context to ~10k tokens, up to 30 steps"),
+}
+
+# Demand varies up to 5.7x between training steps (ROSE paper). A lognormal multiplier with
+# sigma s has an expected max/min over 20 steps of exp(3.73 s) (the expected range of 20
+# standard normals is 3.73); s = ln(5.7) / 3.73 makes that 5.7x.
+DEMAND_SIGMA = math.log(5.7) / 3.73
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundDemand:
+    """One rollout round: every trajectory's turns, as a [trajectories, max_turns] array of
+    response lengths (0 past its last turn)."""
+
+    env: EnvProfile
+    response: np.ndarray
+    turns: np.ndarray
+    groups: int
+
+    @property
+    def trajectories(self) -> int:
+        return len(self.turns)
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.response.sum())
+
+    def context_tokens(self) -> np.ndarray:
+        """Each trajectory's final context (what the trainer runs over)."""
+        return self.env.prompt_tokens + self.response.sum(axis=1) + (self.turns - 1) * self.env.obs_tokens
+
+
+def step_multipliers(steps: int, sigma: float, seed: int) -> np.ndarray:
+    """Per-step demand multipliers (mean response length scale), lognormal, median 1."""
+    return np.exp(sigma * np.random.default_rng(seed).standard_normal(steps))
+
+
+def sample_round(env: EnvProfile, groups: int, group_size: int, multiplier: float,
+                 rng: np.random.Generator) -> RoundDemand:
+    n = groups * group_size
+    turns = np.minimum(rng.geometric(env.end_prob, size=n), env.max_turns)
+    resp = rng.lognormal(math.log(env.response_median * multiplier), env.response_sigma,
+                         size=(n, env.max_turns))
+    resp = np.clip(np.rint(resp), 1, env.max_response).astype(np.int64)
+    resp[np.arange(env.max_turns)[None, :] >= turns[:, None]] = 0
+    return RoundDemand(env, resp, turns, groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSampling:
+    """DAPO's dynamic sampling: groups whose rewards all agree carry no advantage and are
+    dropped; more prompts are sampled, a round at a time, until the batch is full (or
+    `max_rounds`). Per-prompt success probability ~ Beta(alpha, beta): Beta(1, 1), prompts of
+    uniformly spread difficulty, is the assumption (the chance a 16-sample group is all-equal
+    is then 2/17)."""
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    max_rounds: int = 3
+
+    def valid_groups(self, groups: int, group_size: int, rng: np.random.Generator) -> int:
+        p = rng.beta(self.alpha, self.beta, size=groups)
+        wins = rng.binomial(group_size, p)
+        return int(np.count_nonzero((wins > 0) & (wins < group_size)))
+
+
+def plan_rounds(groups: int, group_size: int, sampling: DynamicSampling | None,
+                rng: np.random.Generator) -> list[int]:
+    """Groups generated in each rollout round of one step (one round without dynamic sampling)."""
+    if sampling is None:
+        return [groups]
+    rounds, valid = [], 0
+    while valid < groups and len(rounds) < sampling.max_rounds:
+        # Oversample the deficit by the valid fraction seen so far, as DAPO's trainer does.
+        frac = valid / sum(rounds) if rounds else 1.0
+        want = math.ceil((groups - valid) / max(frac, 0.1))
+        rounds.append(min(want, groups))
+        valid += sampling.valid_groups(rounds[-1], group_size, rng)
+    return rounds

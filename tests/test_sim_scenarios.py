@@ -1,0 +1,55 @@
+"""Scenario configs: named scenarios, dotted overrides, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rose.sim.scenarios import SCENARIOS, SWEEPS, list_scenarios, load_scenario
+
+
+def test_named_scenarios_load_and_validate():
+    for name in SCENARIOS:
+        sc = load_scenario(name)
+        assert sc.name == name and sc.description
+    names = [n for n, _ in list_scenarios()]
+    assert set(SCENARIOS) | set(SWEEPS) == set(names)
+
+
+def test_paper_scenarios_follow_the_issue():
+    s8, s32 = load_scenario("paper-8b"), load_scenario("paper-32b")
+    assert (s8.models.policy, s8.models.serving, s8.rl.env, s8.rl.algorithm) == (
+        "qwen3-8b", "qwen2.5-7b", "frozenlake", "grpo")
+    assert s8.rl.group == 16 and s8.rl.trajectories == 256 * 16
+    assert (s8.cluster.device, s8.cluster.train_gpus, s8.cluster.serving_gpus) == ("H800", 48, 64)
+    assert (s32.models.policy, s32.models.serving, s32.rl.algorithm) == ("qwen3-32b", "qwen2.5-32b", "dapo")
+    assert s32.rl.trajectories == 1024
+
+
+def test_overrides_apply_with_types():
+    sc = load_scenario("paper-8b", ["cluster.serving_gpus=32", "serving.load=2.5", "rl.max_turns=4",
+                                    "sim.systems=[fixed-sync,rose]"])
+    assert sc.cluster.serving_gpus == 32 and sc.serving.load == 2.5
+    assert sc.rl.env_profile().max_turns == 4
+    assert sc.sim.systems == ["fixed-sync", "rose"]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rl.nope=1", "Key 'nope' not in 'RLConfig'"),
+    ("rl.steps=abc", "rl.steps"),
+    ("rl.steps=0", "rl.steps must be >= 1"),
+    ("cluster.device=TPU", "cluster.device must be one of"),
+    ("cluster.serving_tp=5", "multiple of its tp"),
+    ("paper-32b", "not key=value"),
+    ("serving.headroom=1.5", "serving.headroom must be in (0, 1)"),
+    ("sim.systems=[rose,bogus]", "sim.systems must be"),
+    ("rl.trajectories=100", "multiple of rl.group"),
+])
+def test_bad_overrides_are_one_line_errors(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_scenario("paper-8b", [override])
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_scenario():
+    with pytest.raises(ValueError, match="unknown scenario 'x'; expected one of paper-8b"):
+        load_scenario("x")
