@@ -1,0 +1,43 @@
+"""Environments by name: `make_env("frozenlake", size=8)`, `list_envs()`, `register_env`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from rose.rl.envs.base import TextEnv
+from rose.rl.envs.frozen_lake import FrozenLake
+from rose.rl.envs.sokoban import Sokoban
+
+_FACTORIES: dict[str, Callable[..., TextEnv]] = {}
+
+
+def register_env(name: str, factory: Callable[..., TextEnv]) -> None:
+    """Make `factory(**kwargs)` available as `make_env(name, **kwargs)`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"env name must be a non-empty string, got {name!r}")
+    if name in _FACTORIES:
+        raise ValueError(f"env {name!r} is already registered")
+    _FACTORIES[name] = factory
+
+
+def list_envs() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def make_env(name: str, **kwargs: Any) -> TextEnv:
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown env {name!r}; expected one of {', '.join(list_envs())}")
+    signature = inspect.signature(factory)
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        accepted = ", ".join(p for p in signature.parameters if p != "self")
+        raise ValueError(f"env {name!r}: {exc}; it accepts {accepted}") from None
+    return factory(**kwargs)
+
+
+register_env(FrozenLake.name, FrozenLake)
+register_env(Sokoban.name, Sokoban)

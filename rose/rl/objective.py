@@ -1,0 +1,109 @@
+"""Which objective the trainer optimises: GRPO or DAPO settings over the pure functions of
+`advantages.py` and `losses.py`.
+
+`Objective.grpo()` is DeepSeekMath's GRPO: symmetric clip 0.2, sequence-level averaging, an
+optional k3 KL penalty (the paper used beta = 0.04; the default here is 0, as in most recent
+recipes, which saves the reference model). `Objective.dapo()` is Yu et al.'s DAPO: clip-higher
+(eps_low 0.2, eps_high 0.28), dynamic sampling, token-level averaging, the soft overlong penalty
+(the paper's L_max 20480 with a 4096-token cache) and no KL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rose.rl import losses
+from rose.rl.advantages import group_advantages, informative_groups, overlong_penalty
+from rose.rl.trajectory import Trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The trajectories that train, one advantage each, and sums over the whole batch (sums,
+    so that data-parallel ranks can add theirs up)."""
+
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    stats: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    aggregation: str = "sequence"
+    dynamic_sampling: bool = False
+    overlong_max_tokens: int | None = None  # None: no overlong penalty
+    overlong_cache_tokens: int = 0
+    advantage_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("clip_low", "clip_high", "kl_coef", "advantage_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0:
+                raise ValueError(f"objective: {name} must be a finite number >= 0, got {value!r}")
+        if self.clip_low >= 1:
+            raise ValueError(f"objective: clip_low must be < 1 (the ratio's floor is 1 - clip_low), "
+                             f"got {self.clip_low}")
+        losses.check_aggregation(self.aggregation)
+        if not isinstance(self.dynamic_sampling, bool):
+            raise ValueError(f"objective: dynamic_sampling must be true or false, "
+                             f"got {self.dynamic_sampling!r}")
+        if self.overlong_max_tokens is not None:
+            overlong_penalty([], self.overlong_max_tokens, self.overlong_cache_tokens)  # validates
+
+    @classmethod
+    def grpo(cls, **overrides: Any) -> Objective:
+        return cls(**overrides)
+
+    @classmethod
+    def dapo(cls, **overrides: Any) -> Objective:
+        settings: dict[str, Any] = dict(clip_low=0.2, clip_high=0.28, aggregation="token",
+                                        dynamic_sampling=True, overlong_max_tokens=20480,
+                                        overlong_cache_tokens=4096)
+        return cls(**{**settings, **overrides})
+
+    def prepare(self, trajectories: Sequence[Trajectory]) -> Prepared:
+        """Shape the rewards, drop uninformative groups (if dynamic sampling), and normalise
+        the rest per group. Whole groups must be present."""
+        trajectories = list(trajectories)
+        groups = [t.group_id for t in trajectories]
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+        if self.overlong_max_tokens is not None:
+            lengths = [t.num_generated_tokens for t in trajectories]
+            rewards += overlong_penalty(lengths, self.overlong_max_tokens, self.overlong_cache_tokens)
+        keep = (informative_groups(rewards, groups) if self.dynamic_sampling
+                else torch.ones(len(trajectories), dtype=torch.bool))
+        kept = [t for t, k in zip(trajectories, keep.tolist(), strict=True) if k]
+        advantages = group_advantages(rewards[keep], [t.group_id for t in kept], self.advantage_eps)
+        stats = {
+            "trajectories": float(len(trajectories)),
+            "reward_sum": sum(t.reward for t in trajectories),
+            "successes": float(sum(t.success for t in trajectories)),
+            "groups": float(len(set(groups))),
+            "groups_kept": float(len({t.group_id for t in kept})),
+        }
+        return Prepared(kept, advantages.tolist(), stats)
+
+    def loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
+             denominator: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The scalar loss over `[B, T]` tensors (advantages broadcast from `[B, 1]`) and
+        un-normalised sums for metrics: `clipped` tokens and `kl` (summed over masked tokens)."""
+        per_token, clipped = losses.clipped_surrogate(logprobs, old_logprobs, advantages,
+                                                      self.clip_low, self.clip_high)
+        sums = {"clipped": (clipped & mask).sum().float()}
+        if self.kl_coef > 0:
+            if ref_logprobs is None:
+                raise ValueError("objective: kl_coef > 0 needs the reference policy's logprobs")
+            kl = losses.k3_kl(logprobs, ref_logprobs)
+            per_token = per_token + self.kl_coef * kl
+            sums["kl"] = (kl.detach() * mask).sum()
+        return losses.aggregate(per_token, mask, self.aggregation, denominator), sums

@@ -1,0 +1,246 @@
+"""The policy trainer: fp32 master weights, AdamW, gradient accumulation, data parallelism.
+
+`Trainer.step(trajectories)` is one RL step: the objective turns rewards into advantages, each
+trajectory is flattened to one sequence, the current policy's per-token logprobs are
+recomputed for the ratio against the behaviour logprobs recorded at rollout, and the batch is
+split into `mini_batches` optimizer updates of `micro_batch_size`-sequence forward/backward
+passes. The policy version then goes up by one and `export_weights()` yields the new weights
+as bf16 for the rollout engines (`LLMEngine.load_weights(trainer.export_weights(),
+trainer.version)`); training itself stays in fp32, the fast dtype on CPUs without bf16
+arithmetic and the precision AdamW's small updates need.
+
+Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
+(gloo on CPU) and give each rank whole GRPO groups (`shard_by_group`). Losses are divided by the
+token or sequence count of the whole batch (all ranks), gradients are summed across ranks in one
+all-reduce, so N ranks with 1/N of the batch each take the same step as one rank with all of it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rose.model import QwenForCausalLM, load_model, save_model
+from rose.rl.objective import Objective
+from rose.rl.trajectory import TokenSequence, Trajectory
+
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = 1.0  # None: no clipping
+    micro_batch_size: int = 8  # sequences per forward/backward pass
+    mini_batches: int = 1  # optimizer updates per step, each on its share of the batch
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        def number(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"trainer: {name} must be a finite number, got {value!r}")
+            return float(value)
+
+        if number("lr", self.lr) <= 0:
+            raise ValueError(f"trainer: lr must be > 0, got {self.lr}")
+        if number("weight_decay", self.weight_decay) < 0:
+            raise ValueError(f"trainer: weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= number("betas", b) < 1 for b in self.betas):
+            raise ValueError(f"trainer: betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.max_grad_norm is not None and number("max_grad_norm", self.max_grad_norm) <= 0:
+            raise ValueError(f"trainer: max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        for name in ("micro_batch_size", "mini_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"trainer: {name} must be a positive integer, got {value!r}")
+
+
+def _chunks(items: list[Any], n: int) -> list[list[Any]]:
+    """`n` contiguous, nearly equal chunks (some empty when there are fewer items than n)."""
+    size, extra = divmod(len(items), n)
+    bounds = [i * size + min(i, extra) for i in range(n + 1)]
+    return [items[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
+def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to `[B, L]`; padding is masked out (causal attention never looks ahead)."""
+    length = max(len(s.token_ids) for s in sequences)
+
+    def stack(field: str, fill: float | int | bool) -> torch.Tensor:
+        rows = [getattr(s, field) for s in sequences]
+        return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=fill) for r in rows])
+
+    return stack("token_ids", 0), stack("loss_mask", False), stack("old_logprobs", 0.0), stack("versions", -1)
+
+
+class Trainer:
+    def __init__(self, model: QwenForCausalLM | str | Path, objective: Objective | None = None,
+                 config: TrainerConfig | None = None, group: dist.ProcessGroup | None = None) -> None:
+        """`model`: a policy or a checkpoint directory (loaded in fp32). With a process group
+        initialised, this is one data-parallel rank of `group` (default: the whole world); rank
+        0's weights are broadcast to the others."""
+        self.model = load_model(model, dtype=torch.float32) if isinstance(model, (str, Path)) else model
+        wrong = {str(p.dtype) for p in self.model.parameters() if p.dtype != torch.float32}
+        if wrong:
+            raise ValueError(f"trainer: master weights must be float32, got {', '.join(sorted(wrong))}; "
+                             "load the model with dtype=torch.float32")
+        self.objective = objective or Objective.grpo()
+        self.config = config or TrainerConfig()
+        self.model.train().set_gradient_checkpointing(self.config.gradient_checkpointing)
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.params = list(self.model.parameters())
+        if self.world_size > 1:
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for p in self.params:
+                dist.broadcast(p.data, src=src, group=group)
+        # The reference policy of the KL penalty is the policy as it starts.
+        self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
+                          if self.objective.kl_coef > 0 else None)
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
+                                           weight_decay=self.config.weight_decay)
+        self.version = 0
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """One RL step on this rank's share of the batch (whole groups); every rank calls it
+        once per step. Returns metrics over the whole batch."""
+        prepared = self.objective.prepare(trajectories)
+        samples = [(t.flatten(), a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True)]
+        self._check(samples, prepared.trajectories)
+        sums = dict.fromkeys(("loss", "tokens", "sequences", "clipped", "kl", "entropy", "version_lag"), 0.0)
+        grad_norms, updates = [], 0
+        for mini in _chunks(samples, self.config.mini_batches):
+            shifted = [s.loss_mask[1:] for s, _ in mini]
+            local = sum(int(m.sum()) for m in shifted), sum(int(m.any()) for m in shifted)
+            tokens, sequences = self._all_reduce(local)
+            denominator = tokens if self.objective.aggregation == "token" else sequences
+            if denominator == 0:
+                continue  # nothing to learn from anywhere (e.g. dynamic sampling dropped all)
+            for micro in _chunks(mini, math.ceil(len(mini) / self.config.micro_batch_size) or 1):
+                if micro:
+                    for key, value in self._forward_backward(micro, int(denominator)).items():
+                        sums[key] += value
+            self._all_reduce_gradients()
+            limit = self.config.max_grad_norm or math.inf
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, limit)))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            updates += 1
+        self.version += 1
+        keys = list(sums) + list(prepared.stats)
+        totals = dict(zip(keys, self._all_reduce([*sums.values(), *prepared.stats.values()]), strict=True))
+        tokens = max(totals["tokens"], 1.0)
+        return {
+            "loss": totals["loss"] / max(updates, 1),
+            "clip_fraction": totals["clipped"] / tokens,
+            "kl": totals["kl"] / tokens,
+            "entropy": totals["entropy"] / tokens,
+            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "version_lag": totals["version_lag"] / tokens,
+            "tokens": totals["tokens"],
+            "sequences": totals["sequences"],
+            "updates": float(updates),
+            "reward_mean": totals["reward_sum"] / max(totals["trajectories"], 1.0),
+            "success_rate": totals["successes"] / max(totals["trajectories"], 1.0),
+            "groups": totals["groups"],
+            "groups_kept": totals["groups_kept"],
+            "version": float(self.version),
+        }
+
+    def _check(self, samples: list[tuple[TokenSequence, float]], trajectories: list[Trajectory]) -> None:
+        limit, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
+        for (seq, _), t in zip(samples, trajectories, strict=True):
+            if len(seq.token_ids) > limit:
+                raise ValueError(f"trajectory {t.group_id!r} has {len(seq.token_ids)} tokens; the model's "
+                                 f"context is {limit}")
+            if int(seq.token_ids.min()) < 0 or int(seq.token_ids.max()) >= vocab:
+                raise ValueError(f"trajectory {t.group_id!r} holds token ids outside the vocabulary "
+                                 f"[0, {vocab})")
+
+    def _logprobs(self, model: QwenForCausalLM, inputs: torch.Tensor,
+                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probability of each target token `[B, T]` and the full log-softmax `[B, T, V]`."""
+        logp = model(inputs).float().log_softmax(-1)
+        return logp.gather(-1, targets[..., None])[..., 0], logp
+
+    def _forward_backward(self, micro: list[tuple[TokenSequence, float]],
+                          denominator: int) -> dict[str, float]:
+        ids, mask, old, versions = _pad([s for s, _ in micro])
+        inputs, targets = ids[:, :-1], ids[:, 1:]
+        mask, old, versions = mask[:, 1:], old[:, 1:], versions[:, 1:]
+        advantages = torch.tensor([a for _, a in micro], dtype=torch.float32)[:, None]
+        logprobs, logp = self._logprobs(self.model, inputs, targets)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = self._logprobs(self.ref_model, inputs, targets)[0]
+        loss, sums = self.objective.loss(logprobs, old, advantages, mask, ref, denominator)
+        loss.backward()
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+            out = {key: float(value) for key, value in sums.items()}
+            out.update(loss=float(loss), tokens=float(mask.sum()), sequences=float(mask.any(-1).sum()),
+                       entropy=float((entropy * mask).sum()),
+                       version_lag=float(((self.version - versions) * mask).sum()))
+        return out
+
+    # -- data parallelism ----------------------------------------------------------------------
+
+    def _all_reduce(self, values: Sequence[float]) -> list[float]:
+        if self.world_size == 1:
+            return [float(v) for v in values]
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    def _all_reduce_gradients(self) -> None:
+        """Sum gradients over ranks in one flat buffer (one collective, not one per tensor)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # a rank with nothing to train still joins
+        if self.world_size == 1:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # -- weights out, checkpoints --------------------------------------------------------------
+
+    def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(name, tensor)` for every parameter, cast from the fp32 masters (a copy, always):
+        what `LLMEngine.load_weights` and the weight transfer engine consume. A tied output
+        head is yielded once, under the embedding's name."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach().to(dtype, copy=True)
+
+    def save(self, path: str | Path) -> Path:
+        """An HF-format checkpoint of the fp32 weights plus the optimizer state and version."""
+        path = Path(path)
+        save_model(self.model, path)
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, path / STATE_FILE)
+        return path
+
+    def load_state(self, path: str | Path) -> None:
+        """Resume the optimizer and version saved by `save` (the weights come with the model)."""
+        file = Path(path) / STATE_FILE
+        if not file.is_file():
+            raise ValueError(f"{path}: no {STATE_FILE}; expected a directory written by Trainer.save")
+        state = torch.load(file, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
