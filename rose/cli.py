@@ -17,8 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("rose.engine.cli", "generate text from a checkpoint"),
     "simulate": ("rose.sim.cli", "simulate ROSE and its baselines at cluster scale from real traces"),
     "serve": ("rose.coserve.cli", "serve a model over an OpenAI-compatible API, with rollouts beside it"),
+    "loadgen": ("rose.coserve.loadgen", "replay a real serving trace against an OpenAI-compatible server"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
+    "coserve": ("rose.bench.coserve", "serving P99 TTFT/TPOT beside rollouts: naive, static, rose"),
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
     "transfer": ("rose.bench.transfer", "weight sync after AdamW steps: naive, shard-aware, sparse delta"),
 }

@@ -1,0 +1,198 @@
+"""`rose bench coserve`: serving P99 TTFT/TPOT with and without rollouts beside it (Table 1).
+
+One serving device: a `rose serve` process pinned to one core with one torch thread, serving a
+`small` Qwen2 with a `small` Qwen3 rollout model beside it. The Azure conversation trace is
+replayed over HTTP at a rate that leaves the device mostly idle on average but bursty; a
+saturating backlog of multi-turn rollout turns goes through the lease API. Modes, each with a
+fresh server, the same trace window and the same backlog:
+
+- `serving_alone`: no rollouts; its P99s (x `--slo-factor`) fix the SLO budgets of the others;
+- `rollout_alone`: no serving traffic: the device's rollout capacity;
+- `naive_share`: rollouts take whatever pages and tokens they like, no priority;
+- `static_partition`: a fixed page split and a fixed rollout token budget per iteration;
+- `rose`: dual-SLO admission and burst control.
+
+`harvest_ratio` = rose rollout tokens/s / (idle fraction of serving alone x rollout_alone
+tokens/s): the share of the idle capacity ROSE turned into rollout tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from rose.bench import write_report
+from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
+from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
+from rose.engine import SamplingParams
+from rose.model import init_model
+
+MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
+    "serving_alone": ("rose", True, False),
+    "rollout_alone": ("rose", False, True),
+    "naive_share": ("naive", True, True),
+    "static_partition": ("static", True, True),
+    "rose": ("rose", True, True),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="45 s per mode instead of 150 s")
+    p.add_argument("--json", help="write the full report here")
+    p.add_argument("--duration", type=float, help="seconds of trace per mode")
+    p.add_argument("--rate", type=float, default=0.35, help="serving requests per second (mean)")
+    p.add_argument("--slo-factor", type=float, default=1.5, help="SLO = this x serving-alone P99")
+    p.add_argument("--trajectories", type=int, default=16, help="concurrent rollout trajectories")
+    p.add_argument("--start", type=float, default=600.0, help="offset into the trace, seconds")
+
+
+@contextlib.contextmanager
+def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None
+            ) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "rose.cli", "serve", "--model", str(serving),
+           "--rollout-model", str(rollout), "--port", str(port), "--policy", policy, "--threads", "1",
+           "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
+    if core is not None:
+        cmd += ["--cores", core]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):
+            if proc.poll() is not None:
+                raise RuntimeError(f"rose serve exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("rose serve did not come up within 120 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _busy_seconds(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        if family.name == "rose_busy_seconds":
+            return sum(s.value for s in family.samples
+                       if s.name.endswith("_total") and s.labels.get("model") == "serving")
+    return 0.0
+
+
+async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator) -> dict[str, int]:
+    """Multi-turn rollouts that keep the device saturated until `stop_at`: each turn is the
+    trajectory so far plus a new observation; a turn handed back is resumed with its tokens."""
+    client = LeaseClient(url)
+    counts = {"tokens": 0, "turns": 0, "handed_back": 0}
+
+    async def trajectory(k: int) -> None:
+        history = rng.integers(10, 256, 128).tolist()
+        turn = 0
+        while time.perf_counter() < stop_at:
+            params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+            got = TurnResult()
+            try:
+                await client.run_turn(f"t{k}-{turn}", f"traj{k}", history, params, result=got)
+            except LeaseError:
+                await asyncio.sleep(0.05)
+            counts["tokens"] += len(got.token_ids)
+            counts["handed_back"] += got.finish_reason == "abort"
+            counts["turns"] += got.finish_reason not in (None, "abort")
+            history += got.token_ids
+            if got.finish_reason not in (None, "abort"):
+                history += rng.integers(10, 256, 32).tolist()
+            turn += 1
+            if len(history) > 1500:
+                history = rng.integers(10, 256, 128).tolist()
+
+    tasks = [asyncio.create_task(trajectory(k)) for k in range(trajectories)]
+    await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.aclose()
+    return counts
+
+
+async def _measure(url: str, mode: str, duration: float, args: argparse.Namespace,
+                   slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
+    """Run one mode for `duration` s: its figures, and the serving requests' own results."""
+    _, traffic, rollouts = MODES[mode]
+    busy0, t0 = _busy_seconds(url), time.perf_counter()
+    jobs = []
+    if rollouts:
+        jobs.append(_backlog(url, t0 + duration, args.trajectories, np.random.default_rng(1)))
+    if traffic:
+        trace = build_trace("azure-conv", duration, load=args.rate / 5.53, start_s=args.start,
+                            prompt_scale=0.125)
+        jobs.append(replay(url, trace, max_context=1024, max_output=64))
+    done = await asyncio.gather(*jobs)
+    wall = time.perf_counter() - t0
+    result: dict[str, Any] = {"wall_s": round(wall, 2),
+                              "serving_busy_fraction": round((_busy_seconds(url) - busy0) / wall, 4)}
+    if rollouts:
+        result.update(rollout=done[0], rollout_tokens_per_s=round(done[0]["tokens"] / wall, 2))
+    requests = done[-1] if traffic else []
+    if traffic:
+        result.update(summarize(requests, wall, **_slo_kwargs(slo)))
+    return result, requests
+
+
+def run(args: argparse.Namespace) -> int:
+    duration = args.duration or (45.0 if args.quick else 150.0)
+    cores = os.sched_getaffinity(0)
+    # The server gets a core of its own; load generator and rollout driver share the other.
+    server_core = str(max(cores)) if len(cores) > 1 else None
+    if server_core is not None:
+        os.sched_setaffinity(0, cores - {max(cores)})
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        serving = init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
+        rollout = init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
+        loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
+        with _server(serving, rollout, "rose", loose, server_core) as url:
+            alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
+        slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
+               "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
+        results["serving_alone"] = {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}
+        print("serving_alone", alone, "slo", slo, flush=True)
+        for mode in ("rollout_alone", "naive_share", "static_partition", "rose"):
+            with _server(serving, rollout, MODES[mode][0], slo, server_core) as url:
+                results[mode], _ = asyncio.run(_measure(url, mode, duration, args, slo))
+            print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
+
+    idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
+    capacity = results["rollout_alone"]["rollout_tokens_per_s"]
+    summary: dict[str, Any] = {"slo": slo}
+    for mode, r in results.items():
+        summary[mode] = {k: r.get(k) for k in ("p99_ttft_ms", "p99_tpot_ms", "slo_attainment",
+                                               "rollout_tokens_per_s")}
+    summary["idle_fraction_serving_alone"] = round(idle, 4)
+    summary["harvest_ratio"] = round(results["rose"]["rollout_tokens_per_s"] / (idle * capacity), 3)
+    write_report(args.json, summary, config={"duration_s": duration, "rate": args.rate,
+                                             "trajectories": args.trajectories, "start_s": args.start,
+                                             "slo_factor": args.slo_factor}, modes=results)
+    return 0
+
+
+def _slo_kwargs(slo: dict[str, float]) -> dict[str, float]:
+    return {"slo_ttft_ms": slo["ttft_ms"], "slo_tpot_ms": slo["tpot_ms"]}
