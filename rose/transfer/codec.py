@@ -9,13 +9,15 @@ Layout (little-endian)::
     header  magic "RSD1", kind (0 full, 1 delta), dtype, flags (1 = zstd), ndim,
             n_changed, n_escapes, raw_len, stored_len, result_hash, shape[ndim], check
     body    full:  the tensor's raw bytes
-            delta: chunk kinds (one byte per CHUNK elements: 0 gaps, 1 bitmap)
+            delta: escapes: gap distances above 255, in order (uint32; uint64 for tensors of
+                     2**32 elements or more)
+                   | new raw bits (bitmap-chunk elements first, then the gap-coded ones)
+                   | chunk kinds (one byte per CHUNK elements: 0 gaps, 1 bitmap)
                    | bitmaps of the bitmap chunks
                    | gaps: one byte per other changed index, its distance from the previous
-                     one (1-255), or 0 for "see the next escape"
-                   | escapes: the distances above 255, in order (uint32; uint64 for tensors
-                     of 2**32 elements or more)
-                   | new raw bits (bitmap-chunk elements first, then the gap-coded ones)
+                     one (1-255), or 0 for "the next escape"
+            (the word-sized fields first, so that they stay aligned: numpy scatters unaligned
+            values 60% slower)
 
 The gaps are a byte-aligned varint split into two streams (patched coding, as in PFOR): at
 the 0.6-5% densities of RL steps nearly every gap fits a byte, and decoding is one cumsum.
@@ -318,7 +320,7 @@ def _delta_body(idx: np.ndarray, vals: np.ndarray, numel: int) -> tuple[np.ndarr
     gaps = dist.astype(np.uint8)
     gaps[escaped] = 0
     escapes = dist[escaped].astype(_escape_dtype(numel))
-    parts = [is_bitmap.view(np.uint8), bitmap, gaps, escapes.view(np.uint8), vals.view(np.uint8)]
+    parts = [escapes.view(np.uint8), vals.view(np.uint8), is_bitmap.view(np.uint8), bitmap, gaps]
     return np.concatenate(parts), escapes.size
 
 
@@ -329,36 +331,32 @@ def _escape_dtype(numel: int) -> type:
 def _parse_delta(body: np.ndarray, n_changed: int, n_escapes: int, numel: int,
                  target: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     n_chunks = -(-numel // CHUNK)
-    if body.size < n_chunks:
-        raise CorruptDelta(f"delta body of {body.size} bytes cannot hold {n_chunks} chunk kinds")
-    kinds = body[:n_chunks]
+    esc_dtype = _escape_dtype(numel)
+    esc_bytes = n_escapes * np.dtype(esc_dtype).itemsize
+    pos = esc_bytes + n_changed * target.element_size()  # the chunk kinds
+    if body.size < pos + n_chunks:
+        raise CorruptDelta(f"delta body of {body.size} bytes cannot hold its values and chunk kinds")
+    kinds = body[pos:pos + n_chunks]
     if (kinds > 1).any():
         raise CorruptDelta("delta chunk kind out of range")
     bitmap_chunks = np.flatnonzero(kinds)
-    pos = n_chunks + bitmap_chunks.size * CHUNK // 8
-    set_bits = np.flatnonzero(np.unpackbits(body[n_chunks:pos], bitorder="little"))
+    start, pos = pos + n_chunks, pos + n_chunks + bitmap_chunks.size * CHUNK // 8
+    set_bits = np.flatnonzero(np.unpackbits(body[start:pos], bitorder="little"))
     n_gaps = n_changed - set_bits.size
-    esc_dtype = _escape_dtype(numel)
-    esc_bytes = n_escapes * np.dtype(esc_dtype).itemsize
-    expected = pos + n_gaps + esc_bytes + n_changed * target.element_size()
-    if n_gaps < 0 or body.size != expected:
-        raise CorruptDelta(f"delta body is {body.size} bytes, its fields need {expected}")
+    if n_gaps < 0 or body.size != pos + n_gaps:
+        raise CorruptDelta(f"delta body is {body.size} bytes, its fields need {pos + max(n_gaps, 0)}")
     idx_b = (bitmap_chunks[set_bits >> CHUNK_SHIFT] << CHUNK_SHIFT) | (set_bits & (CHUNK - 1))
-    gaps = body[pos:pos + n_gaps]
-    pos += n_gaps
+    gaps = body[pos:]
+    dist = gaps.astype(np.int64)  # then an in-place cumsum: 3x faster than cumsum(dtype=int64)
     if n_escapes:
-        dist = gaps.astype(np.int64)
         escaped = np.flatnonzero(gaps == 0)
-        escapes = body[pos:pos + esc_bytes].view(esc_dtype)
+        escapes = body[:esc_bytes].view(esc_dtype)
         if escaped.size != n_escapes or (escapes <= 255).any() or (escapes >= numel + 1).any():
             raise CorruptDelta("delta gap escapes do not match their markers")
         dist[escaped] = escapes
-        idx_v = np.cumsum(dist)
-        pos += esc_bytes
-    else:
-        idx_v = np.cumsum(gaps, dtype=np.int64)
+    idx_v = np.cumsum(dist, out=dist)
     idx_v -= 1
     if (idx_b.size and idx_b[-1] >= numel) or (idx_v.size and (idx_v[0] < 0 or idx_v[-1] >= numel)):
         raise CorruptDelta(f"delta index out of range for a tensor of {numel} elements")
     idx = np.concatenate([idx_b, idx_v]) if idx_b.size else idx_v
-    return idx, body[pos:].view(_np_int(target))
+    return idx, body[esc_bytes:esc_bytes + n_changed * target.element_size()].view(_np_int(target))
