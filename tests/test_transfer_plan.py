@@ -108,6 +108,7 @@ def test_qwen_splits_follow_module_type_and_name() -> None:
     assert infer_split("foo.o_proj.bias") == Split.REPLICATED  # added after the all-reduce
     assert infer_split("foo.bar.weight", torch.nn.Linear(2, 2)) == Split.COLUMN
     assert infer_split("foo.bar.weight", torch.nn.Embedding(2, 2)) == Split.VOCAB
+    assert infer_split("foo.x_proj.weight", torch.nn.LayerNorm(2)) == Split.REPLICATED  # type wins
 
 
 def test_overrides_and_bad_splits() -> None:

@@ -92,16 +92,19 @@ class ModelSpec:
 
 
 def infer_split(name: str, module: nn.Module | None = None) -> Split:
-    """The TP split of parameter `name` of `module` (module type first, then the name)."""
+    """The TP split of parameter `name` of `module`: by the module's type, and by the name alone
+    when no module is given; the name then tells vocabulary and row-parallel linears apart."""
     owner, _, kind = name.rpartition(".")
     leaf = owner.rpartition(".")[2]
-    if isinstance(module, nn.Embedding) or leaf in ("embed_tokens", "lm_head"):
+    if module is None:
+        embedding, linear = leaf == "embed_tokens", leaf.endswith("_proj") or leaf == "lm_head"
+    else:
+        embedding, linear = isinstance(module, nn.Embedding), isinstance(module, nn.Linear)
+    if embedding or (linear and leaf == "lm_head"):
         return Split.VOCAB
-    if isinstance(module, nn.Linear) or leaf.endswith("_proj"):
-        if leaf in ROW_PARALLEL:
-            return Split.ROW if kind == "weight" else Split.REPLICATED
-        return Split.COLUMN
-    return Split.REPLICATED
+    if linear and leaf in ROW_PARALLEL:
+        return Split.ROW if kind == "weight" else Split.REPLICATED
+    return Split.COLUMN if linear else Split.REPLICATED
 
 
 def model_spec(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
