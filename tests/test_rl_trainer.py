@@ -1,0 +1,239 @@
+"""The trainer: one step's figures, accumulation and data-parallel invariance, bf16 export, state."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rose.engine import LLMEngine, SamplingParams
+from rose.model import load_model
+from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn, shard_by_group
+
+
+def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> list[Trajectory]:
+    """Multi-turn trajectories of random tokens; behaviour logprobs near a uniform policy's
+    (ln 1/512 = -6.24), so ratios are near 1 and some get clipped."""
+    rng = random.Random(seed)
+    batch = []
+    for g in range(groups):
+        for _ in range(size):
+            turns = []
+            for _ in range(rng.randint(1, 3)):
+                out = rng.randint(1, 4)
+                turns.append(Turn([rng.randrange(vocab) for _ in range(rng.randint(2, 6))],
+                                  [rng.randrange(vocab) for _ in range(out)],
+                                  [rng.uniform(-6.6, -5.9) for _ in range(out)], [0] * out,
+                                  reward=float(rng.random() < 0.5)))
+            batch.append(Trajectory(("g", g), turns, done=True))
+    return batch
+
+
+def _on_policy(batch: list[Trajectory], model: torch.nn.Module) -> list[Trajectory]:
+    """Replace the behaviour logprobs with the model's own."""
+    for t in batch:
+        flat = t.flatten()
+        with torch.no_grad():
+            logp = model(flat.token_ids[None, :-1]).float().log_softmax(-1)[0]
+        own = [0.0, *logp.gather(-1, flat.token_ids[1:, None])[:, 0].tolist()]
+        pos = 0
+        for turn in t.turns:
+            pos += len(turn.prompt_ids)
+            turn.logprobs = own[pos:pos + len(turn.output_ids)]
+            pos += len(turn.output_ids)
+    return batch
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _flatten_rewards(batch: list[Trajectory], group: object) -> None:
+    """Give every trajectory of `group` the return 1."""
+    for t in batch:
+        if t.group_id == group:
+            for i, turn in enumerate(t.turns):
+                turn.reward = float(i == 0)
+
+
+def _record_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """The gradients each optimizer update applies (AdamW is a fixed function of them; its
+    first steps, near lr * sign(g), would hide a wrongly scaled gradient)."""
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    updates: list[dict[str, torch.Tensor]] = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: updates.append(
+        {names[id(p)]: p.grad.clone() for group in opt.param_groups for p in group["params"]}))
+    return updates
+
+
+def _assert_same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for name, g in x.items():  # fp32 summation order differs: tolerance relative to the tensor
+            torch.testing.assert_close(g, y[name], rtol=1e-5, atol=1e-5 * float(g.abs().max()))
+
+
+def test_on_policy_step_figures(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, Objective.grpo(kl_coef=0.1), TrainerConfig(lr=1e-3))
+    batch = _on_policy(_batch(), trainer.model)
+    before = _params(trainer)
+    m = trainer.step(batch)
+    # On policy the ratio is 1: nothing clipped, and the policy is its own reference.
+    assert m["clip_fraction"] == 0 and m["kl"] == pytest.approx(0, abs=1e-6)
+    # Sequence aggregation with ratio 1: loss = -mean(A) = 0, as GRPO advantages sum to 0 per group.
+    assert m["loss"] == pytest.approx(0, abs=1e-6)
+    assert 5.5 < m["entropy"] < 6.25  # a near-uniform random policy over 512 tokens
+    assert m["grad_norm"] > 0 and m["updates"] == 1 and m["version"] == trainer.version == 1
+    assert m["sequences"] == 12 and m["tokens"] == sum(t.num_generated_tokens for t in batch)
+    assert m["reward_mean"] == pytest.approx(sum(t.reward for t in batch) / 12)
+    assert any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
+
+
+def test_token_aggregation_loss_by_hand(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, Objective(aggregation="token"), TrainerConfig(lr=1e-3))
+    batch = _on_policy(_batch(), trainer.model)
+    prepared = trainer.objective.prepare(batch)
+    lengths = [t.num_generated_tokens for t in prepared.trajectories]
+    # Ratio 1: loss = -sum_i |o_i| A_i / sum_i |o_i|.
+    expected = -sum(n * a for n, a in zip(lengths, prepared.advantages, strict=True)) / sum(lengths)
+    assert trainer.step(batch)["loss"] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("objective", [Objective.grpo(), Objective.dapo()])
+def test_micro_batches_and_checkpointing_do_not_change_the_step(tiny_qwen3: Path,
+                                                                objective: Objective) -> None:
+    batch = _batch()
+    one = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-2, micro_batch_size=64))
+    many = Trainer(tiny_qwen3, objective,
+                   TrainerConfig(lr=1e-2, micro_batch_size=1, gradient_checkpointing=True))
+    g1, g2 = _record_gradients(one), _record_gradients(many)
+    m1, m2 = one.step(batch), many.step(batch)
+    for key in ("loss", "grad_norm", "clip_fraction", "entropy"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-7), key
+    assert m1["clip_fraction"] > 0
+    _assert_same(g1, g2)
+
+
+def test_mini_batches_take_several_updates(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3, mini_batches=3))
+    m = trainer.step(_batch())
+    assert m["updates"] == 3 and trainer.version == 1
+
+
+def test_a_batch_with_nothing_to_learn_skips_the_update(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, Objective.dapo())
+    flat = _batch(groups=2)
+    _flatten_rewards(flat, ("g", 0))
+    _flatten_rewards(flat, ("g", 1))
+    before = _params(trainer)
+    m = trainer.step(flat)
+    assert m["updates"] == 0 and m["groups_kept"] == 0 and m["groups"] == 2 and trainer.version == 1
+    assert all(torch.equal(before[n], p) for n, p in _params(trainer).items())
+
+
+def test_export_weights_feed_the_engine(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
+    trainer.step(_batch())
+    exported = dict(trainer.export_weights())
+    params = dict(trainer.model.named_parameters())
+    assert set(exported) == set(params) and "lm_head.weight" not in exported  # tied: once
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, params[name].detach().to(torch.bfloat16))
+        assert tensor.data_ptr() != params[name].data_ptr()
+    engine = LLMEngine.from_pretrained(tiny_qwen3, kv_cache_bytes=4 * 1024**2)
+    engine.load_weights(trainer.export_weights(), trainer.version)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+    assert out.versions == [1, 1]
+    head = dict(engine.model.named_parameters(remove_duplicate=False))["lm_head.weight"]
+    assert torch.equal(head, exported["model.embed_tokens.weight"].float())
+
+
+def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
+    trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
+    trainer.step(_batch())
+    trainer.save(tmp_path / "ckpt")
+    resumed = Trainer(tmp_path / "ckpt", config=TrainerConfig(lr=1e-2))
+    resumed.load_state(tmp_path / "ckpt")
+    assert resumed.version == 1
+    batch = _batch(seed=1)
+    trainer.step(batch)
+    resumed.step(batch)
+    for name, p in _params(trainer).items():
+        torch.testing.assert_close(p, _params(resumed)[name])
+    with pytest.raises(ValueError, match=r"no trainer_state\.pt"):
+        resumed.load_state(tmp_path)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(lr=0), "lr must be > 0"),
+    (dict(lr="1e-3"), "lr must be a finite number"),
+    (dict(weight_decay=-1), "weight_decay"),
+    (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(max_grad_norm=0), "max_grad_norm"),
+    (dict(micro_batch_size=0), "micro_batch_size must be a positive integer"),
+    (dict(mini_batches=1.5), "mini_batches"),
+])
+def test_bad_trainer_config(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**kwargs)
+
+
+def test_bad_model_and_batch(tiny_qwen3: Path) -> None:
+    with pytest.raises(ValueError, match="master weights must be float32"):
+        Trainer(load_model(tiny_qwen3, dtype=torch.bfloat16))
+    trainer = Trainer(tiny_qwen3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        trainer.step([Trajectory("g", [Turn([1], [9999], [0.0], [0])]),
+                      Trajectory("g", [Turn([1], [2], [0.0], [0])])])
+    long = Trajectory("long", [Turn([1] * 3000, [2], [0.0], [0])])
+    with pytest.raises(ValueError, match="3001 tokens; the model's context is 2048"):
+        trainer.step([long])
+
+
+# -- data parallelism -----------------------------------------------------------------------------
+
+OBJECTIVE = Objective.dapo(overlong_max_tokens=10, overlong_cache_tokens=4)
+CONFIG = TrainerConfig(lr=1e-2, micro_batch_size=3)
+
+
+def _rank(rank: int, world: int, port: int, path: Path, batches: list[list[list[Trajectory]]],
+          out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(path, OBJECTIVE, CONFIG)
+        gradients = _record_gradients(trainer)
+        metrics = [trainer.step(shards[rank]) for shards in batches]
+        if rank == 0:
+            torch.save({"gradients": gradients, "metrics": metrics}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp_path: Path) -> None:
+    # Five groups (uneven over two ranks), one of them uninformative (dropped by DAPO).
+    steps = [_batch(groups=5, seed=s) for s in (0, 1)]
+    _flatten_rewards(steps[0], ("g", 4))  # and its lengths stay under the overlong penalty's 6
+    assert any(t.num_generated_tokens > 6 for t in steps[0])  # others are penalised
+    single = Trainer(tiny_qwen3, OBJECTIVE, CONFIG)
+    gradients = _record_gradients(single)
+    expected = [single.step(batch) for batch in steps]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank, args=(2, port, tiny_qwen3, [shard_by_group(b, 2) for b in steps], out), nprocs=2)
+    got = torch.load(out, weights_only=False)
+    # The first step's gradients match to fp32 summation order; the second step starts from
+    # weights that Adam's near-sign first update moved by that noise, so it matches less tightly.
+    _assert_same(got["gradients"][:1], gradients[:1])
+    for want, have, rel in zip(expected, got["metrics"], (1e-5, 1e-3), strict=True):
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "tokens", "groups_kept", "reward_mean"):
+            assert have[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
+    assert expected[0]["groups_kept"] == 4
