@@ -22,7 +22,7 @@ def test_paper_scenarios_follow_the_issue():
     assert s8.rl.group == 16 and s8.rl.trajectories == 256 * 16
     assert (s8.cluster.device, s8.cluster.train_gpus, s8.cluster.serving_gpus) == ("H800", 48, 64)
     assert (s32.models.policy, s32.models.serving, s32.rl.algorithm) == ("qwen3-32b", "qwen2.5-32b", "dapo")
-    assert s32.rl.trajectories == 1024
+    assert s32.rl.trajectories == 1024 * 16
 
 
 def test_overrides_apply_with_types():

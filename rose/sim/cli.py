@@ -29,13 +29,14 @@ def _table(res: ScenarioResult) -> Table:
     for name, r in res.runs.items():
         train = sum(s.train_s for s in r.steps) / len(r.steps)
         t.add_row(name, f"{r.mean_step_s:.0f}", f"{r.mean_rollout_s:.0f}", f"{train:.0f}",
-                  f"{r.throughput * 3600:.0f}", f"{100 * r.allocation_overhead:.2f}", str(r.aborted_turns),
+                  f"{r.throughput * 3600 * res.scenario.sim.slice:.0f}", f"{100 * r.allocation_overhead:.2f}",
+                  str(r.aborted_turns),
                   f"{r.wall_s:.1f}")
     return t
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=120)
     if args.list:
         for name, desc in list_scenarios():
             print(f"{name:20s} {desc}")

@@ -40,7 +40,7 @@ from rose.sim.devices import (
     model_by_name,
     train_step_time,
 )
-from rose.sim.rollout import DONE, Plan, Round
+from rose.sim.rollout import DECODE, DONE, PREFILL, Plan, Round
 from rose.sim.scenarios import Scenario
 from rose.sim.serving import ServingFleet
 from rose.sim.systems import SYSTEMS, Extra, Sharing, System
@@ -49,6 +49,7 @@ from rose.traces import diurnal_for_peak, load_trace
 
 DEDICATED, ELASTIC, COSERVE = 0, 1, 2
 REPORT_EVERY_TICKS = 5      # serving executors refresh their capacity reports this often
+SUBPASSES = 4               # further turns of one trajectory within a tick
 KIND_NAMES = ("dedicated", "elastic", "serving")
 
 
@@ -121,6 +122,7 @@ class Simulation:
     """One system on one scenario."""
 
     def __init__(self, sc: Scenario, system: System, serving_alone: bool = False) -> None:
+        sc = sc.sliced()
         self.sc, self.system = sc, system
         c = sc.cluster
         self.device = device_by_name(c.device)
@@ -202,6 +204,8 @@ class Simulation:
         """Ticks from t until every trajectory of the round is done; returns the end time."""
         self._set_caps(rnd, t)
         self._ticks_in_round = 0
+        self.last_view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
+                                         self.workers.kind == COSERVE)
         while not rnd.all_done():
             coserving = self.n_cs and self.system.extra is Extra.COSERVE
             if coserving:
@@ -214,14 +218,19 @@ class Simulation:
             self._route(rnd, t, version)
             if coserving:
                 self._rebalance_to_dedicated(rnd, t)
-            view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs)
+            view = self.last_view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
+                                                    self.workers.kind == COSERVE)
             plan, serving_times = self._plan(rnd, view, t)
-            finished, tokens = rnd.advance(t, self.dt, view, plan)
-            self.ticks.append((t, np.bincount(self.workers.kind, weights=tokens, minlength=3)))
-            for row, end in finished:
-                self.table.complete(int(rnd.worker[row]), rnd.id_base + row)
-                if rnd.finish_turn(row, end):
-                    self.table.finish_trajectory(rnd.id_base + row)
+            made = self._advance(rnd, t, view, plan)
+            # Turns whose environment step ends inside the tick go on inside it, at the rates
+            # planned for the tick, so a tick may hold several short turns of one trajectory.
+            for _ in range(SUBPASSES):
+                if not self._route(rnd, t, version):
+                    break
+                sub = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
+                                      self.workers.kind == COSERVE, only_fresh=True)
+                made += self._advance(rnd, t, sub, plan, credit=False)
+            self.ticks.append((t, np.bincount(self.workers.kind, weights=made, minlength=3)))
             if serving_times is not None:
                 self.fleet.advance(t, self.dt, *serving_times)
             elif self.n_cs:
@@ -290,7 +299,7 @@ class Simulation:
         and its compute slack (`rose.coserve.admission.rollout_capacity`)."""
         f, chunk = self.fleet, self.sc.serving.chunk_tokens
         reps = np.flatnonzero(self.workers.registered[self.first_cs:])
-        held = rnd.held_kv(self.first_cs)
+        held = self.last_view.held(self.first_cs)
         for r, st in zip(reps.tolist(), f.admission_states(t, reps), strict=True):
             wid = self.first_cs + r
             ctxs = [int(k) for _, k in held.get(wid, [])]
@@ -313,27 +322,59 @@ class Simulation:
                 self._place(rnd, row, self.table.route(resume(turn, produced), t), t)
         self.aborted += len(lost)
 
-    def _turn(self, rnd: Round, row: int, version: int) -> TurnRequest:
-        return TurnRequest(rnd.id_base + row, int(rnd.turn[row]), int(rnd.hist[row]),
-                           rnd.response_tokens(row), policy_version=version)
-
     def _place(self, rnd: Round, row: int, route: Route, now: float) -> None:
-        if route.worker_id is None:
-            rnd.queue(row)
-            return
-        wid = route.worker_id
-        # A serverless function keeps no KV between invocations, and each turn is one.
-        stateless = self.system.extra is Extra.SERVERLESS and self.workers.kind[wid] == ELASTIC
-        rnd.start(row, wid, route.cache_hit and not stateless)
-        if stateless:
-            rnd.ready[row] = max(float(rnd.ready[row]), now) + self.sc.elastic.serverless_invoke_s
+        self._start(rnd, [row], [route], [now])
 
-    def _route(self, rnd: Round, t: float, version: int) -> None:
-        for turn, route in self.table.drain(t):
-            self._place(rnd, turn.trajectory_id - rnd.id_base, route, t)
-        for row in rnd.due(t + self.dt).tolist():
-            now = max(t, float(rnd.ready[row]))
-            self._place(rnd, row, self.table.route(self._turn(rnd, row, version), now), now)
+    def _start(self, rnd: Round, rows: list[int], routes: list[Route], nows: list[float]) -> None:
+        """Apply routing decisions: placed turns start on their workers, the others queue."""
+        placed = [i for i, r in enumerate(routes) if r.worker_id is not None]
+        queued = [rows[i] for i, r in enumerate(routes) if r.worker_id is None]
+        if queued:
+            rnd.queue(np.array(queued))
+        if not placed:
+            return
+        p_rows = np.array([rows[i] for i in placed])
+        wids = np.array([routes[i].worker_id for i in placed])
+        hits = np.array([routes[i].cache_hit for i in placed])
+        # A serverless function keeps no KV between invocations, and each turn is one.
+        stateless = (self.workers.kind[wids] == ELASTIC) & (self.system.extra is Extra.SERVERLESS)
+        rnd.start(p_rows, wids, hits & ~stateless)
+        if stateless.any():
+            nows_p = np.array([nows[i] for i in placed])
+            sel = p_rows[stateless]
+            invoke = self.sc.elastic.serverless_invoke_s
+            rnd.ready[sel] = np.maximum(rnd.ready[sel], nows_p[stateless]) + invoke
+
+    def _advance(self, rnd: Round, t: float, view, plan: Plan, credit: bool = True) -> np.ndarray:
+        """Progress the sequences of `view` through the tick; finished turns free their slot
+        and their environments step. Returns tokens generated per worker."""
+        finished, tokens = rnd.advance(t, self.dt, view, plan, credit)
+        if finished:
+            rows = np.array([f[0] for f in finished])
+            for row, wid in zip(rows.tolist(), rnd.worker[rows].tolist(), strict=True):
+                self.table.complete(wid, rnd.id_base + row)
+            done = rnd.finish_turns(rows, np.array([f[1] for f in finished]))
+            for row in rows[done].tolist():
+                self.table.finish_trajectory(rnd.id_base + row)
+        return tokens
+
+    def _route(self, rnd: Round, t: float, version: int) -> bool:
+        """Route queued turns and those ready before the tick ends; whether any was due."""
+        drained = self.table.drain(t)
+        if drained:
+            self._start(rnd, [turn.trajectory_id - rnd.id_base for turn, _ in drained],
+                        [route for _, route in drained], [t] * len(drained))
+        rows = rnd.due(t + self.dt)
+        if not len(rows):
+            return False
+        nows = np.maximum(t, rnd.ready[rows]).tolist()
+        routes = [self.table.route(TurnRequest(rnd.id_base + row, turn, int(hist), resp,
+                                               policy_version=version), now)
+                  for row, turn, hist, resp, now in zip(rows.tolist(), rnd.turn[rows].tolist(),
+                                                        rnd.hist[rows].tolist(),
+                                                        rnd.responses(rows).tolist(), nows, strict=True)]
+        self._start(rnd, rows.tolist(), routes, nows)
+        return True
 
     # -- co-serving memory: the burst state machine ---------------------------------------------
     def _memory(self, rnd: Round, t: float) -> None:
@@ -342,13 +383,15 @@ class Simulation:
         routed again with the tokens they produced."""
         kv_r = self.policy.kv_bytes_per_token
         serving_bytes = (self.fleet.kv_tokens() * self.serving_model.kv_bytes_per_token).tolist()
-        held = rnd.held_kv(self.first_cs)
+        held = self.last_view.held(self.first_cs)
         for r in range(self.n_cs):
             wid = self.first_cs + r
             if self.system.sharing is Sharing.NAIVE:
                 self.workers.kv_cap[wid] = max(0.0, (self.pool - serving_bytes[r]) / kv_r)
                 continue
-            seqs = [(row, int(k * kv_r)) for row, k in held.get(wid, [])]
+            # Sequences of the tick's view still running on this worker (sub-passes end some).
+            seqs = [(row, int(k * kv_r)) for row, k in held.get(wid, [])
+                    if rnd.worker[row] == wid and rnd.phase[row] in (PREFILL, DECODE)]
             decision = self.burst[r].observe(int(serving_bytes[r]), seqs)
             for row in decision.abort:
                 produced = rnd.interrupt(row)
@@ -436,13 +479,6 @@ class Simulation:
         t_d = self.latency.iteration_time(TokenLoad(0, serving_decodes, serving_ctx), TokenLoad(r_d, d, ctx))
         inf = math.inf
         return Admission(d, r_p, t_p, inf, inf, inf), Admission(d, r_d, t_d, inf, inf, inf), max(share, 1.0)
-
-    def _free_slots(self, wid: int, rollout_bytes: float) -> int:
-        """Rollout turns a serving replica could still hold: budget left over a typical
-        trajectory's KV (prompt plus one full response)."""
-        per_seq = (self.env.prompt_tokens + self.env.max_response) * self.policy.kv_bytes_per_token
-        left = self.workers.kv_cap[wid] * self.policy.kv_bytes_per_token - rollout_bytes
-        return max(0, int(left // per_seq))
 
     # -- the RL loop ---------------------------------------------------------------------------------
     def _align(self, t: float) -> float:
@@ -560,13 +596,11 @@ class Simulation:
 
 def _async_split(sc: Scenario) -> int:
     """GPUs an asynchronous system gives to generation out of the job's `train_gpus`: the
-    configured fraction, or (-1) its best static split: of 1/4 .. 3/4 of the GPUs, the one that
-    minimises max(rollout, training) on the first step of the same workload."""
+    configured fraction, or (-1) its best static split: of 1/2, 5/8 and 3/4 of the GPUs (rollout
+    dominates these workloads), the one that minimises max(rollout, training) on the first step
+    of the same workload."""
     c = sc.cluster
-    if c.async_rollout_fraction > 0:
-        fractions = [c.async_rollout_fraction]
-    else:
-        fractions = [0.25, 0.375, 0.5, 0.625, 0.75]
+    fractions = [c.async_rollout_fraction] if c.async_rollout_fraction > 0 else [0.5, 0.625, 0.75]
     best, best_s = c.rollout_tp, math.inf
     for frac in fractions:
         gpus = round(c.train_gpus * frac / c.rollout_tp) * c.rollout_tp

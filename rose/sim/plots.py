@@ -72,7 +72,7 @@ def plot_scenario(res: ScenarioResult, out: Path) -> None:
                      labels=[KIND_NAMES[k] for k in keep], colors=[KIND_COLORS[KIND_NAMES[k]] for k in keep])
         ax.legend(fontsize=7, loc="upper right")
     ax.set_title(f"where rollout tokens were generated ({shown})", fontsize=10)
-    ax.set_xlabel("minutes (rollout phases only)", fontsize=9)
+    ax.set_xlabel("minutes (gaps: training)", fontsize=9)
     ax.set_ylabel("k tokens/s", fontsize=9)
     fig.suptitle(f"{sc.name}: {sc.description}", fontsize=11)
     fig.tight_layout()

@@ -99,7 +99,7 @@ class ScenarioResult:
                 "label": r.label, "mean_step_s": round(r.mean_step_s, 1),
                 "mean_rollout_s": round(r.mean_rollout_s, 1),
                 "mean_train_s": round(float(np.mean([s.train_s for s in r.steps])), 1),
-                "trajectories_per_hour": round(r.throughput * 3600, 1),
+                "trajectories_per_hour": round(r.throughput * 3600 * self.scenario.sim.slice, 1),
                 "allocation_overhead": round(r.allocation_overhead, 4),
                 "routes": r.routes, "aborted_turns": r.aborted_turns, "bursts": r.bursts,
                 "wall_s": round(r.wall_s, 2),

@@ -44,6 +44,17 @@ class ActiveView:
     decode_rank: np.ndarray      # rank among the worker's fitting decode sequences (-1: none)
     kv: np.ndarray               # KV tokens each holds now
 
+    def held(self, first_worker: int) -> dict[int, list[tuple[int, float]]]:
+        """Per worker from `first_worker` on: (row, KV tokens) of the sequences that ran (held
+        pages), oldest first. Sequences waiting for pages hold none."""
+        sel = self.fits & (self.worker >= first_worker)
+        w, rows, kv = self.worker[sel], self.idx[sel], self.kv[sel]
+        if not len(w):
+            return {}
+        cuts = np.flatnonzero(w[1:] != w[:-1]) + 1
+        parts = zip(np.split(w, cuts), np.split(rows, cuts), np.split(kv, cuts), strict=True)
+        return {int(ws[0]): list(zip(rs.tolist(), ks.tolist(), strict=True)) for ws, rs, ks in parts}
+
     def decode_contexts(self, rnd: Round, workers: np.ndarray) -> list[list[int]]:
         """Per worker in `workers` (sorted ids): contexts of its fitting decode sequences, in
         rank order (what admission is offered)."""
@@ -69,6 +80,8 @@ class Round:
         self.hist = np.full(n, float(self.env.prompt_tokens))   # context before generation
         self.cached = np.zeros(n)                    # KV the last worker kept after the turn
         self.turn_produced = np.zeros(n)             # tokens of this turn already in `hist`
+        self.fresh = np.zeros(n, bool)               # placed this tick: may start before it
+        self.holding = np.zeros(n, bool)             # ran last tick, so holds KV pages
         self.age = np.zeros(n)
         self.finished = np.full(n, np.nan)
         self._order = 0
@@ -88,24 +101,26 @@ class Round:
     def response_tokens(self, row: int) -> int:
         return int(self.demand.response[row, self.turn[row]])
 
-    def start(self, row: int, worker: int, cache_hit: bool) -> None:
-        """The current turn of `row` was placed on `worker`."""
-        if cache_hit:
-            self.ctx[row] = self.cached[row]
-            self.prefill_left[row] = self.hist[row] - self.cached[row]
-        else:
-            self.ctx[row] = 0.0
-            self.prefill_left[row] = self.hist[row]
-        if self.decode_left[row] <= 0:
-            self.decode_left[row] = self.response_tokens(row)
-        self.worker[row] = worker
-        self.phase[row] = PREFILL
-        self._order += 1
-        self.age[row] = self._order
+    def responses(self, rows: np.ndarray) -> np.ndarray:
+        return self.demand.response[rows, self.turn[rows]]
 
-    def queue(self, row: int) -> None:
-        self.phase[row] = WAIT
-        self.worker[row] = -1
+    def start(self, rows: np.ndarray, workers: np.ndarray, cache_hit: np.ndarray) -> None:
+        """The current turns of `rows` were placed on `workers`; with a cache hit only the tokens
+        since the previous turn need a prefill."""
+        self.ctx[rows] = np.where(cache_hit, self.cached[rows], 0.0)
+        self.prefill_left[rows] = self.hist[rows] - self.ctx[rows]
+        fresh = self.decode_left[rows] <= 0
+        self.decode_left[rows[fresh]] = self.responses(rows[fresh])
+        self.worker[rows] = workers
+        self.phase[rows] = PREFILL
+        self.fresh[rows] = True
+        self.holding[rows] = False
+        self.age[rows] = self._order + np.arange(1, len(rows) + 1)
+        self._order += len(rows)
+
+    def queue(self, rows: np.ndarray) -> None:
+        self.phase[rows] = WAIT
+        self.worker[rows] = -1
 
     def interrupt(self, row: int) -> int:
         """The turn lost its worker (abort, preemption): the tokens produced so far join the
@@ -116,46 +131,46 @@ class Round:
         self.worker[row] = -1
         self.phase[row] = WAIT
         self.cached[row] = 0.0
+        self.holding[row] = False
         return produced
 
-    def active_view(self, kv_cap: np.ndarray, max_seqs: np.ndarray) -> ActiveView:
-        """Sequences on workers, in (worker, age) order; those that fit run (the others wait
-        for pages, as an engine's scheduler keeps them waiting)."""
+    def active_view(self, kv_cap: np.ndarray, max_seqs: np.ndarray, pinned: np.ndarray,
+                    only_fresh: bool = False) -> ActiveView:
+        """Sequences on workers, per worker those already holding pages first, then by age;
+        those that fit run, the others wait for pages (as an engine's scheduler keeps them).
+        On `pinned` workers (co-serving executors) a sequence holding pages keeps them whatever
+        the budget: only the burst state machine takes pages back, by aborting it.
+        `only_fresh`: the view of the turns placed since the tick's main pass (which fit
+        beside the ones already running), for a sub-pass of the same tick."""
         idx = np.flatnonzero((self.phase == PREFILL) | (self.phase == DECODE))
-        w = self.worker[idx]
-        order = np.lexsort((self.age[idx], w))
-        idx, w = idx[order], w[order]
-        kv = self.ctx[idx] + np.where(self.phase[idx] == PREFILL, self.prefill_left[idx], 0.0)
         if not len(idx):
             e = np.zeros(0, np.int64)
             return ActiveView(e, e, np.zeros(0, bool), e, np.zeros(0))
+        w = self.worker[idx]
+        order = np.lexsort((self.age[idx], ~self.holding[idx], w))
+        idx, w = idx[order], w[order]
+        hold = self.holding[idx]
+        kv = self.ctx[idx] + np.where(self.phase[idx] == PREFILL, self.prefill_left[idx], 0.0)
         first = np.r_[True, w[1:] != w[:-1]]
         start = np.maximum.accumulate(np.where(first, np.arange(len(idx)), 0))
         ckv = np.cumsum(kv)
         kv_in_group = ckv - (ckv - kv)[start]
         rank = np.arange(len(idx)) - start
         fits = (kv_in_group <= kv_cap[w]) & (rank < max_seqs[w])
+        fits |= hold & pinned[w]
         fits[first & (kv <= kv_cap[w])] = True         # a lone sequence always fits if it can
+        if only_fresh:
+            fits &= self.fresh[idx]
+        else:
+            self.holding[:] = False
+        self.holding[idx[fits]] = True
         is_dec = fits & (self.phase[idx] == DECODE)
         cdec = np.cumsum(is_dec)
         dec_rank = np.where(is_dec, cdec - 1 - (cdec - is_dec)[start], -1)
         return ActiveView(idx, w, fits, dec_rank, kv)
 
-    def held_kv(self, first_worker: int) -> dict[int, list[tuple[int, float]]]:
-        """Per worker from `first_worker` on: (row, KV tokens held) of its sequences, oldest first."""
-        on = (self.phase == PREFILL) | (self.phase == DECODE)
-        idx = np.flatnonzero(on & (self.worker >= first_worker))
-        if not len(idx):
-            return {}
-        idx = idx[np.lexsort((self.age[idx], self.worker[idx]))]
-        w = self.worker[idx]
-        kv = self.ctx[idx] + np.where(self.phase[idx] == PREFILL, self.prefill_left[idx], 0.0)
-        cuts = np.flatnonzero(w[1:] != w[:-1]) + 1
-        parts = zip(np.split(w, cuts), np.split(idx, cuts), np.split(kv, cuts), strict=True)
-        return {int(ws[0]): list(zip(rs.tolist(), ks.tolist(), strict=True)) for ws, rs, ks in parts}
-
-    def advance(self, t: float, dt: float, view: ActiveView,
-                plan: Plan) -> tuple[list[tuple[int, float]], np.ndarray]:
+    def advance(self, t: float, dt: float, view: ActiveView, plan: Plan,
+                credit: bool = True) -> tuple[list[tuple[int, float]], np.ndarray]:
         """Run [t, t + dt). Returns (row, end time) of each turn that finished generating, and
         the tokens each worker generated."""
         t1 = t + dt
@@ -164,7 +179,12 @@ class Round:
         n_workers = len(plan.prefill_rate)
         if not len(idx):
             return [], np.zeros(n_workers)
-        begin = np.maximum(t, self.ready[idx])
+        # A turn placed at this tick's start that became ready during the previous tick is run
+        # from its ready time (at most one tick back), so routing at tick boundaries adds no
+        # latency on average.
+        back = t - dt if credit else t
+        begin = np.where(self.fresh[idx], np.maximum(back, self.ready[idx]), np.maximum(t, self.ready[idx]))
+        self.fresh[idx] = False
         avail = np.maximum(0.0, t1 - begin)
         # Prefill: the worker's prefill rate shared equally by its fitting prefilling sequences.
         pre = self.phase[idx] == PREFILL
@@ -198,20 +218,19 @@ class Round:
         made = np.bincount(w, weights=np.minimum(tokens, left), minlength=n_workers)
         return list(zip(idx[fin].tolist(), end[fin].tolist(), strict=True)), made
 
-    def finish_turn(self, row: int, end: float) -> bool:
-        """Generation of the current turn ended at `end`; the environment steps. True if the
-        trajectory is complete."""
-        self.hist[row] += self.response_tokens(row) - self.turn_produced[row]
-        self.cached[row] = self.hist[row]
-        self.turn_produced[row] = 0.0
-        self.decode_left[row] = 0.0
-        self.turn[row] += 1
-        self.worker[row] = -1
-        if self.turn[row] >= self.demand.turns[row]:
-            self.phase[row] = DONE
-            self.finished[row] = end
-            return True
-        self.hist[row] += self.env.obs_tokens
-        self.phase[row] = ENV
-        self.ready[row] = end + self.env.env_step_s
-        return False
+    def finish_turns(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Generation of the current turns of `rows` ended at `ends`; the environment steps.
+        Returns which trajectories are now complete."""
+        self.hist[rows] += self.responses(rows) - self.turn_produced[rows]
+        self.cached[rows] = self.hist[rows]
+        self.turn_produced[rows] = 0.0
+        self.decode_left[rows] = 0.0
+        self.turn[rows] += 1
+        self.worker[rows] = -1
+        done = self.turn[rows] >= self.demand.turns[rows]
+        self.phase[rows] = np.where(done, DONE, ENV)
+        self.finished[rows[done]] = ends[done]
+        more = rows[~done]
+        self.hist[more] += self.env.obs_tokens
+        self.ready[more] = ends[~done] + self.env.env_step_s
+        return done

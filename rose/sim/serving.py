@@ -160,7 +160,8 @@ class ServingFleet:
         done_at = np.where(ok, s_group + np.maximum.accumulate(key + offset) - offset, np.inf)
         done = done_at <= t1
         still = ~done
-        new_left = np.where(done, 0.0, np.minimum(self.w_left, np.maximum(0.0, (done_at - t1) * rate)))
+        after = np.where(ok, np.maximum(0.0, (np.where(ok, done_at, t1) - t1) * rate), self.w_left)
+        new_left = np.where(done, 0.0, np.minimum(self.w_left, after))
         spent = work - np.where(ok, new_left / np.where(ok, rate, 1.0), 0.0)
         busy = np.bincount(self.w_rep, weights=spent, minlength=self.n)
         self.w_left = new_left
