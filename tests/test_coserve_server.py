@@ -3,6 +3,7 @@ streaming, bad requests, disconnects, the lease API and metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -18,6 +19,7 @@ import uvicorn
 from safetensors.torch import save
 
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
 from rose.coserve.server import build_app
 from rose.model import init_model, load_tokenizer, random_model
 
@@ -172,3 +174,18 @@ def test_lease_turns_capacity_weights_and_metrics(server: tuple[str, CoServingEx
     text = httpx.get(f"{url}/metrics").text
     assert "rose_serving_ttft_seconds_bucket" in text and "rose_rollout_tokens_total" in text
     assert 'rose_kv_pool_pages{owner="rollout"}' in text and "rose_executor_state" in text
+
+
+def test_loadgen_replays_a_real_trace_window(server: tuple[str, CoServingExecutor]) -> None:
+    trace = build_trace("azure-conv", duration_s=4.0, load=1.0, start_s=30.0, prompt_scale=0.05,
+                        output_scale=0.05)
+    assert len(trace) >= 5 and trace.arrival_s[-1] < 4.0
+    results = asyncio.run(replay(server[0], trace, max_context=256, max_output=8))
+    summary = summarize(results, 4.0, slo_ttft_ms=1e5, slo_tpot_ms=1e5)
+    assert summary["errors"] == 0 and summary["completed"] == len(trace)
+    assert summary["slo_attainment"] == 1.0 and summary["p99_ttft_ms"] >= summary["p50_ttft_ms"] > 0
+    _, outputs = fit_lengths(trace, 256, 8)
+    assert [r.output_tokens for r in results] == outputs.tolist()
+    assert all(r.tpot_s is None or r.tpot_s > 0 for r in results)
+    with pytest.raises(ValueError, match="duration and load must be positive"):
+        build_trace("azure-conv", duration_s=0, load=1.0)

@@ -97,11 +97,11 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
         a UTF-8 character or a stop string may still be incomplete)."""
         body_max = max_tokens or body.max_tokens
         default = max(1, executor.serving.max_model_len - len(prompt_ids) - 1)
-        params = body.model_copy(update={"max_tokens": body_max}).sampling(
-            default, [*body.stop_token_ids, *tokenizer.stop_token_ids])
+        # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
+        params = body.model_copy(update={"max_tokens": body_max}).sampling(default, body.stop_token_ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stops = body.stop_strings
-        sent = 0
+        sent = ids_sent = 0  # characters and tokens already yielded
         try:
             stream = _loop().stream(rid, lambda: executor.add_serving(prompt_ids, params, rid))
             async for out in stream:
@@ -115,9 +115,8 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
                     text = text[:len(text) - hold] if hold else text
                     if text.endswith("\ufffd"):
                         continue
-                new_ids = out.new_token_ids
-                yield _Delta(text[sent:], new_ids, out.logprobs[len(out.logprobs) - len(new_ids):], finish)
-                sent = len(text)
+                yield _Delta(text[sent:], out.token_ids[ids_sent:], out.logprobs[ids_sent:], finish)
+                sent, ids_sent = len(text), len(out.token_ids)
                 if cut >= 0:
                     await stream.aclose()  # aborts the request in the engine
                     return
