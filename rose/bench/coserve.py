@@ -114,7 +114,8 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
                 await client.run_turn(f"t{k}-{turn}", f"traj{k}", history, params, result=got)
             except LeaseError:
                 await asyncio.sleep(0.05)
-            counts["tokens"] += len(got.token_ids)
+            finally:  # a turn cut off at the end of the window still counts what it produced
+                counts["tokens"] += len(got.token_ids)
             counts["handed_back"] += got.finish_reason == "abort"
             counts["turns"] += got.finish_reason not in (None, "abort")
             history += got.token_ids
