@@ -202,6 +202,7 @@ class Simulation:
     # -- one rollout round --------------------------------------------------------------------------
     def run_round(self, rnd: Round, t: float, version: int) -> float:
         """Ticks from t until every trajectory of the round is done; returns the end time."""
+        self.round_start = t
         self._set_caps(rnd, t)
         self._ticks_in_round = 0
         self.last_view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
@@ -241,18 +242,18 @@ class Simulation:
         return float(np.nanmax(rnd.finished))
 
     def _set_caps(self, rnd: Round, t: float) -> None:
-        """The rollout manager's per-worker concurrency caps for a round: the round's
-        trajectories shared over the workers usable at its start in proportion to how fast each
-        decodes one sequence (a serving executor runs the serving model's forward in every
-        iteration too, so it gets a smaller share)."""
+        """The rollout manager's per-worker concurrency caps: the round's unfinished
+        trajectories shared over the usable workers (at the round's start, and again whenever
+        capacity joins) in proportion to how fast each decodes one sequence (a serving executor
+        runs the serving model's forward in every iteration too, so it gets a smaller share)."""
         w = self.workers
-        usable = (w.ready_at <= t + self.dt) & (w.gone_at > t)
+        usable = ((w.ready_at <= t + self.dt) & (w.gone_at > t)) | w.registered
         speed = np.where(usable, 1.0 / float(self.ded_cost.time(0, 1, self.typical_ctx)), 0.0)
         if self.n_cs and self.system.extra is Extra.COSERVE:
             _, t_d = self._serving_alone_times()
             t_cs = t_d + float(self.cs_cost.time(0, 1, self.typical_ctx))
             speed[self.first_cs:] = np.where(usable[self.first_cs:], 1.0 / t_cs, 0.0)
-        share = rnd.n * speed / max(speed.sum(), 1e-12)
+        share = int(np.count_nonzero(rnd.phase != DONE)) * speed / max(speed.sum(), 1e-12)
         self.caps = np.maximum(1, np.ceil(share)).astype(int)
         self.caps[~usable] = max(1, math.ceil(rnd.n / max(1, int(usable.sum()))))
         for wid in np.flatnonzero(w.registered).tolist():
@@ -266,25 +267,19 @@ class Simulation:
             self.table.register(WorkerState(wid, kind, int(self.caps[wid]),
                                             last_heartbeat_s=t, policy_version=version))
             w.registered[wid] = True
+        if len(join) and t > self.round_start:
+            # Capacity arrived mid-round: the rollout manager re-shares what is left over the
+            # workers now usable, so busier workers lose room and later turns move (at turn
+            # boundaries) to the new ones.
+            self._set_caps(rnd, t)
         if len(join) and self.system.extra is Extra.COSERVE:
             self._ticks_in_round = 0            # report capacity on this tick
-        elif len(join):
-            self._rebalance(rnd, len(join))
         leave = np.flatnonzero(w.registered & (w.gone_at <= t + self.dt))
         for wid in leave.tolist():
             self._drop_worker(rnd, wid, t)
+        # Live workers heartbeat all through the tick (the stall timeout is shorter than a tick).
         for wid in np.flatnonzero(w.registered).tolist():
-            self.table.heartbeat(wid, t, policy_version=version)
-
-    def _rebalance(self, rnd: Round, joined: int) -> None:
-        """Rented capacity arrived mid-rollout: the elastic system migrates trajectories to it
-        (RLBoost's token-level migration, here at turn boundaries): a share of the unfinished
-        trajectories, in proportion to the new capacity, lose their affinity so that their next
-        turns go to the least-loaded workers, the new ones."""
-        live = np.flatnonzero(rnd.phase != DONE)
-        share = joined / max(1, int(self.workers.registered.sum()))
-        for row in self.rng.choice(live, size=int(len(live) * share), replace=False).tolist():
-            self.table.finish_trajectory(rnd.id_base + row)
+            self.table.heartbeat(wid, t + self.dt, policy_version=version)
 
     def _rebalance_to_dedicated(self, rnd: Round, t: float) -> None:
         """The scheduler moves turns in flight from serving executors to dedicated workers with
@@ -310,7 +305,7 @@ class Simulation:
                 decode_only = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
                 slots = rollout_capacity(t, decode_only, RolloutDemand(ctxs), self.latency, self.slo,
                                          self.typical_ctx, chunk, limit=memory)
-            self.table.heartbeat(wid, t, free_slots=slots, slack_s=1.0 if slots else 0.0)
+            self.table.heartbeat(wid, t + self.dt, free_slots=slots, slack_s=1.0 if slots else 0.0)
 
     def _drop_worker(self, rnd: Round, wid: int, t: float) -> None:
         lost = self.table.remove(wid)

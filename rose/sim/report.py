@@ -60,6 +60,7 @@ class ScenarioResult:
     runs: dict[str, RunResult]
     serving: dict[str, ServingStats]     # "serving-alone" and every co-serving system
     wall_s: float
+    cpu_s: float                         # this process's CPU time (the machine may be shared)
 
     def summary(self) -> dict[str, Any]:
         runs, sv = self.runs, self.serving
@@ -85,6 +86,7 @@ class ScenarioResult:
             "slo_violations": sv["rose"].violations if "rose" in sv else None,
             "naive_share_slo_violations": sv["naive-share"].violations if "naive-share" in sv else None,
             "sim_wall_s": round(self.wall_s, 1),
+            "sim_cpu_s": round(self.cpu_s, 1),
         }
         if rose is not None:
             out["rollout_share_fixed_sync"] = (round(runs["fixed-sync"].mean_rollout_s
@@ -116,7 +118,7 @@ class ScenarioResult:
 def run_scenario(sc: Scenario, progress=None) -> ScenarioResult:
     """Every system of `sc.sim.systems` on the same workload and traffic, then serving alone
     over the same span for the SLO baseline."""
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     runs: dict[str, RunResult] = {}
     for name in sc.sim.systems:
         runs[name] = Simulation(sc, SYSTEMS[name]).run()
@@ -129,7 +131,7 @@ def run_scenario(sc: Scenario, progress=None) -> ScenarioResult:
         serving["serving-alone"] = serving_stats(serving_alone(sc, span), sc, span)
         for n in coserving:
             serving[n] = serving_stats(runs[n].serving, sc, span)
-    return ScenarioResult(sc, runs, serving, time.perf_counter() - wall0)
+    return ScenarioResult(sc, runs, serving, time.perf_counter() - wall0, time.process_time() - cpu0)
 
 
 @dataclasses.dataclass
