@@ -1,0 +1,119 @@
+"""Rollout workers behind one small interface: what the rollout manager talks to.
+
+A worker runs turns (token ids in, streamed tokens with logprobs and policy versions out),
+answers heartbeats and aborts turns. Two kinds, as in the design:
+
+- `EngineWorker`: a dedicated rollout worker, an `AsyncLLMEngine` in this process (the runtime
+  wraps one per Ray actor; `rose.runtime.actors.ActorWorker` is its remote proxy);
+- `LeaseWorker`: a co-serving executor reached over its lease HTTP API.
+
+`run_turn` writes tokens into `result` as they arrive, so that a caller that loses the worker
+midway (an exception, a cancellation) keeps every token already produced and can resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
+from rose.engine import SamplingParams
+from rose.engine.async_engine import AsyncLLMEngine
+from rose.rollout.routing import WorkerKind
+
+__all__ = ["EngineWorker", "Heartbeat", "LeaseWorker", "TurnResult", "Worker", "extend"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    policy_version: int
+    free_slots: int = 0  # serving executors: rollout turns they would take now
+    slack_s: float = math.inf  # serving executors: predicted SLO slack
+
+
+class Worker(Protocol):
+    worker_id: str
+    kind: WorkerKind
+    max_concurrency: int
+
+    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
+                       policy_version: int | None, result: TurnResult) -> TurnResult: ...
+
+    async def heartbeat(self) -> Heartbeat: ...
+
+    async def abort(self, turn_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def extend(result: TurnResult, delta: TurnResult) -> TurnResult:
+    """Append a streamed chunk (new tokens only) to `result`."""
+    result.token_ids += delta.token_ids
+    result.logprobs += delta.logprobs
+    result.versions += delta.versions
+    result.finish_reason = delta.finish_reason
+    return result
+
+
+class EngineWorker:
+    """A dedicated rollout worker: the rollout model alone on its device."""
+
+    kind = WorkerKind.DEDICATED
+
+    def __init__(self, worker_id: str, engine: AsyncLLMEngine, max_concurrency: int) -> None:
+        self.worker_id, self.engine, self.max_concurrency = worker_id, engine, max_concurrency
+
+    async def stream(self, turn_id: str, token_ids: list[int], params: SamplingParams,
+                     policy_version: int | None) -> AsyncIterator[TurnResult]:
+        """The turn's new tokens, one chunk per engine iteration; the last has a finish reason."""
+        if policy_version is not None and policy_version > self.engine.engine.policy_version:
+            raise ValueError(f"turn {turn_id!r}: expects policy version {policy_version}, this worker "
+                             f"has {self.engine.engine.policy_version}")
+        async for out in self.engine.generate(token_ids, params, request_id=turn_id):
+            n = len(out.new_token_ids)
+            yield TurnResult(list(out.new_token_ids), out.logprobs[len(out.logprobs) - n:],
+                             out.versions[len(out.versions) - n:], out.finish_reason)
+
+    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
+                       policy_version: int | None, result: TurnResult) -> TurnResult:
+        async for delta in self.stream(turn_id, token_ids, params, policy_version):
+            extend(result, delta)
+        return result
+
+    async def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.engine.engine.policy_version)
+
+    async def abort(self, turn_id: str) -> None:
+        await self.engine.abort(turn_id)
+
+    async def close(self) -> None:
+        self.engine.shutdown()
+
+
+class LeaseWorker:
+    """A co-serving executor's rollout side, over the lease HTTP API."""
+
+    kind = WorkerKind.SERVING
+
+    def __init__(self, worker_id: str, url: str, max_concurrency: int) -> None:
+        self.worker_id, self.url, self.max_concurrency = worker_id, url, max_concurrency
+        self.client = LeaseClient(url)
+
+    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
+                       policy_version: int | None, result: TurnResult) -> TurnResult:
+        return await self.client.run_turn(turn_id, trajectory_id, token_ids, params, policy_version, result)
+
+    async def heartbeat(self) -> Heartbeat:
+        capacity = (await self.client.heartbeat())["capacity"]
+        return Heartbeat(int(capacity["policy_version"]), int(capacity["free_slots"]),
+                         float(capacity["predicted_slack_ms"]) / 1e3)
+
+    async def abort(self, turn_id: str) -> None:
+        with contextlib.suppress(LeaseError):  # already finished or handed back: its stream ended
+            await self.client.abort(turn_id)
+
+    async def close(self) -> None:
+        await self.client.aclose()
