@@ -88,14 +88,16 @@ def build_plan(spec: ModelSpec, senders: Layout, receivers: Mapping[str, Mapping
                 continue
             for frag in _fragments(p, rank, owned, wanted, bucket_bytes):
                 per_sender.setdefault(rank, {}).setdefault(frag.receivers, []).append(frag)
+    order = {p.name: i for i, p in enumerate(spec.params)}
     buckets = []
     for rank in sorted(per_sender):
-        n = 0
-        for group, frags in per_sender[rank].items():
-            for packed in _pack(frags, itemsize, bucket_bytes):
-                size = sum(box_numel(f.box) * itemsize[f.param] for f in packed)
-                buckets.append(Bucket(f"s{rank}/b{n}", rank, group, tuple(packed), size))
-                n += 1
+        packs = [(group, packed) for group, frags in per_sender[rank].items()
+                 for packed in _pack(frags, itemsize, bucket_bytes)]
+        # In model order across receiver sets, so that every receiver gets work early.
+        packs.sort(key=lambda gp: (order[gp[1][0].param], gp[1][0].box))
+        for n, (group, packed) in enumerate(packs):
+            size = sum(box_numel(f.box) * itemsize[f.param] for f in packed)
+            buckets.append(Bucket(f"s{rank}/b{n}", rank, group, tuple(packed), size))
     return Plan(tuple(buckets))
 
 
