@@ -42,8 +42,6 @@ class TokenLoad:
     context_tokens: int = 0      # KV tokens attention reads (sum over the decode sequences)
 
 
-IDLE = TokenLoad()
-
 
 class LatencyModel(Protocol):
     """Predicted wall time of one iteration that runs `serving` and `rollout` together.

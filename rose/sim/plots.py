@@ -45,7 +45,7 @@ def plot_scenario(res: ScenarioResult, out: Path) -> None:
     ax.set_title("rollout time per step", fontsize=10)
     ax.set_xlabel("RL step", fontsize=9)
     ax.set_ylabel("s", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="best", framealpha=0.6)
     _bars(axes[0, 2], names, [100 * r.allocation_overhead for r in runs.values()], "{:.1f}%",
           "allocation overhead", "% of training time")
     for ax, attr, slo, label in ((axes[1, 0], "minute_ttft_ms", sc.serving.slo_ttft_ms, "P99 TTFT"),

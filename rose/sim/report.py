@@ -79,6 +79,9 @@ class ScenarioResult:
             "rollout_speedup_vs_elastic_serverless": ratio("rose", "elastic-serverless", "mean_rollout_s",
                                                            True),
             "allocation_overhead": {k: round(r.allocation_overhead, 4) for k, r in runs.items()},
+            "throughput_vs_fixed_sync_by_system": (
+                {k: round(r.throughput / runs["fixed-sync"].throughput, 3) for k, r in runs.items()}
+                if "fixed-sync" in runs else None),
             "serving_p99_ttft_ms": round(sv["rose"].p99_ttft_ms, 1) if "rose" in sv else None,
             "serving_p99_tpot_ms": round(sv["rose"].p99_tpot_ms, 1) if "rose" in sv else None,
             "serving_alone_p99_ttft_ms": round(sv["serving-alone"].p99_ttft_ms, 1) if sv else None,
@@ -141,7 +144,8 @@ class SweepResult:
     wall_s: float
 
     def summary(self) -> dict[str, Any]:
-        keys = ("throughput_vs_fixed_sync", "slo_violations", "allocation_overhead")
+        keys = ("throughput_vs_fixed_sync", "throughput_vs_fixed_sync_by_system", "slo_violations",
+                "allocation_overhead")
         return {"sweep": self.sweep.name, "key": self.sweep.key,
                 "values": [v for v, _ in self.points],
                 **{k: [s.get(k) for _, s in self.points] for k in keys},
