@@ -18,10 +18,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("rose.sim.cli", "simulate ROSE and its baselines at cluster scale from real traces"),
     "serve": ("rose.coserve.cli", "serve a model over an OpenAI-compatible API, with rollouts beside it"),
     "loadgen": ("rose.coserve.loadgen", "replay a real serving trace against an OpenAI-compatible server"),
+    "train": ("rose.runtime.cli", "agentic RL with rollouts spilling onto serving devices (Ray runtime)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "coserve": ("rose.bench.coserve", "serving P99 TTFT/TPOT beside rollouts: naive, static, rose"),
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
+    "train": ("rose.bench.train", "rose train in fixed, elastic and rose modes side by side"),
     "transfer": ("rose.bench.transfer", "weight sync after AdamW steps: naive, shard-aware, sparse delta"),
 }
 

@@ -1,0 +1,1 @@
+"""The runtime: Ray actors and the `rose train` driver loop."""

@@ -1,0 +1,216 @@
+"""The Ray actors of a training run: the trainer, dedicated rollout workers, serving devices.
+
+Each pins itself to its device's cores first (`devices.pin`). Weights travel from the trainer's
+`Sender` through the relay (Ray's object store) to a `Receiver` in every rollout replica, which
+hands them to its engine between two iterations. `ActorWorker` is the rollout manager's proxy
+for a dedicated worker: turns stream back chunk by chunk (a Ray streaming generator), so a
+worker that dies midway leaves the manager every token it had sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.lease_client import LeaseClient
+from rose.coserve.loadgen import RequestResult, build_trace, replay
+from rose.coserve.server import build_app
+from rose.engine import LLMEngine, SamplingParams
+from rose.engine.async_engine import AsyncLLMEngine
+from rose.model import load_tokenizer
+from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
+from rose.rollout.routing import WorkerKind
+from rose.rollout.workers import EngineWorker, Heartbeat, TurnResult, extend
+from rose.runtime.devices import pin
+from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, model_spec
+
+
+class TrainerActor:
+    def __init__(self, cores: list[int], model_path: str, objective: str, config: dict[str, Any],
+                 relay: str, group: str, resume: bool = False) -> None:
+        pin(cores)
+        make = Objective.dapo if objective == "dapo" else Objective.grpo
+        self.trainer = Trainer(model_path, make(), TrainerConfig(**config))
+        if resume:
+            self.trainer.load_state(model_path)
+        # The bf16 weights the rollout replicas get: the sender keeps views of these tensors.
+        self.weights = dict(self.trainer.export_weights())
+        self.sender = Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        metrics = self.trainer.step(trajectories)
+        for name, tensor in self.trainer.export_weights():
+            self.weights[name].copy_(tensor)
+        return metrics
+
+    def publish(self) -> dict[str, Any]:
+        """Send the current version to every replica (again, for one that just joined)."""
+        return dataclasses.asdict(self.sender.publish(self.trainer.version))
+
+    def save(self, path: str) -> str:
+        return str(self.trainer.save(path))
+
+
+class _Replica:
+    """A rollout replica's receiving end: joins the relay group, applies syncs via `_apply`."""
+
+    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module) -> None:
+        self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), self._apply,
+                                 group=group)
+        self.receiver.join()
+
+    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        raise NotImplementedError
+
+    def _synced(self, timeout: float) -> dict[str, Any]:
+        self.receiver.sync(timeout)
+        return dataclasses.asdict(self.receiver.last)
+
+    def leave(self) -> None:
+        self.receiver.leave()
+
+
+class DedicatedWorkerActor(_Replica):
+    """The rollout model alone on its device (an async actor: heartbeats answer while it works)."""
+
+    def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, int],
+                 relay: str, group: str) -> None:
+        pin(cores)
+        self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
+        self.worker = EngineWorker(worker_id, self.engine, max_concurrency=0)
+        self._join(relay, group, worker_id, self.engine.engine.model)
+
+    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        tensors = list(named)
+        self.engine.submit(lambda: self.engine.engine.load_weights(tensors, version)).result()
+
+    async def ready(self) -> bool:
+        return True
+
+    async def stream_turn(self, turn_id: str, token_ids: list[int], params: SamplingParams,
+                          policy_version: int | None) -> AsyncIterator[TurnResult]:
+        async for delta in self.worker.stream(turn_id, token_ids, params, policy_version):
+            yield delta
+
+    async def heartbeat(self) -> Heartbeat:
+        return await self.worker.heartbeat()
+
+    async def abort(self, turn_id: str) -> None:
+        await self.worker.abort(turn_id)
+
+    async def sync_weights(self, timeout: float) -> dict[str, Any]:
+        return await asyncio.to_thread(self._synced, timeout)
+
+
+class ActorWorker:
+    """The rollout manager's handle on a `DedicatedWorkerActor`."""
+
+    kind = WorkerKind.DEDICATED
+
+    def __init__(self, worker_id: str, handle: Any, max_concurrency: int) -> None:
+        self.worker_id, self.handle, self.max_concurrency = worker_id, handle, max_concurrency
+
+    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
+                       policy_version: int | None, result: TurnResult) -> TurnResult:
+        async for ref in self.handle.stream_turn.remote(turn_id, token_ids, params, policy_version):
+            extend(result, await ref)
+        return result
+
+    async def heartbeat(self) -> Heartbeat:
+        return await self.handle.heartbeat.remote()
+
+    async def abort(self, turn_id: str) -> None:
+        with contextlib.suppress(Exception):  # a dead actor has nothing left to abort
+            await self.handle.abort.remote(turn_id)
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplaySpec:
+    """The production traffic a serving device gets: a real trace, replayed window by window."""
+
+    trace: str = "azure-conv"
+    load: float = 1.0
+    prompt_scale: float = 1.0
+    output_scale: float = 1.0
+    max_context: int = 512
+    max_output: int = 64
+    window_s: float = 10.0
+
+
+class ServingDeviceActor(_Replica):
+    """A co-serving executor (serving model + rollout model) behind its HTTP server, with a trace
+    replay driving its serving side from this process."""
+
+    def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
+                 config: ExecutorConfig, replay_spec: ReplaySpec, relay: str, group: str) -> None:
+        pin(cores)
+        import uvicorn
+
+        executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
+        executor.profile()
+        app = build_app(executor, load_tokenizer(serving_path), Path(serving_path).name)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.spec = replay_spec
+        self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
+        self._stop = threading.Event()
+        self._replay: threading.Thread | None = None
+        self._join(relay, group, worker_id, executor.rollout.model)
+
+    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        async def load() -> None:
+            client = LeaseClient(self.url)
+            try:
+                await client.load_weights(named, version)
+            finally:
+                await client.aclose()
+
+        asyncio.run(load())
+
+    def address(self) -> str:
+        return self.url
+
+    def sync_weights(self, timeout: float) -> dict[str, Any]:
+        return self._synced(timeout)
+
+    def start_replay(self) -> None:
+        self._replay = threading.Thread(target=lambda: asyncio.run(self._replay_windows()), daemon=True)
+        self._replay.start()
+
+    async def _replay_windows(self) -> None:
+        s, offset = self.spec, 0.0
+        while not self._stop.is_set():
+            trace = build_trace(s.trace, s.window_s, s.load, offset, s.prompt_scale, s.output_scale)
+            start = time.time()
+            for result in await replay(self.url, trace, s.max_context, s.max_output):
+                self.results.append((start + result.scheduled_s, result))
+            offset += s.window_s
+
+    def serving_results(self, since: float = 0.0, stop: bool = False) -> list[tuple[float, RequestResult]]:
+        """Finished serving requests that arrived at or after `since` (wall clock); `stop` ends
+        the replay first (its current window runs out)."""
+        if stop and self._replay is not None:
+            self._stop.set()
+            self._replay.join()
+        return [(t, r) for t, r in self.results if t >= since]

@@ -1,0 +1,105 @@
+"""What a training run reports: per-step records, the JSON summary, and the PNG figure."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from rose.coserve.loadgen import RequestResult
+from rose.coserve.loadgen import summarize as summarize_requests
+from rose.runtime.config import Mode, ServingConfig
+
+
+@dataclasses.dataclass
+class StepRecord:
+    step: int
+    version: int
+    wall_start_s: float
+    step_s: float
+    rollout_s: float
+    train_s: float
+    sync_s: float
+    sync_bytes: int
+    success_rate: float
+    reward: float
+    turns_on_serving: float  # share of generated tokens produced on serving devices
+    resumed_turns: int
+    lost_trajectories: int
+    placements: list[tuple[float, float, str]]  # (start, end, kind), seconds since the run began
+    serving: dict[str, Any]
+    loss: float
+    elastic_devices: int
+
+
+def serving_summary(results: list[RequestResult], s: ServingConfig) -> dict[str, Any]:
+    if not results:
+        return {}
+    duration = max(r.scheduled_s + (r.latency_s or 0) for r in results) - min(r.scheduled_s for r in results)
+    return summarize_requests(results, max(duration, 1e-9), s.slo_ttft_ms, s.slo_tpot_ms)
+
+
+def summarize(records: list[StepRecord], serving: dict[str, Any]) -> dict[str, Any]:
+    """The summary keys of `rose train --json`."""
+    n = max(len(records), 1)
+    return {
+        "steps": len(records),
+        "initial_success_rate": records[0].success_rate if records else None,
+        "final_success_rate": records[-1].success_rate if records else None,
+        "mean_step_s": round(sum(r.step_s for r in records) / n, 3),
+        "mean_rollout_s": round(sum(r.rollout_s for r in records) / n, 3),
+        "turns_on_serving_fraction": round(sum(r.turns_on_serving for r in records) / n, 4),
+        "serving_slo_attainment": serving.get("slo_attainment"),
+        "serving_p99_ttft_ms": serving.get("p99_ttft_ms"),
+        "serving_p99_tpot_ms": serving.get("p99_tpot_ms"),
+        "weight_sync_s": round(sum(r.sync_s for r in records) / n, 4),
+        "weight_sync_bytes": sum(r.sync_bytes for r in records) // n,
+        "lost_trajectories": sum(r.lost_trajectories for r in records),
+    }
+
+
+def write_plot(path: Path, records: list[StepRecord], served: list[tuple[float, RequestResult]],
+               s: ServingConfig, mode: Mode) -> Path:
+    """Reward and success, step time split, serving latency against the SLO, where turns ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    steps = [r.step for r in records]
+    a = ax[0][0]
+    a.plot(steps, [r.reward for r in records], label="mean reward")
+    a.plot(steps, [r.success_rate for r in records], label="success rate")
+    a.set(xlabel="step", title=f"learning ({mode.value})")
+    a.legend()
+    a = ax[0][1]
+    bottom = [0.0] * len(records)
+    for name, part in (("rollout", "rollout_s"), ("train", "train_s"), ("weight sync", "sync_s")):
+        values = [getattr(r, part) for r in records]
+        a.bar(steps, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    a.set(xlabel="step", ylabel="seconds", title="step time")
+    a.legend()
+    a = ax[1][0]
+    ok = [(t, r) for t, r in served if r.ttft_s is not None]
+    if ok:
+        a.scatter([t for t, _ in ok], [r.ttft_s * 1e3 for _, r in ok], s=4, label="TTFT")
+        tp = [(t, r.tpot_s) for t, r in ok if r.tpot_s is not None]
+        a.scatter([t for t, _ in tp], [v * 1e3 for _, v in tp], s=4, label="TPOT")
+        a.axhline(s.slo_ttft_ms, color="C0", linestyle="--", label="TTFT SLO")
+        a.axhline(s.slo_tpot_ms, color="C1", linestyle="--", label="TPOT SLO")
+        a.set_yscale("log")
+        a.legend()
+    a.set(xlabel="time (s)", ylabel="ms", title="serving latency" + ("" if ok else " (no serving device)"))
+    a = ax[1][1]
+    for kind, y, color in (("dedicated", 0, "C2"), ("serving", 1, "C3")):
+        spans = [(b, e - b) for r in records for b, e, k in r.placements if k == kind]
+        if spans:
+            a.broken_barh(spans, (y - 0.4, 0.8), facecolors=color, alpha=0.15)
+    a.set(yticks=[0, 1], yticklabels=["dedicated", "serving"], xlabel="time (s)", title="where turns ran")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
