@@ -108,8 +108,9 @@ class LeaseWorker:
 
     async def heartbeat(self) -> Heartbeat:
         capacity = (await self.client.heartbeat())["capacity"]
+        slack_ms = capacity["predicted_slack_ms"]  # JSON has no infinity: null is an idle executor
         return Heartbeat(int(capacity["policy_version"]), int(capacity["free_slots"]),
-                         float(capacity["predicted_slack_ms"]) / 1e3)
+                         math.inf if slack_ms is None else float(slack_ms) / 1e3)
 
     async def abort(self, turn_id: str) -> None:
         with contextlib.suppress(LeaseError):  # already finished or handed back: its stream ended

@@ -10,6 +10,7 @@ worker that dies midway leaves the manager every token it had sent.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import socket
@@ -186,7 +187,9 @@ class ServingDeviceActor(_Replica):
             finally:
                 await client.aclose()
 
-        asyncio.run(load())
+        # Ray runs this method beside an event loop of its own: the HTTP call gets a thread.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, load()).result()
 
     def address(self) -> str:
         return self.url

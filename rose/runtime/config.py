@@ -48,7 +48,7 @@ class RolloutConfig:
     max_tokens: int = 2  # per turn
     temperature: float = 1.0
     max_context_tokens: int = 1536
-    dedicated_concurrency: int = 64  # turns in flight per dedicated worker
+    dedicated_concurrency: int = 16  # turns in flight per dedicated worker (beyond: spill or queue)
     serving_concurrency: int = 16  # per serving executor
     stall_timeout_s: float = 2.0
     timeout_s: float = 900.0
