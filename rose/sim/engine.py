@@ -1,13 +1,14 @@
 """The simulation core every system shares: one RL run, step by step, tick by tick.
 
-Fidelity. Serving and rollout progress in ticks (`sim.tick_s`, 1 s by default). Inside a tick
-each replica's iteration times are constant, computed from the state at the tick's start
-(roofline cost model, `devices.py`) and, on serving GPUs, from the admission decision of the
-shared policy (`rose.coserve.admission`, called twice a tick per replica: for iterations that
-carry a serving prefill chunk and for those that do not). Requests and turns keep their own
-clocks, so their latencies are not rounded to ticks. Turns are routed one by one by the shared
-routing policy (`rose.rollout.routing`). Training, weight sync and allocation are timed from the
-cost models. What this leaves out, and its error, is in docs/simulator.md.
+Fidelity. Serving and rollout progress in ticks (`sim.tick_s`). Inside a tick each replica's
+iteration times are constant, computed from the state at the tick's start (roofline cost
+model, `devices.py`) and, on serving GPUs, from the admission decision of the shared policy
+(`rose.coserve.admission`, called twice a tick per replica: for iterations that carry a
+serving prefill chunk and for those that do not). Requests and turns keep their own clocks, so
+their latencies are not rounded to ticks, and a trajectory may run several short turns within
+one tick. Turns are routed one by one by the shared routing policy (`rose.rollout.routing`).
+Training, weight sync and allocation are timed from the cost models. What this leaves out,
+and its error, is in docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class Simulation:
     # -- serving side -----------------------------------------------------------------------------
     def _init_serving(self, alone: bool) -> None:
         sc, c = self.sc, self.sc.cluster
-        trace = load_trace(sc.serving.trace)
+        trace = load_trace(sc.serving.trace).scaled(tokens=sc.serving.token_scale)
         self.fleet = ServingFleet(self.n_cs, trace, trace.mean_rate * sc.serving.load,
                                   diurnal_for_peak(sc.serving.trace, sc.serving.minute_peak_to_mean),
                                   sc.serving.start_hour * 3600.0, sc.serving.chunk_tokens, sc.sim.seed + 1)

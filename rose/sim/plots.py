@@ -82,20 +82,27 @@ def plot_scenario(res: ScenarioResult, out: Path) -> None:
 
 def plot_sweep(res: SweepResult, out: Path) -> None:
     s = res.summary()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     x = [str(v) for v in s["values"]]
-    axes[0].plot(x, s["throughput_vs_fixed_sync"], "o-", color=COLORS["rose"], label="ROSE")
-    axes[0].axhline(1.0, color="k", lw=1, ls="--")
-    axes[0].set_title("ROSE throughput vs fixed-sync", fontsize=10)
-    axes[0].set_xlabel(res.sweep.key, fontsize=9)
+    others = [n for n in res.sweep.systems if n != "fixed-sync"]
+    for name in others:
+        ys = [(p[1]["throughput_vs_fixed_sync_by_system"] or {}).get(name) for p in res.points]
+        axes[0].plot(x, ys, "o-", label=name, color=COLORS.get(name), lw=2 if name == "rose" else 1)
+    axes[0].axhline(1.0, color="k", lw=1, ls="--", label="fixed-sync")
+    axes[0].set_title("end-to-end throughput vs fixed-sync", fontsize=10)
     axes[0].set_ylabel("x", fontsize=9)
-    for name in res.sweep.systems:
+    for name in others:
         ys = [p[1]["allocation_overhead"].get(name, 0) * 100 for p in res.points]
         axes[1].plot(x, ys, "o-", label=name, color=COLORS.get(name))
     axes[1].set_title("allocation overhead", fontsize=10)
-    axes[1].set_xlabel(res.sweep.key, fontsize=9)
     axes[1].set_ylabel("% of training time", fontsize=9)
-    axes[1].legend(fontsize=8)
+    for key, label in (("slo_violations", "rose"), ("serving_alone_slo_violations", "serving-alone")):
+        ys = [p[1].get(key) for p in res.points]
+        axes[2].plot(x, [y if y is not None else np.nan for y in ys], "o-", label=label, color=COLORS[label])
+    axes[2].set_title("minutes violating the serving SLO", fontsize=10)
+    for ax in axes:
+        ax.set_xlabel(res.sweep.key, fontsize=9)
+        ax.legend(fontsize=8)
     fig.suptitle(f"{res.sweep.name}: {res.sweep.description}", fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

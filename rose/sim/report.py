@@ -87,6 +87,7 @@ class ScenarioResult:
             "serving_alone_p99_ttft_ms": round(sv["serving-alone"].p99_ttft_ms, 1) if sv else None,
             "serving_alone_p99_tpot_ms": round(sv["serving-alone"].p99_tpot_ms, 1) if sv else None,
             "slo_violations": sv["rose"].violations if "rose" in sv else None,
+            "serving_alone_slo_violations": sv["serving-alone"].violations if sv else None,
             "naive_share_slo_violations": sv["naive-share"].violations if "naive-share" in sv else None,
             "sim_wall_s": round(self.wall_s, 1),
             "sim_cpu_s": round(self.cpu_s, 1),
@@ -145,7 +146,7 @@ class SweepResult:
 
     def summary(self) -> dict[str, Any]:
         keys = ("throughput_vs_fixed_sync", "throughput_vs_fixed_sync_by_system", "slo_violations",
-                "allocation_overhead")
+                "serving_alone_slo_violations", "allocation_overhead")
         return {"sweep": self.sweep.name, "key": self.sweep.key,
                 "values": [v for v, _ in self.points],
                 **{k: [s.get(k) for _, s in self.points] for k in keys},

@@ -48,6 +48,7 @@ class ModelsConfig:
 class ServingConfig:
     trace: str = "azure-conv"
     load: float = 1.0                # x the trace's own mean request rate, per serving replica
+    token_scale: float = 1.0         # x the trace's prompt and output lengths
     minute_peak_to_mean: float = 1.7   # ROSE paper's 24 h trace; sets the diurnal amplitude
     start_hour: float = 9.0          # time of day the run starts
     # MLPerf Inference server-scenario latency constraints: TTFT 2 s and TPOT 100 ms for
@@ -179,6 +180,7 @@ def validate(sc: Scenario) -> Scenario:
     need(r.trajectories >= r.group and r.trajectories % r.group == 0, "rl.trajectories",
          f"a positive multiple of rl.group ({r.group})", r.trajectories)
     for key, value in (("cluster.cross_gbps", c.cross_gbps), ("serving.load", s.load),
+                       ("serving.token_scale", s.token_scale),
                        ("serving.slo_ttft_ms", s.slo_ttft_ms), ("serving.slo_tpot_ms", s.slo_tpot_ms),
                        ("sim.tick_s", sc.sim.tick_s), ("rl.demand_sigma", r.demand_sigma + 1e-12),
                        ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
@@ -267,7 +269,26 @@ class Sweep:
     overrides: tuple[str, ...] = ()
 
 
-SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b}
+def _cpu_bench_train() -> Scenario:
+    # The shape of `rose bench train`'s embedded default (issue 6): one core is the dedicated
+    # device (trainer and rollouts take turns on it), one core serves under a trace replay.
+    # The workload and SLO figures are placeholders until that benchmark exists and this
+    # scenario is matched to its config and calibrated against its measurements.
+    return Scenario(
+        name="cpu-bench-train",
+        description="this 2-core machine: core 0 trains and rolls out (small qwen3), core 1 serves "
+                    "small qwen2 under the Azure conversation trace; cpu device not yet calibrated",
+        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0),
+        models=ModelsConfig(policy="small", serving="small"),
+        serving=ServingConfig(load=0.05, token_scale=0.25, slo_ttft_ms=15000.0, slo_tpot_ms=1500.0),
+        rl=RLConfig(trajectories=32, group=4, steps=3, prompt_tokens=120, obs_tokens=30,
+                    response_median=16.0, max_response=64, rollout_max_seqs=32,
+                    rollout_batched_tokens=512),
+        sim=SimConfig(tick_s=1.0, systems=["fixed-sync", "rose", "naive-share"]),
+    )
+
+
+SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b, "cpu-bench-train": _cpu_bench_train}
 SWEEPS: dict[str, Sweep] = {s.name: s for s in (
     Sweep("sweep-bandwidth", "cross-cluster bandwidth 10-200 Gb/s: sparse deltas against full weights",
           "paper-8b", "cluster.cross_gbps", (10, 25, 50, 100, 200),
