@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The embedded default `rose train` (rose mode: core 0 dedicated, core 1 serving a trace replay),
+# shortened to a few steps so that it finishes in a few minutes on 2 cores.
 demo: install
-	$(BIN)/rose init-model --arch qwen3 --preset tiny --out $(DEMO_DIR) --seed 0
-	$(BIN)/rose generate --model $(DEMO_DIR) --prompt "Hello, ROSE" --max-tokens 24
+	$(BIN)/rose train train.steps=5 train.out_dir=$(DEMO_DIR) --json $(DEMO_DIR)/summary.json
 
 test: install
 	$(BIN)/python -m pytest -q -m "not slow"
