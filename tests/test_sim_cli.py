@@ -41,3 +41,18 @@ def test_bad_override_is_a_one_line_error(capsys):
 def test_missing_scenario(capsys):
     assert main(["simulate"]) == 2
     assert "--scenario" in capsys.readouterr().err
+
+
+def test_sweep_plot_from_summaries(tmp_path):
+    from rose.sim.plots import plot_sweep
+    from rose.sim.report import SweepResult
+    from rose.sim.scenarios import SWEEPS
+
+    sweep = SWEEPS["sweep-load"]
+    points = [(v, {"throughput_vs_fixed_sync": 1.2, "throughput_vs_fixed_sync_by_system": {"rose": 1.2},
+                   "slo_violations": 0, "serving_alone_slo_violations": 0,
+                   "allocation_overhead": {"rose": 0.001}}) for v in sweep.values]
+    res = SweepResult(sweep, points, 1.0)
+    assert res.summary()["values"] == list(sweep.values)
+    plot_sweep(res, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

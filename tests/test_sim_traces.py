@@ -66,6 +66,7 @@ def test_gamma_trace_rate_and_cv():
 def test_day_follows_the_diurnal_curve_and_mean():
     tr = load_trace("azure-conv")
     d = Diurnal(amplitude=0.5, peak_hour=14.0)
+    assert d.multiplier(14 * 3600.0) == pytest.approx(1.5) and d.multiplier(2 * 3600.0) == pytest.approx(0.5)
     t, p, o = day_arrivals(tr, 8.0, d, 0.0, DAY_S, phase_s=123.0)
     assert len(t) == len(p) == len(o)
     assert np.all(np.diff(t) >= 0)

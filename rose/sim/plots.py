@@ -96,9 +96,12 @@ def plot_sweep(res: SweepResult, out: Path) -> None:
         axes[1].plot(x, ys, "o-", label=name, color=COLORS.get(name))
     axes[1].set_title("allocation overhead", fontsize=10)
     axes[1].set_ylabel("% of training time", fontsize=9)
-    for key, label in (("slo_violations", "rose"), ("serving_alone_slo_violations", "serving-alone")):
+    axes[1].set_ylim(bottom=0)
+    for key, label, style in (("serving_alone_slo_violations", "serving-alone", "s-"),
+                              ("slo_violations", "rose", "o--")):
         ys = [p[1].get(key) for p in res.points]
-        axes[2].plot(x, [y if y is not None else np.nan for y in ys], "o-", label=label, color=COLORS[label])
+        axes[2].plot(x, [y if y is not None else np.nan for y in ys], style, label=label, color=COLORS[label])
+    axes[2].set_ylim(bottom=0)
     axes[2].set_title("minutes violating the serving SLO", fontsize=10)
     for ax in axes:
         ax.set_xlabel(res.sweep.key, fontsize=9)
