@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    tok = load_tokenizer(args.model)
     engine = LLMEngine.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    tok = load_tokenizer(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop_token_ids=tuple(tok.stop_token_ids))

@@ -23,10 +23,17 @@ from rose.model.qwen import QwenForCausalLM
 
 
 class InFlight(enum.Enum):
-    """What `load_weights` does to sequences already running."""
+    """What `load_weights` does to sequences already running (every token keeps the version
+    that produced it, whichever is chosen)."""
 
-    CONTINUE = "continue"  # keep their KV; later tokens come from the new weights (per-token versions)
-    RECOMPUTE = "recompute"  # preempt them: their KV is recomputed under the new weights
+    # Keep their KV; their later tokens come from the new weights. Immediate and cheapest.
+    CONTINUE = "continue"
+    # Stage the new weights and admit nothing new; the running sequences finish under the old
+    # weights, then the swap happens: each sequence stays single-version.
+    FINISH_OLD = "finish_old"
+    # Preempt them at the iteration boundary and swap: each resumes from its prompt plus the
+    # tokens it produced, re-prefilled under the new weights.
+    ABORT_RESUME = "abort_resume"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,7 @@ class LLMEngine:
         self.policy_version = 0
         self.num_preemptions = 0
         self.last_load = StepLoad()
+        self._staged_weights: tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._seeds = torch.Generator().manual_seed(0)
         self._ids = itertools.count()
@@ -143,7 +151,10 @@ class LLMEngine:
         """Run one iteration (at most `token_budget` tokens if given); return the requests that
         produced a token (or finished)."""
         start = time.perf_counter()
-        batch = self.scheduler.schedule(token_budget)
+        if not self.scheduler.running:
+            self._apply_staged_weights()  # FINISH_OLD, when preemption emptied the running set
+        # While new weights wait (FINISH_OLD), nothing new starts under the old ones.
+        batch = self.scheduler.schedule(token_budget, admit=self._staged_weights is None)
         self.num_preemptions += len(batch.preempted)
         if not batch.seqs:
             self.last_load = StepLoad()
@@ -158,6 +169,8 @@ class LLMEngine:
         outputs = []
         if sampling:
             outputs = self._sample(sampling, logits)
+        if not self.scheduler.running:
+            self._apply_staged_weights()  # FINISH_OLD: the old weights' last sequence is done
         self.last_load = StepLoad(prefill, len(decodes), context, time.perf_counter() - start)
         return outputs
 
@@ -199,20 +212,34 @@ class LLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
-        """Copy new weights in (any dtype: bf16 bits are upcast) and stamp later tokens with
-        `version`. Call between iterations. The prefix cache is dropped: its KV is stale."""
+        """Take new weights (any dtype: bf16 bits are upcast; the tensors are copied, the caller
+        keeps its own) and stamp later tokens with `version`. Call between iterations. The
+        prefix cache is dropped when they apply: its KV is stale."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in params:
-                    raise ValueError(f"load_weights: unknown parameter {name!r}")
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(params[name].shape)}")
-                params[name].copy_(tensor)
-        if in_flight is InFlight.RECOMPUTE:
+        staged = []
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise ValueError(f"load_weights: unknown parameter {name!r}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            staged.append((params[name], tensor.to(params[name].dtype, copy=True)))
+        self._staged_weights = (staged, version)
+        if in_flight is InFlight.ABORT_RESUME:
             for seq in list(self.scheduler.running):
                 self.scheduler.preempt(seq)
+        if in_flight is not InFlight.FINISH_OLD or not self.scheduler.running:
+            self._apply_staged_weights()
+
+    def _apply_staged_weights(self) -> None:
+        """Swap in staged weights once nothing runs under the old ones (or at once)."""
+        if self._staged_weights is None:
+            return
+        staged, version = self._staged_weights
+        with torch.no_grad():
+            for param, tensor in staged:
+                param.copy_(tensor)
+        self._staged_weights = None
         self.blocks.reset_prefix_cache()
         self.policy_version = version
 

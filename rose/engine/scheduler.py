@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 
 from rose.engine.block_manager import BlockManager
 from rose.engine.sequence import Sequence, Status
@@ -64,19 +65,24 @@ class Scheduler:
         seq.num_preemptions += 1
         self.add(seq)
 
-    def schedule(self, token_budget: int | None = None) -> Batch:
+    def schedule(self, token_budget: int | None = None, admit: bool = True) -> Batch:
         """This iteration's batch; `token_budget` lowers the configured one (the co-serving
-        executor grants rollouts only what the serving SLOs leave)."""
+        executor grants rollouts only what the serving SLOs leave); `admit=False` runs only
+        what is already running."""
         budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             budget = min(budget, token_budget)
         chosen: dict[Sequence, int] = {}
         preempted: list[Sequence] = []
 
-        def make_room(seq: Sequence, n: int, victims: list[Sequence]) -> bool:
-            """Preempt from the end of `victims` until `seq` gets its pages."""
+        def make_room(seq: Sequence, n: int, may_preempt: Callable[[Sequence], bool]) -> bool:
+            """Preempt the latest running sequences that `may_preempt` allows until `seq` gets
+            its pages (the candidates are only sorted when pages actually run out)."""
             nonlocal budget
+            victims = None
             while not self.blocks.ensure_slots(seq, n):
+                if victims is None:
+                    victims = sorted(filter(may_preempt, self.running), key=lambda s: s.sort_key)
                 if not victims:
                     return False
                 victim = victims.pop()
@@ -92,23 +98,19 @@ class Scheduler:
             n = min(seq.num_uncomputed, self.config.chunk_size, budget)
             if n == 0:
                 continue
-            later = sorted((s for s in self.running if s.sort_key > seq.sort_key),
-                           key=lambda s: s.sort_key)
-            if make_room(seq, n, later):
+            if make_room(seq, n, lambda s, key=seq.sort_key: s.sort_key > key):
                 chosen[seq] = n
                 budget -= n
             else:
                 self.preempt(seq)
                 preempted.append(seq)
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, self.config.chunk_size, budget)
             # A waiting sequence may only displace running ones of a lower priority class.
-            lower = sorted((s for s in self.running if s.priority > seq.priority),
-                           key=lambda s: s.sort_key)
-            if not make_room(seq, n, lower):
+            if not make_room(seq, n, lambda s, prio=seq.priority: s.priority > prio):
                 self.blocks.free(seq)
                 break
             self.waiting.pop(0)

@@ -27,11 +27,10 @@ from rose.transfer.plan import Plan, build_plan
 from rose.transfer.receiver import Receiver, load_into
 from rose.transfer.relay import LocalRelay, RayRelay, Relay
 from rose.transfer.sender import Sender
-from rose.transfer.versions import InFlight, SyncPolicy
+from rose.transfer.versions import SyncPolicy
 
 __all__ = [
     "CorruptDelta",
-    "InFlight",
     "Link",
     "LinkError",
     "LocalRelay",

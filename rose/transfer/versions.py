@@ -16,26 +16,9 @@ state, baseline and version history, so a slower group never forces full syncs o
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 
 from rose.transfer.layouts import ReceiverSpec, TrainerSpec
-
-
-class InFlight(str, enum.Enum):
-    """What an engine does with sequences in flight when a new policy version arrives.
-
-    The engine swaps weights and bumps its policy version atomically between two iterations;
-    every token stays stamped with the version that produced it. It honours one of:
-    """
-
-    # Stop admitting new sequences, let the running ones finish under the old weights, then
-    # swap: trajectories stay single-version, and the swap waits for the longest sequence.
-    FINISH_OLD = "finish_old"
-    # Abort the running sequences at the iteration boundary, swap, and resume each from its
-    # prompt plus the tokens it already produced (re-prefilled under the new weights): the swap
-    # is immediate and the tail of each trajectory is on-policy.
-    ABORT_RESUME = "abort_resume"
 
 
 @dataclasses.dataclass(frozen=True)
