@@ -89,13 +89,17 @@ def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], co
         proc.wait(timeout=30)
 
 
-def _busy_seconds(url: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        if family.name == "rose_busy_seconds":
-            return sum(s.value for s in family.samples
-                       if s.name.endswith("_total") and s.labels.get("model") == "serving")
+def _metric(url: str, sample: str, **labels: str) -> float:
+    """One sample of the server's Prometheus metrics (0 when absent)."""
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
     return 0.0
+
+
+def _busy_seconds(url: str) -> float:
+    return _metric(url, "rose_busy_seconds_total", model="serving")
 
 
 async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator) -> dict[str, int]:
@@ -149,7 +153,11 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
     done = await asyncio.gather(*jobs)
     wall = time.perf_counter() - t0
     result: dict[str, Any] = {"wall_s": round(wall, 2),
-                              "serving_busy_fraction": round((_busy_seconds(url) - busy0) / wall, 4)}
+                              "serving_busy_fraction": round((_busy_seconds(url) - busy0) / wall, 4),
+                              "latency_model_error": round(_metric(url, "rose_latency_model_error"), 4),
+                              "rollout_turns_cut": _metric(url, "rose_rollout_aborted_turns_total"),
+                              "bursts": _metric(url, "rose_executor_transitions_total",
+                                                from_state="normal", to_state="burst")}
     if rollouts:
         result.update(rollout=done[0], rollout_tokens_per_s=round(done[0]["tokens"] / wall, 2))
     requests = done[-1] if traffic else []
@@ -188,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         summary[mode] = {k: r.get(k) for k in ("p99_ttft_ms", "p99_tpot_ms", "slo_attainment",
                                                "rollout_tokens_per_s")}
     summary["idle_fraction_serving_alone"] = round(idle, 4)
+    summary["latency_model_error_rose"] = results["rose"]["latency_model_error"]
     summary["harvest_ratio"] = round(results["rose"]["rollout_tokens_per_s"] / (idle * capacity), 3)
     write_report(args.json, summary, config={"duration_s": duration, "rate": args.rate,
                                              "trajectories": args.trajectories, "start_s": args.start,
