@@ -32,6 +32,7 @@ from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rollout.routing import WorkerKind
 from rose.rollout.workers import EngineWorker, Heartbeat, TurnResult, extend
+from rose.runtime.config import ServingConfig
 from rose.runtime.devices import pin
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, model_spec
 
@@ -141,25 +142,12 @@ class ActorWorker:
         pass
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplaySpec:
-    """The production traffic a serving device gets: a real trace, replayed window by window."""
-
-    trace: str = "azure-conv"
-    load: float = 1.0
-    prompt_scale: float = 1.0
-    output_scale: float = 1.0
-    max_context: int = 512
-    max_output: int = 64
-    window_s: float = 10.0
-
-
 class ServingDeviceActor(_Replica):
     """A co-serving executor (serving model + rollout model) behind its HTTP server, with a trace
     replay driving its serving side from this process."""
 
     def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
-                 config: ExecutorConfig, replay_spec: ReplaySpec, relay: str, group: str) -> None:
+                 config: ExecutorConfig, replay_spec: ServingConfig, relay: str, group: str) -> None:
         pin(cores)
         import uvicorn
 

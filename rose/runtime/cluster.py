@@ -29,7 +29,6 @@ from rose.rollout.workers import LeaseWorker
 from rose.runtime.actors import (
     ActorWorker,
     DedicatedWorkerActor,
-    ReplaySpec,
     ServingDeviceActor,
     TrainerActor,
 )
@@ -83,12 +82,10 @@ class Cluster:
             executor = ExecutorConfig(pool_bytes=s.pool_mb << 20, slo_ttft_ms=s.slo_ttft_ms,
                                       slo_tpot_ms=s.slo_tpot_ms,
                                       max_rollout_turns=c.rollout.serving_concurrency)
-            replay = ReplaySpec(s.trace, s.load, s.prompt_scale, s.output_scale, s.max_context,
-                                s.max_output, s.window_s)
             for i, cores in enumerate(c.devices.serving):
                 wid = f"serving-{i}"
                 self.serving[wid] = ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
-                    wid, cores, serving_path, self.model_path, executor, replay, self.relay, self.group)
+                    wid, cores, serving_path, self.model_path, executor, s, self.relay, self.group)
         self.version = ray.get(self.trainer.version.remote())
         for wid, handle in self.dedicated.items():
             ray.get(handle.ready.remote())
