@@ -16,7 +16,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -67,15 +67,13 @@ class TrainerActor:
 
 
 class _Replica:
-    """A rollout replica's receiving end: joins the relay group, applies syncs via `_apply`."""
+    """A rollout replica's receiving end: joins the relay group; syncs go to `apply`."""
 
-    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module) -> None:
-        self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), self._apply,
+    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
+              apply: Callable[[Iterable[tuple[str, torch.Tensor]], int], None]) -> None:
+        self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), apply,
                                  group=group)
         self.receiver.join()
-
-    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        raise NotImplementedError
 
     def _synced(self, timeout: float) -> dict[str, Any]:
         self.receiver.sync(timeout)
@@ -93,7 +91,7 @@ class DedicatedWorkerActor(_Replica):
         pin(cores)
         self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
         self.worker = EngineWorker(worker_id, self.engine, max_concurrency=0)
-        self._join(relay, group, worker_id, self.engine.engine.model)
+        self._join(relay, group, worker_id, self.engine.engine.model, self._apply)
 
     def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         tensors = list(named)
@@ -165,7 +163,7 @@ class ServingDeviceActor(_Replica):
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
-        self._join(relay, group, worker_id, executor.rollout.model)
+        self._join(relay, group, worker_id, executor.rollout.model, self._apply)
 
     def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         async def load() -> None:
