@@ -86,7 +86,11 @@ def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], co
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _metric(url: str, sample: str, **labels: str) -> float:

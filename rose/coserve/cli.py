@@ -54,5 +54,6 @@ def run(args: argparse.Namespace) -> int:
         executor.profile()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     app = build_app(executor, load_tokenizer(args.model), name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -6,8 +6,9 @@ linear in (1, prefill tokens, prefill tokens^2, decode sequences, KV tokens the 
 the constant is per-iteration overhead, prefill is matmul-bound (the square term is attention
 within a chunk), decode is weight-bound per iteration plus KV-bound per context token. It is
 profiled for a few seconds at start-up on the engine itself and refitted online from every
-measured iteration; `error` is the mean relative error of the predictions made before each
-measurement was known.
+measured iteration; `error` is the relative error of the predictions made before each
+measurement was known, weighted by time (sum of |error| over sum of measured times), so that the
+long iterations admission must get right count for more than the shortest ones.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class FittedLatencyModel:
         self.window, self.refit_every = window, refit_every
         self._obs: dict[str, collections.deque[tuple[np.ndarray, float]]] = {}
         self._coef: dict[str, np.ndarray] = {}
-        self._errors: collections.deque[float] = collections.deque(maxlen=window)
+        self._errors: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         self._since_fit = 0
 
     def time(self, model: str, load: TokenLoad) -> float:
@@ -66,7 +67,7 @@ class FittedLatencyModel:
         if load == TokenLoad():
             return
         if model in self._coef and seconds > 0:
-            self._errors.append(abs(self.time(model, load) - seconds) / seconds)
+            self._errors.append((abs(self.time(model, load) - seconds), seconds))
         self._obs.setdefault(model, collections.deque(maxlen=self.window)).append(
             (_features(load), seconds))
         self._since_fit += 1
@@ -85,8 +86,10 @@ class FittedLatencyModel:
 
     @property
     def error(self) -> float:
-        """Mean relative error of recent predictions (made before the measurement)."""
-        return float(np.mean(self._errors)) if self._errors else float("nan")
+        """Time-weighted relative error of recent predictions (made before the measurement)."""
+        if not self._errors:
+            return float("nan")
+        return sum(e for e, _ in self._errors) / sum(t for _, t in self._errors)
 
 
 def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,
