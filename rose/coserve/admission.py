@@ -162,17 +162,19 @@ def _largest(lo: int, hi: int, fits) -> int:
 
 
 def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: LatencyModel,
-          slo: SLOBudgets, chunk_tokens: int = 512, rollout_chunk_tokens: int | None = None) -> Admission:
+          slo: SLOBudgets, chunk_tokens: int = 512, rollout_chunk_tokens: int | None = None,
+          max_iteration_s: float = math.inf) -> Admission:
     """How many rollout decode sequences and prefill tokens may join the next iteration.
 
     Serving always runs (its chunk and all its decodes); rollout tokens are added only while
     both slacks stay positive with them. `rollout_chunk_tokens` (default `chunk_tokens`) caps
-    rollout prefill per iteration."""
+    rollout prefill per iteration; `max_iteration_s` caps the iteration whatever the slacks
+    (the executor keeps TTFT room for a request that may arrive while it runs)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     base = serving.load(chunk_tokens)
     terms = _prefill_terms(now, serving, slo, chunk_tokens)
-    limit = _limit(serving, slo, now, terms)
+    limit = min(_limit(serving, slo, now, terms), max_iteration_s)
     prefix = [0, *itertools.accumulate(rollout.decode_context)]
 
     def time_with(d: int, p: int) -> float:

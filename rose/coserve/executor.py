@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,7 @@ from rose.coserve.admission import (
     RolloutDemand,
     ServingState,
     SLOBudgets,
+    TokenLoad,
     admit,
     iteration_limit,
 )
@@ -62,8 +64,8 @@ class ExecutorConfig:
     policy: Policy = Policy.ROSE
     static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
-    # TTFT slack is kept for a request that may arrive while this iteration runs: admission
-    # sees a phantom arrival "now" with this many prompt tokens (0: none).
+    # TTFT room is kept for a request that may arrive while an iteration runs: it waits for
+    # the iteration, then prefills this many tokens, within B_TTFT (0: no such reserve).
     arrival_reserve_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -262,11 +264,11 @@ class CoServingExecutor:
         demand = RolloutDemand(
             decode_context=[s.num_computed_tokens + 1 for s in running if s.num_uncomputed == 1],
             prefill_tokens=sum(s.num_uncomputed for s in self._rollout_seqs() if s.num_uncomputed > 1))
-        state = self._serving_state(now)
-        if self.config.arrival_reserve_tokens:
-            phantom = (now, self.config.arrival_reserve_tokens)
-            state = dataclasses.replace(state, waiting=[*state.waiting, phantom])
-        decision = admit(now, state, demand, self.latency, self.slo, self.config.chunk_tokens)
+        reserve = self.config.arrival_reserve_tokens
+        cap = self.slo.ttft_s - self.latency.time(SERVING, TokenLoad(prefill_tokens=reserve)) if reserve \
+            else math.inf
+        decision = admit(now, self._serving_state(now), demand, self.latency, self.slo,
+                         self.config.chunk_tokens, max_iteration_s=cap)
         self.metrics.latency_error.set(self.latency.error)
         return decision.rollout_tokens
 

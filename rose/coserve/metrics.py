@@ -32,7 +32,7 @@ class ExecutorMetrics:
                                    ["from_state", "to_state"], registry=r)
         self.rollout_budget = Gauge("rose_rollout_budget_pages", "Pages rollouts may hold", registry=r)
         self.latency_error = Gauge("rose_latency_model_error",
-                                   "Time-weighted relative error of the iteration-time predictions", registry=r)
+                                   "Time-weighted relative error of iteration-time predictions", registry=r)
         self.slo_attainment = Gauge("rose_serving_slo_attainment",
                                     "Share of finished serving requests within both SLOs", registry=r)
 
