@@ -144,3 +144,15 @@ def test_latency_model_fits_and_reports_its_error() -> None:
     assert model.iteration_time(TokenLoad(), TokenLoad()) == 0.0
     coef = _nonnegative_lstsq(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
     assert (coef >= 0).all()
+
+
+def test_rollouts_are_not_starved_by_an_overestimating_model_when_serving_is_idle() -> None:
+    ex = _executor(pages=128, slo_ttft_ms=100, slo_tpot_ms=50)
+    for load in (TokenLoad(16), TokenLoad(64), TokenLoad(0, 4, 100)):  # a noisy profile: 10 s each
+        ex.latency.observe("rollout", load, 10.0)
+        ex.latency.observe("serving", load, 10.0)
+    ex.submit_turn(Turn("t", "traj", _ids(100), SamplingParams(max_tokens=3, ignore_eos=True)))
+    ex.step()
+    assert ex.rollout.last_load.prefill_tokens == ex.config.idle_min_rollout_tokens
+    while ex.has_unfinished():
+        ex.step()  # it finishes, a floor's worth of tokens per iteration

@@ -67,6 +67,10 @@ class ExecutorConfig:
     # TTFT room is kept for a request that may arrive while an iteration runs: it waits for
     # the iteration, then prefills this many tokens, within B_TTFT (0: no such reserve).
     arrival_reserve_tokens: int = 256
+    # With no serving request in flight rollouts always get at least this many tokens, so that
+    # a latency model that overestimates (noisy profile) cannot starve them: each such
+    # iteration is also a measurement that corrects the fit.
+    idle_min_rollout_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
@@ -267,9 +271,12 @@ class CoServingExecutor:
         reserve = self.config.arrival_reserve_tokens
         cap = self.slo.ttft_s - self.latency.time(SERVING, TokenLoad(prefill_tokens=reserve)) if reserve \
             else math.inf
-        decision = admit(now, self._serving_state(now), demand, self.latency, self.slo,
-                         self.config.chunk_tokens, max_iteration_s=cap)
+        state = self._serving_state(now)
+        decision = admit(now, state, demand, self.latency, self.slo, self.config.chunk_tokens,
+                         max_iteration_s=cap)
         self.metrics.latency_error.set(self.latency.error)
+        if not state.waiting and not state.decoding_last_token_s:
+            return max(decision.rollout_tokens, self.config.idle_min_rollout_tokens)
         return decision.rollout_tokens
 
     def _serving_state(self, now: float) -> ServingState:
