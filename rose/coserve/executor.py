@@ -66,7 +66,7 @@ class ExecutorConfig:
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
     # TTFT room is kept for a request that may arrive while an iteration runs: it waits for
     # the iteration, then prefills this many tokens, within B_TTFT (0: no such reserve).
-    arrival_reserve_tokens: int = 256
+    arrival_reserve_tokens: int = 512
     # With no serving request in flight rollouts always get at least this many tokens, so that
     # a latency model that overestimates (noisy profile) cannot starve them: each such
     # iteration is also a measurement that corrects the fit.
