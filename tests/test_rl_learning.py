@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
+
 from rose.engine import LLMEngine, SamplingParams
-from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn
+from rose.model import init_model, load_tokenizer
+from rose.rl import Episode, Objective, Trainer, TrainerConfig, Trajectory, Turn, make_env, run_episodes
 
 
 def test_a_tiny_policy_learns_a_bandit(tiny_qwen3: Path) -> None:
@@ -29,3 +33,26 @@ def test_a_tiny_policy_learns_a_bandit(tiny_qwen3: Path) -> None:
         rewards.append(metrics["reward_mean"])
     assert rewards[0] < 0.4, rewards
     assert sum(rewards[-2:]) / 2 > 0.6, rewards
+
+
+@pytest.mark.slow
+def test_a_tiny_policy_learns_frozenlake(tmp_path: Path) -> None:
+    """The FrozenLake target: a random-initialised tiny policy goes from no success to a
+    success rate of at least 0.8 on the fixed, non-slippery 4x4 map within 10 minutes on 2
+    cores (measured: about 80 steps, 3.5 minutes on a lightly shared machine). Recipe: one-token
+    replies, 8 groups of 8 episodes per step, progress shaping 0.5 (without it the policy
+    collapses onto one action before it ever reaches G), GRPO, lr 3e-3, two updates per step."""
+    path = init_model("qwen3", "tiny", tmp_path / "policy", seed=0)
+    tok = load_tokenizer(path)
+    engine = LLMEngine.from_pretrained(path, kv_cache_bytes=64 * 1024**2)
+    trainer = Trainer(path, Objective.grpo(), TrainerConfig(lr=3e-3, mini_batches=2, micro_batch_size=32))
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
+    start, rates = time.monotonic(), []
+    while time.monotonic() - start < 600 and (not rates or rates[-1] < 0.8):
+        episodes = [Episode(make_env("frozenlake", max_turns=8, progress_reward=0.5), tok,
+                            seed=len(rates) * 100 + i // 8) for i in range(64)]
+        rates.append(trainer.step(run_episodes(engine, episodes, params))["success_rate"])
+        engine.load_weights(trainer.export_weights(), trainer.version)
+    elapsed = time.monotonic() - start
+    print(f"frozenlake 4x4: success {rates[0]:.2f} -> {rates[-1]:.2f} in {len(rates)} steps, {elapsed:.0f} s")
+    assert rates[0] == 0.0 and rates[-1] >= 0.8, (rates, elapsed)

@@ -136,6 +136,13 @@ def test_a_batch_with_nothing_to_learn_skips_the_update(tiny_qwen3: Path) -> Non
     assert all(torch.equal(before[n], p) for n, p in _params(trainer).items())
 
 
+def test_a_trajectory_cut_before_its_first_turn_only_counts_in_its_group(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3))
+    m = trainer.step([*_batch(groups=1), Trajectory(("g", 0), truncated=True)])
+    assert m["sequences"] == 4 and m["updates"] == 1 and m["reward_mean"] == pytest.approx(
+        sum(t.reward for t in _batch(groups=1)) / 5)
+
+
 def test_export_weights_feed_the_engine(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
     trainer.step(_batch())

@@ -118,8 +118,9 @@ class Trainer:
         """One RL step on this rank's share of the batch (whole groups); every rank calls it
         once per step. Returns metrics over the whole batch."""
         prepared = self.objective.prepare(trajectories)
-        samples = [(t.flatten(), a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True)]
-        self._check(samples, prepared.trajectories)
+        # A trajectory cut before its first turn counts in its group's statistics only.
+        kept = [(t, a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True) if t.turns]
+        samples = [(self._flatten(t), a) for t, a in kept]
         sums = dict.fromkeys(("loss", "tokens", "sequences", "clipped", "kl", "entropy", "version_lag"), 0.0)
         grad_norms, updates = [], 0
         for mini in _chunks(samples, self.config.mini_batches):
@@ -160,15 +161,16 @@ class Trainer:
             "version": float(self.version),
         }
 
-    def _check(self, samples: list[tuple[TokenSequence, float]], trajectories: list[Trajectory]) -> None:
+    def _flatten(self, t: Trajectory) -> TokenSequence:
+        seq = t.flatten()
         limit, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
-        for (seq, _), t in zip(samples, trajectories, strict=True):
-            if len(seq.token_ids) > limit:
-                raise ValueError(f"trajectory {t.group_id!r} has {len(seq.token_ids)} tokens; the model's "
-                                 f"context is {limit}")
-            if int(seq.token_ids.min()) < 0 or int(seq.token_ids.max()) >= vocab:
-                raise ValueError(f"trajectory {t.group_id!r} holds token ids outside the vocabulary "
-                                 f"[0, {vocab})")
+        if len(seq.token_ids) > limit:
+            raise ValueError(f"trajectory {t.group_id!r} has {len(seq.token_ids)} tokens; the model's "
+                             f"context is {limit}")
+        if int(seq.token_ids.min()) < 0 or int(seq.token_ids.max()) >= vocab:
+            raise ValueError(f"trajectory {t.group_id!r} holds token ids outside the vocabulary "
+                             f"[0, {vocab})")
+        return seq
 
     def _logprobs(self, model: QwenForCausalLM, inputs: torch.Tensor,
                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ an observation that says so, the `invalid_penalty` is subtracted, and the turn c
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -31,8 +32,8 @@ def check_positive_int(owner: str, name: str, value: object) -> int:
 
 
 def check_non_negative(owner: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{owner}: {name} must be a number >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 

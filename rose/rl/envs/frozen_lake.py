@@ -38,8 +38,8 @@ STANDARD_MAPS: dict[int, tuple[str, ...]] = {
     8: ("SFFFFFFF", "FFFFFFFF", "FFFHFFFF", "FFFFFHFF",
         "FFFHFFFF", "FHHFFFHF", "FHFFHFHF", "FFFHFFFG"),
 }
-# Enough turns for a detour or two around the holes; gymnasium's own limits (100, 200) are
-# far longer than a multi-turn LLM episode can afford.
+# Enough turns for a detour or two around the holes (4 x side for other sizes); gymnasium's
+# own limits (100, 200) are far longer than a multi-turn LLM episode can afford.
 DEFAULT_MAX_TURNS = {4: 10, 8: 30}
 _MOVES = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up as (drow, dcol)
 
@@ -133,23 +133,24 @@ class FrozenLake(TextEnv):
             self.desc = generate_map(self.size, self.p_frozen, self._rng.getrandbits(63))
         text = "".join(self.desc)
         self.pos = self._start = divmod(text.index("S"), len(self.desc[0]))
-        if self.progress_reward:
-            goals = [divmod(i, len(self.desc[0])) for i, ch in enumerate(text) if ch == "G"]
-            self._distance = _distances(self.desc, goals)
+        goals = [divmod(i, len(self.desc[0])) for i, ch in enumerate(text) if ch == "G"]
+        self._distance = _distances(self.desc, goals)
 
     def _potential(self) -> float:
+        """Minus `progress_reward` times the share of the start's distance to G still ahead;
+        holes (and cells cut off from G) count as far as the start."""
         start = max(self._distance.get(self._start, 0), 1)
         return -self.progress_reward * min(self._distance.get(self.pos, start), start) / start
 
     def _act(self, action: int) -> tuple[float, bool, bool]:
         if self.slippery:
             action = (action + self._rng.choice((-1, 0, 1))) % 4
-        before = self._potential() if self.progress_reward else 0.0
+        before = self._potential()
         dr, dc = _MOVES[action]
         r, c = self.pos[0] + dr, self.pos[1] + dc
         if 0 <= r < len(self.desc) and 0 <= c < len(self.desc[0]):
             self.pos = (r, c)
-        shaping = self._potential() - before if self.progress_reward else 0.0
+        shaping = self._potential() - before
         return (1.0 if self.tile == "G" else 0.0) + shaping, self.tile in "GH", False
 
     def render(self) -> str:
