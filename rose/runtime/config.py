@@ -38,14 +38,15 @@ class ModelConfig:
 class EnvConfig:
     name: str = "frozenlake"
     options: dict[str, Any] = dataclasses.field(
-        default_factory=lambda: {"size": 4, "slippery": False, "progress_reward": 0.5})
+        # The recipe measured in docs/rl.md (tiny policy 0.00 -> 0.92 success in 64 steps).
+        default_factory=lambda: {"size": 4, "slippery": False, "progress_reward": 0.5, "max_turns": 8})
 
 
 @dataclasses.dataclass
 class RolloutConfig:
     groups: int = 8  # prompts (environment seeds) per step
     group_size: int = 8  # samples per prompt (GRPO's group)
-    max_tokens: int = 2  # per turn
+    max_tokens: int = 1  # per turn: one action word
     temperature: float = 1.0
     max_context_tokens: int = 1536
     dedicated_concurrency: int = 16  # turns in flight per dedicated worker (beyond: spill or queue)
@@ -57,11 +58,11 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 60
+    steps: int = 80
     objective: str = "grpo"
-    lr: float = 2e-3
-    micro_batch_size: int = 64
-    mini_batches: int = 1
+    lr: float = 3e-3
+    micro_batch_size: int = 32
+    mini_batches: int = 2
     checkpoint_every: int = 10
     out_dir: str = "runs/train"
     seed: int = 0
