@@ -180,8 +180,9 @@ class CoServingExecutor:
         free = self.config.max_rollout_turns - running
         if self.burst.state is BurstState.BURST or self.pool.headroom(ROLLOUT) == 0:
             free = 0
-        state = self._serving_state(time.monotonic())
-        slack = iteration_limit(time.monotonic(), state, self.slo, self.config.chunk_tokens)
+        now = time.monotonic()
+        state = self._serving_state(now)
+        slack = iteration_limit(now, state, self.slo, self.config.chunk_tokens)
         slack -= self.latency.time(SERVING, state.load(self.config.chunk_tokens))
         return Capacity(max(0, free), slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
                         self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
