@@ -41,15 +41,14 @@ DEVICES: dict[str, Device] = {
     # NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS bf16, 2,039 GB/s, NVLink 600 GB/s; HDR 200 Gb/s.
     "A100": Device("A100", 312e12, 2.039e12, 80 * GB, 600 * GB, 25 * GB,
                    "NVIDIA A100 80GB SXM4 datasheet; 200 Gb/s HDR IB per GPU"),
-    # This machine's 2 cores, float32. To be calibrated from this project's engine measurements
-    # (`rose bench train`, once it exists). Initial estimates from the design's reference figures:
-    # batch-1 decode of the 34 M `small` model at 32-37 tokens/s streams its 136 MB of fp32
-    # weights per token, about 5 GB/s; its mixed workload at 92-221 tokens/s of a 68 MFLOP/token
-    # model is 6-15 GFLOP/s achieved. Memory: what the project's CPU jobs may use. "Links":
-    # loopback copies, a few GB/s.
-    "cpu": Device("cpu", 15e9, 5 * GB, 8 * GB, 5 * GB, 2 * GB,
-                  "estimates from ARCHITECTURE.md reference figures; to be calibrated from this "
-                  "project's engine measurements"),
+    # One core of this machine (Intel Xeon, AVX-512 at 2.1 GHz, /proc/cpuinfo), float32, as
+    # `rose train` pins a device to its cores: peak 2 FMA units x 16 lanes x 2 FLOPs x 2.1 GHz =
+    # 134 GFLOP/s. Memory bandwidth (used only by roofline models, not by the measured tiny
+    # engines below): batch-1 decode of the 34 M `small` model streams its 136 MB of fp32 weights
+    # at 32-37 tokens/s (ARCHITECTURE.md reference figures), about 5 GB/s. Memory: the 64 MB KV
+    # budgets `rose train` gives its engines are far from binding for the tiny models.
+    "cpu": Device("cpu", 134e9, 5 * GB, 1 * GB, 5 * GB, 2 * GB,
+                  "one core of this machine: AVX-512 peak; engines measured (rose.sim.calibrate)"),
 }
 
 
@@ -81,9 +80,14 @@ class Efficiency:
                 raise ValueError(f"efficiency.{name} is a fraction of peak, got {getattr(self, name)}")
 
 
-# The CPU device's own fixed costs: Python scheduling per forward is milliseconds there.
-CPU_EFFICIENCY = Efficiency(prefill_mfu=0.5, decode_bw=0.5, train_mfu=0.3, forward_overhead_s=5e-3,
-                            allreduce_latency_s=1e-4, memory_utilization=0.5)
+# The CPU device. Its engines' iteration times are measured (MEASURED_COSTS); what is left here
+# is the trainer: `python -m rose.sim.calibrate` measured the tiny Qwen3's GRPO step over
+# `rose bench train`'s trajectories at TRAIN_FLOPS_CPU achieved (6 + 2 x 2 FLOPs per parameter
+# and token), a fraction TRAIN_FLOPS_CPU / 134e9 of one core's peak. The other factors only
+# matter for roofline models on the CPU (`small`): the design's reference figures.
+TRAIN_FLOPS_CPU = 1.8e10
+CPU_EFFICIENCY = Efficiency(prefill_mfu=0.1, decode_bw=1.0, train_mfu=TRAIN_FLOPS_CPU / 134e9,
+                            forward_overhead_s=1e-3, allreduce_latency_s=1e-4, memory_utilization=0.9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,9 @@ MODELS: dict[str, ModelShape] = {
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
     "qwen2.5-32b": ModelShape("Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648, 152064),
     "small": ModelShape("small (34M)", 8, 512, 8, 4, 64, 1536, 8192, bytes_per_param=4),
+    # `rose train`'s default policy and serving model (rose.model.presets "tiny", float32).
+    "tiny-qwen3": ModelShape("tiny Qwen3", 2, 64, 4, 2, 16, 128, 512, tied=True, bytes_per_param=4),
+    "tiny-qwen2": ModelShape("tiny Qwen2", 2, 64, 4, 2, 16, 128, 512, tied=True, bytes_per_param=4),
 }
 
 
@@ -177,6 +184,29 @@ class ForwardCost:
                    + self.prefill_attn * load.prefill_tokens ** 2)
         memory = self.s_weights + self.s_kv * (load.context_tokens + tokens)
         return max(compute, memory) + self.fixed
+
+
+# Measured iteration times of this project's engine on one core of this machine (torch threads
+# 1), `python -m rose.sim.calibrate`: a linear model of each engine's per-iteration minima
+# (fixed + per token + per cached token read). Every sampled sequence also streams its token to
+# the rollout manager: CHUNK_S, one Ray streaming-generator chunk, measured by the same script
+# (16 turns in flight); serving streams over HTTP, assumed to cost the same.
+CHUNK_S = 0.29e-3
+MEASURED_COSTS: dict[tuple[str, str], ForwardCost] = {
+    ("cpu", "tiny Qwen3"): ForwardCost(s_token=31.9e-6, s_attn=244e-9, s_head=CHUNK_S, s_weights=0.0,
+                                       s_kv=0.0, fixed=1.16e-3, prefill_attn=0.0),
+    ("cpu", "tiny Qwen2"): ForwardCost(s_token=30.6e-6, s_attn=235e-9, s_head=CHUNK_S, s_weights=0.0,
+                                       s_kv=0.0, fixed=1.23e-3, prefill_attn=0.0),
+}
+# The rollout manager's (driver's) CPU per streamed chunk, measured by the same script. On a
+# machine whose cores are all devices (cluster.host_cores) it comes out of the devices' time.
+DRIVER_CHUNK_S = 0.30e-3
+
+
+def forward_cost(model: ModelShape, device: Device, tp: int, eff: Efficiency) -> ForwardCost:
+    """The measured cost of `model`'s engine on `device` where there is one, else its roofline."""
+    measured = MEASURED_COSTS.get((device.name, model.name))
+    return measured if measured is not None and tp == 1 else ForwardCost.of(model, device, tp, eff)
 
 
 @dataclasses.dataclass(frozen=True)

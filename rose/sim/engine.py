@@ -29,14 +29,17 @@ from rose.coserve.admission import (
     admit,
     rollout_capacity,
 )
+from rose.coserve.loadgen import fit_lengths
 from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerKind, WorkerState, resume
 from rose.sim.devices import (
+    DRIVER_CHUNK_S,
     ForwardCost,
     RooflineLatency,
     WeightSync,
     cross_cluster_sync_time,
     device_by_name,
     efficiency_for,
+    forward_cost,
     kv_capacity_tokens,
     model_by_name,
     train_step_time,
@@ -46,7 +49,7 @@ from rose.sim.scenarios import Scenario
 from rose.sim.serving import ServingFleet
 from rose.sim.systems import SYSTEMS, Extra, Sharing, System
 from rose.sim.workloads import DynamicSampling, plan_rounds, sample_round, step_multipliers
-from rose.traces import diurnal_for_peak, load_trace
+from rose.traces import Trace, diurnal_for_peak, load_trace
 
 DEDICATED, ELASTIC, COSERVE = 0, 1, 2
 REPORT_EVERY_TICKS = 5      # serving executors refresh their capacity reports this often
@@ -145,7 +148,10 @@ class Simulation:
         uses_serving = system.extra is Extra.COSERVE or serving_alone
         self.n_cs = c.serving_gpus // c.serving_tp if uses_serving else 0
         n_cs_workers = self.n_cs if system.extra is Extra.COSERVE else 0
-        self.ded_cost = ForwardCost.of(self.policy, self.device, c.rollout_tp, self.eff)
+        # The rollout manager shares the host's cores when this system's devices take them all.
+        devices = c.train_gpus + c.rollout_gpus + n_el * c.rollout_tp + n_cs_workers * c.serving_tp
+        self.driver_s = DRIVER_CHUNK_S if 0 < c.host_cores <= devices else 0.0
+        self.ded_cost = self._rollout_cost(c.rollout_tp)
         ded_kv = kv_capacity_tokens(self.policy, self.device, c.rollout_tp, self.eff)
         self.workers = Workers.build((n_ded, n_el, n_cs_workers), (ded_kv, ded_kv, 0), sc.rl.rollout_max_seqs)
         self.first_cs = n_ded + n_el
@@ -157,15 +163,25 @@ class Simulation:
         if self.n_cs:
             self._init_serving(serving_alone)
 
+    def _rollout_cost(self, tp: int) -> ForwardCost:
+        """The policy's forward on `tp` devices, plus the manager's CPU for each streamed token
+        where it has no core of its own."""
+        cost = forward_cost(self.policy, self.device, tp, self.eff)
+        return dataclasses.replace(cost, s_head=cost.s_head + self.driver_s)
+
     # -- serving side -----------------------------------------------------------------------------
     def _init_serving(self, alone: bool) -> None:
         sc, c = self.sc, self.sc.cluster
         trace = load_trace(sc.serving.trace).scaled(tokens=sc.serving.token_scale)
+        if sc.serving.max_context:
+            # Lengths clipped as the runtime's trace replay clips them to the serving model's context.
+            prompts, outputs = fit_lengths(trace, sc.serving.max_context, sc.serving.max_output)
+            trace = Trace(trace.name, trace.arrival_s, prompts, outputs)
         self.fleet = ServingFleet(self.n_cs, trace, trace.mean_rate * sc.serving.load,
                                   diurnal_for_peak(sc.serving.trace, sc.serving.minute_peak_to_mean),
                                   sc.serving.start_hour * 3600.0, sc.serving.chunk_tokens, sc.sim.seed + 1)
-        self.serve_cost = ForwardCost.of(self.serving_model, self.device, c.serving_tp, self.eff)
-        self.cs_cost = ForwardCost.of(self.policy, self.device, c.serving_tp, self.eff)
+        self.serve_cost = forward_cost(self.serving_model, self.device, c.serving_tp, self.eff)
+        self.cs_cost = self._rollout_cost(c.serving_tp)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
         rollout_weights = 0.0 if alone else self.policy.weight_bytes
         # One page pool in bytes holds both models' KV (two KV shapes).
@@ -246,8 +262,12 @@ class Simulation:
         """The rollout manager's per-worker concurrency caps: the round's unfinished
         trajectories shared over the usable workers (at the round's start, and again whenever
         capacity joins) in proportion to how fast each decodes one sequence (a serving executor
-        runs the serving model's forward in every iteration too, so it gets a smaller share)."""
+        runs the serving model's forward in every iteration too, so it gets a smaller share).
+        With `rl.fixed_concurrency` every worker keeps that cap, as `rose train`'s manager does."""
         w = self.workers
+        if self.sc.rl.fixed_concurrency:
+            self.caps = np.full(len(w.kind), self.sc.rl.fixed_concurrency)
+            return
         usable = ((w.ready_at <= t + self.dt) & (w.gone_at > t)) | w.registered
         speed = np.where(usable, 1.0 / float(self.ded_cost.time(0, 1, self.typical_ctx)), 0.0)
         if self.n_cs and self.system.extra is Extra.COSERVE:

@@ -36,6 +36,10 @@ class ClusterConfig:
     # fixed-async: share of the job's GPUs that generate; -1 balances them against training
     # with the rollout/training times of one synchronous step of the same workload.
     async_rollout_fraction: float = -1.0
+    # Cores of the one machine that hosts every device and the rollout manager (0: the manager
+    # has CPUs of its own, as on GPU clusters). When a system's devices take all of them, the
+    # manager's CPU per streamed token comes out of the devices' time.
+    host_cores: int = 0
 
 
 @dataclasses.dataclass
@@ -57,6 +61,8 @@ class ServingConfig:
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
     chunk_tokens: int = 512          # chunked prefill (design default)
+    max_context: int = 0             # clip prompt + output to this (0: no clipping), as a replay does
+    max_output: int = 0              # ... and outputs to this (used with max_context)
     headroom: float = 0.2            # reserved serving headroom H (design default)
     high_watermark: float = 0.5      # burst trigger: half of H used
 
@@ -71,6 +77,9 @@ class RLConfig:
     demand_sigma: float = DEMAND_SIGMA
     rollout_max_seqs: int = 256      # vLLM's default max_num_seqs
     rollout_batched_tokens: int = 8192   # prefill token budget per iteration on dedicated GPUs
+    # Turns in flight per worker, fixed (as `rose train` sets them); 0: the manager shares each
+    # round's trajectories over the workers in proportion to their speed.
+    fixed_concurrency: int = 0
     # Optional overrides of the environment profile (rose.sim.workloads.ENVS); None keeps it.
     prompt_tokens: int | None = None
     obs_tokens: int | None = None
@@ -186,11 +195,15 @@ def validate(sc: Scenario) -> Scenario:
                        ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
                        ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps)):
         need(value > 0, key, "positive", value)
+    need(c.host_cores >= 0, "cluster.host_cores", ">= 0", c.host_cores)
+    need(r.fixed_concurrency >= 0, "rl.fixed_concurrency", ">= 0", r.fixed_concurrency)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
          "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
     for key, value in (("serving.headroom", s.headroom), ("serving.high_watermark", s.high_watermark),
                        ("sync.changed_fraction", sc.sync.changed_fraction)):
         need(0 < value < 1 or (key == "serving.high_watermark" and value == 1), key, "in (0, 1)", value)
+    need(s.max_context == 0 or s.max_context > s.max_output + 1 >= 2, "serving.max_context",
+         "0 (no clipping) or above serving.max_output + 1 (with max_output >= 1)", s.max_context)
     need(s.minute_peak_to_mean >= 1, "serving.minute_peak_to_mean", ">= 1", s.minute_peak_to_mean)
     need(0 <= s.start_hour < 24, "serving.start_hour", "in [0, 24)", s.start_hour)
     need(sc.elastic.spot_prepare_min_s <= sc.elastic.spot_prepare_max_s, "elastic.spot_prepare_max_s",
@@ -270,21 +283,26 @@ class Sweep:
 
 
 def _cpu_bench_train() -> Scenario:
-    # The shape of `rose bench train`'s embedded default (issue 6): one core is the dedicated
-    # device (trainer and rollouts take turns on it), one core serves under a trace replay.
-    # The workload and SLO figures are placeholders until that benchmark exists and this
-    # scenario is matched to its config and calibrated against its measurements.
+    # `rose bench train --quick` on this machine (rose/bench/train.py over `rose train`'s embedded
+    # default; tests/test_sim_scenarios.py checks these figures against that config): core 0 is
+    # the dedicated device, shared by the trainer and one rollout worker (16 turns in flight, an
+    # engine of 2,048 batched tokens); core 1 serves the tiny Qwen2 under the Azure conversation
+    # trace at x0.5 its rate, lengths x0.25 clipped to 512 / 64 tokens, SLOs 1,000 / 200 ms, and
+    # lends its idle capacity in rose mode (16 turns in flight). 8 groups x 8 FrozenLake episodes
+    # a step, GRPO, 3 steps. Weights: a Ray relay publish and pull of a 0.4 MB model each step,
+    # assumed 0.2 s (not measured).
     return Scenario(
         name="cpu-bench-train",
-        description="this 2-core machine: core 0 trains and rolls out (small qwen3), core 1 serves "
-                    "small qwen2 under the Azure conversation trace; cpu device not yet calibrated",
-        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0),
-        models=ModelsConfig(policy="small", serving="small"),
-        serving=ServingConfig(load=0.05, token_scale=0.25, slo_ttft_ms=15000.0, slo_tpot_ms=1500.0),
-        rl=RLConfig(trajectories=32, group=4, steps=3, prompt_tokens=120, obs_tokens=30,
-                    response_median=16.0, max_response=64, rollout_max_seqs=32,
-                    rollout_batched_tokens=512),
-        sim=SimConfig(tick_s=1.0, systems=["fixed-sync", "rose", "naive-share"]),
+        description="rose bench train --quick on this 2-core machine: core 0 trains and rolls out the tiny "
+                    "Qwen3, core 1 serves the tiny Qwen2 under the Azure conversation trace",
+        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0, host_cores=2),
+        models=ModelsConfig(policy="tiny-qwen3", serving="tiny-qwen2"),
+        serving=ServingConfig(load=0.5, token_scale=0.25, max_context=512, max_output=64,
+                              minute_peak_to_mean=1.0, slo_ttft_ms=1000.0, slo_tpot_ms=200.0),
+        rl=RLConfig(env="frozenlake-tiny", trajectories=64, group=8, steps=3, rollout_max_seqs=16,
+                    rollout_batched_tokens=2048, fixed_concurrency=16),
+        sync=SyncConfig(colocated_switch_s=0.2),
+        sim=SimConfig(tick_s=0.02, systems=["fixed-sync", "rose", "naive-share"]),
     )
 
 

@@ -44,6 +44,16 @@ ENVS: dict[str, EnvProfile] = {
                            response_sigma=0.6, max_response=1024, end_prob=0.07, max_turns=30,
                            env_step_s=0.3,
                            note="long turns: growing context to ~10k tokens, up to 30 steps"),
+    # `rose bench train`'s rollout, measured (`python -m rose.sim.calibrate`): the tiny random
+    # policy on FrozenLake 4x4 with the embedded default's options rarely names a valid move, so
+    # nearly every episode runs its 8 turns (5% end earlier: end_prob 0.0073 gives that with the
+    # cap); replies take their 24-token cap (median 24, a few stop early); the chat-templated
+    # first prompt is 111 tokens, each later observation 44. The step: recording a reply
+    # (0.09 ms) plus dispatching the next turn to a worker (a Ray call, ~1 ms).
+    "frozenlake-tiny": EnvProfile("frozenlake-tiny", prompt_tokens=111, obs_tokens=44, response_median=24,
+                                  response_sigma=0.05, max_response=24, end_prob=0.0073, max_turns=8,
+                                  env_step_s=0.0011,
+                                  note="rose bench train's rollout: 8 turns of 24 tokens, measured"),
 }
 
 # Demand varies up to 5.7x between training steps (ROSE paper). A lognormal multiplier with
