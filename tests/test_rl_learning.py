@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 
+from rose.cli import main
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, Trajectory, Turn, make_env, run_episodes
@@ -56,3 +58,19 @@ def test_a_tiny_policy_learns_frozenlake(tmp_path: Path) -> None:
     elapsed = time.monotonic() - start
     print(f"frozenlake 4x4: success {rates[0]:.2f} -> {rates[-1]:.2f} in {len(rates)} steps, {elapsed:.0f} s")
     assert rates[0] == 0.0 and rates[-1] >= 0.8, (rates, elapsed)
+
+
+@pytest.mark.slow
+def test_rose_train_embedded_default_learns_frozenlake(tmp_path: Path) -> None:
+    """`rose train` itself, on the embedded default (rose mode: core 0 trains and rolls out, core 1
+    serves a trace replay and lends its idle capacity), within the issue's 10 minutes."""
+    out = tmp_path / "summary.json"
+    start = time.monotonic()
+    assert main(["train", f"train.out_dir={tmp_path / 'run'}", "--json", str(out)]) == 0
+    elapsed = time.monotonic() - start
+    summary = json.loads(out.read_text())["summary"]
+    print(f"rose train: success {summary['initial_success_rate']:.2f} -> {summary['final_success_rate']:.2f} "
+          f"in {summary['steps']} steps, {elapsed:.0f} s")
+    assert summary["initial_success_rate"] < 0.2 and summary["final_success_rate"] >= 0.8, summary
+    assert summary["lost_trajectories"] == 0 and summary["turns_on_serving_fraction"] > 0, summary
+    assert elapsed < 600, elapsed

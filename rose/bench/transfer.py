@@ -28,6 +28,7 @@ import torch
 
 from rose.bench import write_report
 from rose.model import ModelConfig, preset_config, random_model
+from rose.runtime.devices import init_ray
 from rose.transfer import codec
 from rose.transfer.layouts import (
     ReceiverSpec,
@@ -173,8 +174,7 @@ def _relay(kind: str, quick: bool) -> tuple[Relay, object | None]:
         return LocalRelay(), None
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             object_store_memory=(1 if quick else 2) << 30)
+    init_ray(num_cpus=2, object_store_memory=(1 if quick else 2) << 30)
     return RayRelay(name="rose-bench-relay"), ray
 
 

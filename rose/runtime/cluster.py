@@ -12,6 +12,7 @@ capacity is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -33,7 +34,7 @@ from rose.runtime.actors import (
     TrainerActor,
 )
 from rose.runtime.config import Config, Mode
-from rose.runtime.devices import available_cores
+from rose.runtime.devices import available_cores, init_ray, pinned
 
 SYNC_TIMEOUT_S = 120.0
 
@@ -53,6 +54,7 @@ class Cluster:
         self.dedicated: dict[str, Any] = {}
         self.serving: dict[str, Any] = {}
         self.elastic_alloc_s: list[float] = []
+        self._pinned = contextlib.ExitStack()
 
     # -- start and stop -------------------------------------------------------------------------
 
@@ -60,10 +62,11 @@ class Cluster:
         import ray
 
         c = self.config
+        # The driver (rollout manager, environments) and a local Ray's own processes, started from
+        # here, belong to the training side: on the trainer's cores, never on a serving device's.
+        self._pinned.enter_context(pinned(c.devices.trainer))
         if not ray.is_initialized():
-            local = {} if c.ray_address else {"num_cpus": len(available_cores())}
-            ray.init(address=c.ray_address, include_dashboard=False, configure_logging=False,
-                     log_to_driver=False, **local)
+            init_ray(c.ray_address, **({} if c.ray_address else {"num_cpus": len(available_cores())}))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = str(self.resume or c.model.path or init_model(
             c.model.arch, c.model.preset, self.out_dir / "initial", seed=c.model.seed))
@@ -112,6 +115,7 @@ class Cluster:
         for handle in [self.trainer, *self.dedicated.values(), *self.serving.values()]:
             ray.kill(handle)
         self.loop.close()
+        self._pinned.close()
 
     # -- what the driver loop calls -------------------------------------------------------------
 

@@ -7,8 +7,9 @@ pins itself and all of its threads before it loads anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -25,5 +26,32 @@ def pin(cores: Iterable[int]) -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
+def init_ray(address: str | None = None, **options: object) -> None:
+    """`ray.init` (a local instance unless `address`) whose workers keep the driver's priority.
+
+    Ray starts its workers at niceness 15 by default, so any ordinary process -- the driver, a
+    shell, a test run -- would preempt an actor that holds a device's cores; a serving device
+    then misses its SLOs for reasons no admission policy can see.
+    """
+    import ray
+
+    local = {} if address else {"_system_config": {"worker_niceness": 0}}
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             **local, **options)
+
+
 def available_cores() -> set[int]:
     return set(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def pinned(cores: Iterable[int]) -> Iterator[None]:
+    """`pin` for a while, then give this process back the cores and torch threads it had."""
+    before, threads = available_cores(), torch.get_num_threads()
+    pin(cores)
+    try:
+        yield
+    finally:
+        pin(before)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
