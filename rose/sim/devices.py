@@ -198,8 +198,9 @@ MEASURED_COSTS: dict[tuple[str, str], ForwardCost] = {
     ("cpu", "tiny Qwen2"): ForwardCost(s_token=30.6e-6, s_attn=235e-9, s_head=CHUNK_S, s_weights=0.0,
                                        s_kv=0.0, fixed=1.23e-3, prefill_attn=0.0),
 }
-# The rollout manager's (driver's) CPU per streamed chunk, measured by the same script. On a
-# machine whose cores are all devices (cluster.host_cores) it comes out of the devices' time.
+# The rollout manager's (driver's) CPU per streamed chunk, measured by the same script. Where the
+# manager runs on the dedicated devices' cores (cluster.manager_on_dedicated) it comes out of
+# their time, for every worker's tokens.
 DRIVER_CHUNK_S = 0.30e-3
 
 

@@ -33,7 +33,6 @@ from rose.coserve.loadgen import fit_lengths
 from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerKind, WorkerState, resume
 from rose.sim.devices import (
     DRIVER_CHUNK_S,
-    ForwardCost,
     RooflineLatency,
     WeightSync,
     cross_cluster_sync_time,
@@ -148,10 +147,9 @@ class Simulation:
         uses_serving = system.extra is Extra.COSERVE or serving_alone
         self.n_cs = c.serving_gpus // c.serving_tp if uses_serving else 0
         n_cs_workers = self.n_cs if system.extra is Extra.COSERVE else 0
-        # The rollout manager shares the host's cores when this system's devices take them all.
-        devices = c.train_gpus + c.rollout_gpus + n_el * c.rollout_tp + n_cs_workers * c.serving_tp
-        self.driver_s = DRIVER_CHUNK_S if 0 < c.host_cores <= devices else 0.0
-        self.ded_cost = self._rollout_cost(c.rollout_tp)
+        # The rollout manager's CPU per streamed token, where it runs on the dedicated devices' cores.
+        self.manager_s = DRIVER_CHUNK_S if c.manager_on_dedicated else 0.0
+        self.ded_cost = forward_cost(self.policy, self.device, c.rollout_tp, self.eff)
         ded_kv = kv_capacity_tokens(self.policy, self.device, c.rollout_tp, self.eff)
         self.workers = Workers.build((n_ded, n_el, n_cs_workers), (ded_kv, ded_kv, 0), sc.rl.rollout_max_seqs)
         self.first_cs = n_ded + n_el
@@ -162,12 +160,6 @@ class Simulation:
         self.aborted = 0
         if self.n_cs:
             self._init_serving(serving_alone)
-
-    def _rollout_cost(self, tp: int) -> ForwardCost:
-        """The policy's forward on `tp` devices, plus the manager's CPU for each streamed token
-        where it has no core of its own."""
-        cost = forward_cost(self.policy, self.device, tp, self.eff)
-        return dataclasses.replace(cost, s_head=cost.s_head + self.driver_s)
 
     # -- serving side -----------------------------------------------------------------------------
     def _init_serving(self, alone: bool) -> None:
@@ -181,7 +173,7 @@ class Simulation:
                                   diurnal_for_peak(sc.serving.trace, sc.serving.minute_peak_to_mean),
                                   sc.serving.start_hour * 3600.0, sc.serving.chunk_tokens, sc.sim.seed + 1)
         self.serve_cost = forward_cost(self.serving_model, self.device, c.serving_tp, self.eff)
-        self.cs_cost = self._rollout_cost(c.serving_tp)
+        self.cs_cost = forward_cost(self.policy, self.device, c.serving_tp, self.eff)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
         rollout_weights = 0.0 if alone else self.policy.weight_bytes
         # One page pool in bytes holds both models' KV (two KV shapes).
@@ -434,9 +426,26 @@ class Simulation:
         inv = np.where(ok, 1.0 / np.where(ok, iter_s, 1.0), 0.0)
         plan = Plan(prefill_rate=pf * inv, cap1=np.full(n, np.inf), rate1=inv,
                     cap2=np.zeros(n), rate2=np.zeros(n))
-        if not (self.n_cs and self.system.extra is Extra.COSERVE):
-            return plan, None
-        return plan, self._plan_coserve(plan, view, rnd, t, pending)
+        serving_times = None
+        if self.n_cs and self.system.extra is Extra.COSERVE:
+            serving_times = self._plan_coserve(plan, view, rnd, t, pending)
+        if self.manager_s:
+            self._charge_manager(plan, iter_s, dec)
+        return plan, serving_times
+
+    def _charge_manager(self, plan: Plan, iter_s: np.ndarray, dec: np.ndarray) -> None:
+        """The rollout manager runs on the dedicated devices' cores (`cluster.manager_on_dedicated`,
+        as `rose train` pins its driver to the trainer's): each token any worker streams costs
+        it `manager_s` of their time. A dedicated worker's own tokens lengthen its iterations;
+        the other workers' tokens, at this tick's planned rates, take a share of the tick from
+        the dedicated workers alike (none left when the manager would need more than all of it)."""
+        ded = self.workers.kind == DEDICATED
+        streamed = np.minimum(dec, plan.cap1) * plan.rate1 + np.minimum(dec, plan.cap2) * plan.rate2
+        others = self.manager_s * float(streamed[~ded].sum()) / max(1, int(ded.sum()))
+        own_s = iter_s[ded] + self.manager_s * dec[ded]
+        scale = max(0.0, 1.0 - others) * iter_s[ded] / np.maximum(own_s, 1e-12)
+        plan.prefill_rate[ded] *= scale
+        plan.rate1[ded] *= scale
 
     def _plan_coserve(self, plan: Plan, view, rnd: Round, t: float, pending: np.ndarray):
         """Per serving replica with rollout work: admission for prefill-chunk iterations and for

@@ -36,10 +36,10 @@ class ClusterConfig:
     # fixed-async: share of the job's GPUs that generate; -1 balances them against training
     # with the rollout/training times of one synchronous step of the same workload.
     async_rollout_fraction: float = -1.0
-    # Cores of the one machine that hosts every device and the rollout manager (0: the manager
-    # has CPUs of its own, as on GPU clusters). When a system's devices take all of them, the
-    # manager's CPU per streamed token comes out of the devices' time.
-    host_cores: int = 0
+    # The rollout manager runs on the dedicated devices' cores, as `rose train` pins its driver
+    # to the trainer's: its CPU per token any worker streams comes out of their time. False: it
+    # has CPUs of its own, as on GPU clusters.
+    manager_on_dedicated: bool = False
 
 
 @dataclasses.dataclass
@@ -195,7 +195,6 @@ def validate(sc: Scenario) -> Scenario:
                        ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
                        ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps)):
         need(value > 0, key, "positive", value)
-    need(c.host_cores >= 0, "cluster.host_cores", ">= 0", c.host_cores)
     need(r.fixed_concurrency >= 0, "rl.fixed_concurrency", ">= 0", r.fixed_concurrency)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
          "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
@@ -283,23 +282,25 @@ class Sweep:
 
 
 def _cpu_bench_train() -> Scenario:
-    # `rose bench train --quick` on this machine (rose/bench/train.py over `rose train`'s embedded
-    # default; tests/test_sim_scenarios.py checks these figures against that config): core 0 is
-    # the dedicated device, shared by the trainer and one rollout worker (16 turns in flight, an
-    # engine of 2,048 batched tokens); core 1 serves the tiny Qwen2 under the Azure conversation
-    # trace at x0.5 its rate, lengths x0.25 clipped to 512 / 64 tokens, SLOs 1,000 / 200 ms, and
-    # lends its idle capacity in rose mode (16 turns in flight). 8 groups x 8 FrozenLake episodes
-    # a step, GRPO, 3 steps. Weights: a Ray relay publish and pull of a 0.4 MB model each step,
-    # assumed 0.2 s (not measured).
+    # `rose bench train` on this machine (rose/bench/train.py over `rose train`'s embedded default;
+    # tests/test_sim_cpu.py checks these figures against that config): core 0 is the dedicated
+    # device, shared by the trainer, one rollout worker (16 turns in flight, an engine of 2,048
+    # batched tokens) and the driver (the rollout manager, pinned to the trainer's cores); core 1
+    # serves the tiny Qwen2 under the Azure conversation trace at x0.5 its rate, lengths x0.25
+    # clipped to 512 / 64 tokens, SLOs 1,000 / 200 ms, and lends its idle capacity in rose mode (16
+    # turns in flight). 8 groups x 8 FrozenLake episodes a step, GRPO, 6 steps (the full run, not
+    # --quick). Weights: a Ray relay publish and pull of a 0.4 MB model each step, assumed 0.2 s.
     return Scenario(
         name="cpu-bench-train",
-        description="rose bench train --quick on this 2-core machine: core 0 trains and rolls out the tiny "
-                    "Qwen3, core 1 serves the tiny Qwen2 under the Azure conversation trace",
-        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0, host_cores=2),
+        description="rose bench train on this 2-core machine: core 0 trains, rolls out the tiny Qwen3 and "
+                    "runs the rollout manager; core 1 serves the tiny Qwen2 under the Azure conversation "
+                    "trace",
+        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0,
+                              manager_on_dedicated=True),
         models=ModelsConfig(policy="tiny-qwen3", serving="tiny-qwen2"),
         serving=ServingConfig(load=0.5, token_scale=0.25, max_context=512, max_output=64,
                               minute_peak_to_mean=1.0, slo_ttft_ms=1000.0, slo_tpot_ms=200.0),
-        rl=RLConfig(env="frozenlake-tiny", trajectories=64, group=8, steps=3, rollout_max_seqs=16,
+        rl=RLConfig(env="frozenlake-tiny", trajectories=64, group=8, steps=6, rollout_max_seqs=16,
                     rollout_batched_tokens=2048, fixed_concurrency=16),
         sync=SyncConfig(colocated_switch_s=0.2),
         sim=SimConfig(tick_s=0.02, systems=["fixed-sync", "rose", "naive-share"]),
