@@ -23,7 +23,9 @@ The gaps are a byte-aligned varint split into two streams (patched coding, as in
 the 0.6-5% densities of RL steps nearly every gap fits a byte, and decoding is one cumsum.
 
 `result_hash` is xxh3-64 of the resulting tensor's bytes; `check` is xxh3-64 of the header
-and the stored body, so corruption is caught before anything is written. Everything is
+and, for a delta, the stored body, so corruption is caught before anything is written. A full
+body is the resulting tensor itself: `result_hash` checks it before the copy, and hashing it a
+second time (for `check`, or after the copy) would only double the cost of full syncs. Everything is
 vectorised numpy: no Python loop runs per element or per chunk.
 """
 
@@ -171,10 +173,12 @@ def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray) -> int:
     if h.kind == FULL:
         if h.raw_len != numel * itemsize:
             raise CorruptDelta(f"full payload is {h.raw_len} bytes, tensor needs {numel * itemsize}")
+        if xxhash.xxh3_64(body).intdigest() != h.result_hash:
+            raise CorruptDelta("payload checksum mismatch: full body corrupted in transit")
         np.copyto(_bits(target).numpy(), body.view(_np_int(target)).reshape(target.shape))
-    else:
-        idx, vals = _parse_delta(body, h.n_changed, h.n_escapes, numel, target)
-        _write(target, idx, vals)
+        return h.n_changed
+    idx, vals = _parse_delta(body, h.n_changed, h.n_escapes, numel, target)
+    _write(target, idx, vals)
     if tensor_hash(target) != h.result_hash:
         raise CorruptDelta("result checksum mismatch: the tensor the delta was applied to is not the "
                            "sender's baseline; a full sync is needed")
@@ -257,7 +261,8 @@ def _header(kind: int, t: torch.Tensor, n_changed: int, n_escapes: int, raw_len:
                         stored.nbytes, result_hash)
     head = fixed + struct.pack(f"<{t.dim()}Q", *t.shape)
     check = xxhash.xxh3_64(head)
-    check.update(stored)
+    if kind == DELTA:
+        check.update(stored)
     return head + _CHECK.pack(check.intdigest())
 
 
@@ -285,7 +290,8 @@ def _parse(header: bytes, body: np.ndarray) -> _Header:
     if body.nbytes != stored_len:
         raise CorruptDelta(f"truncated body: {body.nbytes} bytes, header says {stored_len}")
     check = xxhash.xxh3_64(header[:-_CHECK.size])
-    check.update(body)
+    if kind != FULL:
+        check.update(body)
     if check.intdigest() != _CHECK.unpack_from(header, len(header) - _CHECK.size)[0]:
         raise CorruptDelta("payload checksum mismatch: header or body corrupted in transit")
     # Past the check a bad field is an encoder bug or a forged payload; still refuse it cleanly.
