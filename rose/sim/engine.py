@@ -46,6 +46,7 @@ from rose.sim.devices import (
 from rose.sim.rollout import DECODE, DONE, PREFILL, Plan, Round
 from rose.sim.scenarios import Scenario
 from rose.sim.serving import ServingFleet
+from rose.sim.spot import SpotMarket
 from rose.sim.systems import SYSTEMS, Extra, Sharing, System
 from rose.sim.workloads import DynamicSampling, plan_rounds, sample_round, step_multipliers
 from rose.traces import Trace, diurnal_for_peak, load_trace
@@ -158,6 +159,10 @@ class Simulation:
         self.typical_ctx = self.env.prompt_tokens + 2 * int(self.env.response_median + self.env.obs_tokens)
         self.ticks: list[tuple[float, np.ndarray]] = []
         self.aborted = 0
+        # Spot availability as measured (rose.sim.spot); None: every requested GPU, every step.
+        measured = system.extra is Extra.SPOT and sc.elastic.availability == "measured"
+        self.market = SpotMarket(sc.sim.seed + 13) if measured else None
+        self.prep: list[tuple[float, float]] = []    # this step's (asked, usable) extra capacity
         if self.n_cs:
             self._init_serving(serving_alone)
 
@@ -221,6 +226,8 @@ class Simulation:
             if coserving:
                 self.fleet.arrivals_until(t + self.dt)
                 self._memory(rnd, t)
+            if self.market:
+                self._rent_more(t)
             self._membership(rnd, t, version)
             if coserving and self._ticks_in_round % REPORT_EVERY_TICKS == 0:
                 self._report_capacity(t, rnd)
@@ -510,32 +517,58 @@ class Simulation:
         """Phases start on the tick grid (the same for every system)."""
         return math.ceil(t / self.dt - 1e-9) * self.dt
 
-    def _acquire(self, t: float, coserve_ready: float) -> float:
-        """Make extra capacity usable for a step starting at t; returns when the last of it is."""
+    def _acquire(self, t: float, coserve_ready: float) -> None:
+        """Ask for the step's extra capacity at t; each piece's wait is recorded in `self.prep`."""
         w, e, sc = self.workers, self.sc.elastic, self.sc
-        sel = w.kind == (COSERVE if self.system.extra is Extra.COSERVE else ELASTIC)
-        n = int(sel.sum())
-        if not n:
-            return t
+        sel = np.flatnonzero(w.kind == (COSERVE if self.system.extra is Extra.COSERVE else ELASTIC))
+        if not len(sel):
+            return
         if self.system.extra is Extra.COSERVE:
             w.ready_at[sel] = coserve_ready
             for b in self.burst:
                 b.new_rl_step()
-            return coserve_ready
-        if self.system.extra is Extra.SPOT:
-            ready = t + self.rng.uniform(e.spot_prepare_min_s, e.spot_prepare_max_s, n)
-            w.gone_at[sel] = ready + self.rng.exponential(e.spot_mean_lifetime_h * 3600.0, n)
+            self.prep.append((t, coserve_ready))
+        elif self.system.extra is Extra.SPOT:
+            self._rent(sel[: self.market.granted(len(sel), t)] if self.market else sel, t)
         else:
             shard = self.policy.weight_bytes / sc.cluster.rollout_tp
             load_s = shard / (e.serverless_storage_gbps / 8 * 1e9)
             cold = e.serverless_container_s + e.serverless_engine_init_s + load_s
-            ready = np.full(n, t + cold)
-            w.gone_at[sel] = np.inf
-        w.ready_at[sel] = ready
-        return float(ready.max())
+            w.ready_at[sel], w.gone_at[sel] = t + cold, np.inf
+            self.prep.append((t, t + cold))
+
+    def _rent(self, wids: np.ndarray, t: float) -> None:
+        """Spot instances for `wids` from t: each prepares (instance, container, engine, weights),
+        then lives an exponential lifetime."""
+        w, e = self.workers, self.sc.elastic
+        ready = t + self.rng.uniform(e.spot_prepare_min_s, e.spot_prepare_max_s, len(wids))
+        w.gone_at[wids] = ready + self.rng.exponential(e.spot_mean_lifetime_h * 3600.0, len(wids))
+        w.ready_at[wids] = ready
+        self.prep += [(t, r) for r in ready.tolist()]
+
+    def _rent_more(self, t: float) -> None:
+        """Measured availability: instances preempted or not granted are asked for again as soon
+        as the market grants more than the run holds, each paying the preparation again."""
+        w = self.workers
+        el = np.flatnonzero(w.kind == ELASTIC)
+        held = (w.ready_at[el] < np.inf) & (w.gone_at[el] > t)
+        want = self.market.granted(len(el), t) - int(held.sum())
+        if want > 0:
+            self._rent(el[~held & ~w.registered[el]][:want], t)
+
+    def _waited(self, start: float, end: float) -> float:
+        """Time in [start, end] during which extra capacity asked for was not usable yet (the
+        union of the step's preparation intervals)."""
+        total, reach = 0.0, start
+        for a, b in sorted(self.prep):
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                total, reach = total + b - a, b
+        return total
 
     def _release(self) -> float:
-        """Give extra capacity back after a step's rollout; returns finalisation time."""
+        """Give extra capacity back after a step's rollout; returns finalisation time (spot: of the
+        instances obtained this step)."""
         w, e = self.workers, self.sc.elastic
         sel = np.flatnonzero(w.kind == ELASTIC)
         if not len(sel):
@@ -544,9 +577,12 @@ class Simulation:
             if w.registered[wid]:
                 self.table.remove(wid)
                 w.registered[wid] = False
+        obtained = int(np.count_nonzero(w.ready_at[sel] < np.inf))
         w.ready_at[sel], w.gone_at[sel] = np.inf, np.inf
         if self.system.extra is Extra.SPOT:
-            return float(self.rng.uniform(e.spot_finalize_min_s, e.spot_finalize_max_s, len(sel)).max())
+            if not obtained:
+                return 0.0
+            return float(self.rng.uniform(e.spot_finalize_min_s, e.spot_finalize_max_s, obtained).max())
         return e.serverless_finalize_s
 
     def _serving_sync_s(self, step: int) -> float:
@@ -577,7 +613,8 @@ class Simulation:
                 t = max(t, train_end[step - 1 - self.system.staleness] + self._intra_sync_s())
             t = self._align(t)
             start = t
-            ready = self._acquire(t, coserve_ready)
+            self.prep = []
+            self._acquire(t, coserve_ready)
             tokens = 0
             for d in demands:
                 rnd = Round(d, t, id_base)
@@ -586,8 +623,7 @@ class Simulation:
                 t = self._align(self.run_round(rnd, t, step))
             rollout_end = t
             final = self._release()
-            alloc = (min(max(0.0, ready - start), rollout_end - start) + final
-                     if self.system.extra is not Extra.NONE else 0.0)
+            alloc = self._waited(start, rollout_end) + final
             ctx = np.concatenate([d.context_tokens() for d in demands])[: sc.rl.trajectories]
             train_s = train_step_time(self.policy, self.device, self.train_gpus,
                                       float(ctx.mean()) * sc.rl.trajectories, logprob_passes, self.eff)
