@@ -6,13 +6,13 @@ carry no licence, so no data is copied); how each was computed is beside it:
 
 - availability/16-node/aws-08-27-2023/{us-east-2b,us-west-2a,us-west-2c}_v100_1.json: how many
   of 16 requested p3.2xlarge (1 x V100) spot instances AWS granted, every 5 minutes for 11-16
-  days per zone. Pooled over the three zones (12,481 samples): none of the 16 in 51% of the
+  days per zone. Pooled over the three zones (~12,500 samples): none of the 16 in 51% of the
   samples, all 16 in 43%, and k of 16 in the other 6.5%, each k = 1..15 about equally often (their
-  mean is 0.51 of the request). A level held for 77 minutes on average (808 runs of a constant
+  mean is 0.51 of the request). A level held for 77 minutes on average (~800 runs of a constant
   count); spells with none available lasted 132 minutes on average (median 40).
 - preemption/4-node/aws-08-03-2023/{us-east-1f,us-east-2a,us-west-2c}_v100_1.json: how many of 4
   held V100 spot instances were running every 5 minutes for 13 days (lost ones re-launched).
-  600 drops in the count over 3,166 instance-hours: 0.19 preemptions per instance-hour, a mean
+  ~600 drops in the count over ~3,200 instance-hours: 0.19 preemptions per instance-hour, a mean
   lifetime of 5.3 hours (per zone 2.2, 17.8 and 4.3 h); a loss re-launched within the same
   5 minutes is not seen, so this is a lower bound on the rate (the lifetime is
   `ElasticConfig.spot_mean_lifetime_h`).
