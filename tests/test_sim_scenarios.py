@@ -43,6 +43,7 @@ def test_overrides_apply_with_types():
     ("serving.headroom=1.5", "serving.headroom must be in (0, 1)"),
     ("sim.systems=[rose,bogus]", "sim.systems must be"),
     ("rl.trajectories=100", "multiple of rl.group"),
+    ("elastic.availability=some", "elastic.availability must be measured or full"),
 ])
 def test_bad_overrides_are_one_line_errors(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
