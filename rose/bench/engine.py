@@ -106,16 +106,22 @@ def multi_turn_hit_rate(engine: LLMEngine, vocab: int, trajectories: int = 16, t
 
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int], dtype: str,
-             python: str | None) -> dict | None:
+             python: str | None, threads: int) -> dict | None:
     """vLLM's CPU build in its own process (it must start under __main__), with `python` (an
-    interpreter that has vllm and rose installed) or this one; None if neither has vllm."""
+    interpreter that has vllm and rose installed) or this one; None if neither has vllm.
+
+    Its compute threads are bound to `threads` cores, as ROSE's and transformers' are: left to
+    itself on this 2-core machine vLLM binds one and keeps the other for its front end."""
     if python is None and importlib.util.find_spec("vllm") is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "outputs": outputs,
                                    "dtype": dtype}))
-        subprocess.run([python or sys.executable, "-m", "rose.bench.vllm_peer", str(job)], check=True)
+        cores = sorted(os.sched_getaffinity(0))[:threads]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
+        subprocess.run([python or sys.executable, "-m", "rose.bench.vllm_peer", str(job)], check=True,
+                       env=env)
         return json.loads(job.with_suffix(".out.json").read_text())
 
 
@@ -146,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         hf_b1 = batch1(lambda k: hf.generate(torch.tensor([one]), max_new_tokens=k,
                                              min_new_tokens=k, do_sample=False, pad_token_id=pad))
         hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, dtype=dtype), vocab)
-        vllm = run_vllm(model_dir, prompts, outputs, args.dtype, args.vllm_python)
+        vllm = run_vllm(model_dir, prompts, outputs, args.dtype, args.vllm_python, args.threads)
 
     summary = {
         "tokens_per_s": round(rose["tokens_per_s"], 2),
