@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rose.sim.engine import Simulation
+from rose.sim.engine import COSERVE, Simulation
 from rose.sim.report import run_scenario
 from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
@@ -78,3 +78,31 @@ def test_dapo_resamples_in_rounds():
                                      "rl.steps=1", "sim.slice=1", "sim.tick_s=4", "rl.max_turns=6"])
     r = Simulation(sc, SYSTEMS["fixed-sync"]).run()
     assert r.steps[0].rounds >= 2
+
+
+def test_serving_executors_report_every_tick_and_free_a_slot_per_finished_turn():
+    """The real manager polls capacity every 0.25 s: a turn ending on a serving executor frees its
+    slot before the trajectory's next turn is routed (else that turn loses its cached prefix)."""
+    sim = Simulation(load_scenario("paper-8b", SMALL), SYSTEMS["rose"])
+    reports, ticks, freed = [0], [0], []
+    report, advance, complete = sim._report_capacity, sim._advance, sim.table.complete
+
+    def counted_report(t, rnd):
+        reports[0] += 1
+        report(t, rnd)
+
+    def checked_advance(rnd, t, view, plan, credit=True):
+        ticks[0] += credit
+        done: list = []
+        sim.table.complete = lambda wid, tid: done.append((wid, sim.table.workers[wid].free_slots)) or \
+            complete(wid, tid)
+        out = advance(rnd, t, view, plan, credit)
+        for wid in {w for w, _ in done if sim.workers.kind[w] == COSERVE}:
+            before = min(f for w, f in done if w == wid)
+            freed.append(sim.table.workers[wid].free_slots - before == sum(w == wid for w, _ in done))
+        return out
+
+    sim._report_capacity, sim._advance = counted_report, checked_advance
+    sim.run()
+    assert reports[0] == ticks[0]
+    assert freed and all(freed)

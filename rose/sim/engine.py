@@ -52,7 +52,6 @@ from rose.sim.workloads import DynamicSampling, plan_rounds, sample_round, step_
 from rose.traces import Trace, diurnal_for_peak, load_trace
 
 DEDICATED, ELASTIC, COSERVE = 0, 1, 2
-REPORT_EVERY_TICKS = 5      # serving executors refresh their capacity reports this often
 SUBPASSES = 4               # further turns of one trajectory within a tick
 KIND_NAMES = ("dedicated", "elastic", "serving")
 
@@ -218,7 +217,6 @@ class Simulation:
         """Ticks from t until every trajectory of the round is done; returns the end time."""
         self.round_start = t
         self._set_caps(rnd, t)
-        self._ticks_in_round = 0
         self.last_view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
                                          self.workers.kind == COSERVE)
         while not rnd.all_done():
@@ -229,9 +227,9 @@ class Simulation:
             if self.market:
                 self._rent_more(t)
             self._membership(rnd, t, version)
-            if coserving and self._ticks_in_round % REPORT_EVERY_TICKS == 0:
+            if coserving:
+                # The rollout manager polls every 0.25 s (`rose.rollout.manager`), within any tick.
                 self._report_capacity(t, rnd)
-            self._ticks_in_round += 1
             self._route(rnd, t, version)
             if coserving:
                 self._rebalance_to_dedicated(rnd, t)
@@ -292,8 +290,6 @@ class Simulation:
             # workers now usable, so busier workers lose room and later turns move (at turn
             # boundaries) to the new ones.
             self._set_caps(rnd, t)
-        if len(join) and self.system.extra is Extra.COSERVE:
-            self._ticks_in_round = 0            # report capacity on this tick
         leave = np.flatnonzero(w.registered & (w.gone_at <= t + self.dt))
         for wid in leave.tolist():
             self._drop_worker(rnd, wid, t)
@@ -368,6 +364,10 @@ class Simulation:
             rows = np.array([f[0] for f in finished])
             for row, wid in zip(rows.tolist(), rnd.worker[rows].tolist(), strict=True):
                 self.table.complete(wid, rnd.id_base + row)
+                if self.workers.kind[wid] == COSERVE:
+                    # The executor's next report (polled within 0.25 s) counts one turn fewer
+                    # running, so the trajectory's next turn may come back to its cached prefix.
+                    self.table.workers[wid].free_slots += 1
             done = rnd.finish_turns(rows, np.array([f[1] for f in finished]))
             for row in rows[done].tolist():
                 self.table.finish_trajectory(rnd.id_base + row)
