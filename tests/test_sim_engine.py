@@ -67,7 +67,7 @@ def test_bursts_cut_rollouts_and_lose_nothing():
     # into the serving headroom: emergency cuts abort rollout turns, which resume elsewhere.
     sc = load_scenario("paper-8b", [*SMALL, "serving.trace=mooncake", "serving.load=0.5",
                                     "cluster.serving_gpus=4", "rl.steps=1", "rl.trajectories=512",
-                                    "rl.response_median=1500", "rl.max_response=4096"])
+                                    "rl.response_median=3000", "rl.max_response=8192"])
     r = Simulation(sc, SYSTEMS["rose"]).run()
     assert r.bursts > 0 and r.aborted_turns > 0
     assert r.steps[0].trajectories == 512 and r.total_s > 0

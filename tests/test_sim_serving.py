@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rose.coserve.admission import SLOBudgets, iteration_limit
 from rose.sim.serving import ServingFleet
 from rose.traces import Diurnal, Trace
 
@@ -57,6 +58,20 @@ def test_decode_rate_mixes_prefill_and_decode_iterations():
     f.advance(0.0, 1.0, np.full(1, 0.02), np.full(1, 0.01), np.full(1, 512.0))
     assert f.decode_seqs()[0] == 1
     assert f.kv_tokens()[0] > 0
+
+
+def test_admission_sees_the_ttft_already_spent_and_tick_arrivals_as_arriving_now():
+    # A prompt waiting since 0.1 s (no pages in the first tick) and one arriving during the tick
+    # [1, 2). The first must keep its arrival: resetting it to the tick's start handed it a fresh
+    # TTFT budget, and admission let rollouts stretch iterations past its deadline.
+    f = fleet([0.1, 1.5], [5120, 512], [2, 2])
+    run(f, 1, prefill_s=0.02, decode_s=0.01, per_iter=0.0)
+    f.arrivals_until(2.0)
+    (state,) = f.admission_states(1.0, np.array([0]))
+    assert state.waiting == [(pytest.approx(0.1), 5120), (1.0, 512)]
+    # 1.1 s of the first's budget left for its 10 chunks; the second's 2 s for all 11.
+    limit = iteration_limit(1.0, state, SLOBudgets(2.0, 0.2), 512)
+    assert limit == pytest.approx(min(1.1 / 10, 2.0 / 11))
 
 
 def test_replicas_get_their_own_copies_of_the_trace():

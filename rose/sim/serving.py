@@ -119,8 +119,11 @@ class ServingFleet:
         emitted a token in the iteration that just ended, so their last-token time is `now`."""
         bounds = np.searchsorted(self.w_rep, np.r_[replicas, replicas + 1]).reshape(2, -1)
         dec, ctx = self.decode_seqs(), self.decode_context()
-        # A request that arrives during the tick is judged at its arrival: same slack as now.
-        arr, left = np.maximum(self.w_arr, now).tolist(), self.w_left.tolist()
+        # A request keeps its arrival time, so the TTFT it has already spent waiting counts, as the
+        # executor's `arrival_time` does. One that arrives during the tick is judged as arriving
+        # now (with its full budget ahead and the whole queue before it): the slack the executor
+        # would compute at its arrival, or less, as the tick's iteration time is fixed from now.
+        arr, left = np.minimum(self.w_arr, now).tolist(), self.w_left.tolist()
         return [ServingState(list(zip(arr[lo:hi], left[lo:hi], strict=True)),
                              (now,) if dec[r] else (), int(ctx[r]))
                 for r, lo, hi in zip(replicas.tolist(), bounds[0].tolist(), bounds[1].tolist(),
