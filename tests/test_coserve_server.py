@@ -21,7 +21,7 @@ from safetensors.torch import save
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
 from rose.coserve.server import build_app
-from rose.model import init_model, load_tokenizer, random_model
+from rose.model import Tokenizer, init_model, load_tokenizer, random_model
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,20 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     cut = client.completions.create(model="tiny-serving", prompt="abc", max_tokens=12, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == free[:free.find(stop)]
+
+
+def test_tokens_of_an_incomplete_character_still_stream(client: openai.OpenAI,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every prefix decodes to text ending in an incomplete UTF-8 character (random models emit
+    # runs of byte tokens): the client must still get a chunk per token, not one at the end.
+    decode = Tokenizer.decode
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, ids, **kw: decode(self, ids, **kw) + "\ufffd")
+    done = client.completions.create(model="tiny-serving", prompt="Hello", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    chunks = list(client.completions.create(model="tiny-serving", prompt="Hello", max_tokens=6,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert len(chunks) == 6
+    assert "".join(c.choices[0].text for c in chunks) == done and done.endswith("\ufffd")
 
 
 @pytest.mark.parametrize(

@@ -93,8 +93,10 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
 
     async def _generate(prompt_ids: list[int], body: CompletionRequest | ChatCompletionRequest,
                         max_tokens: int | None) -> AsyncIterator[_Delta]:
-        """Run one serving request; yield text deltas (detokenized incrementally, held back while
-        a UTF-8 character or a stop string may still be incomplete)."""
+        """Run one serving request; yield one delta per engine output (detokenized incrementally:
+        text is held back while a UTF-8 character or a stop string may still be incomplete, but
+        the delta still goes out with its token ids, so that the client sees every token when
+        it is produced, as vLLM streams)."""
         body_max = max_tokens or body.max_tokens
         default = max(1, executor.serving.max_model_len - len(prompt_ids) - 1)
         # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
@@ -113,10 +115,11 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
                 elif not out.finished:
                     hold = max((len(s) - 1 for s in stops), default=0)
                     text = text[:len(text) - hold] if hold else text
-                    if text.endswith("\ufffd"):
-                        continue
+                    # An incomplete character's later bytes come with later tokens; a random
+                    # model can emit dozens of such tokens in a row.
+                    text = text.rstrip("\ufffd")
                 yield _Delta(text[sent:], out.token_ids[ids_sent:], out.logprobs[ids_sent:], finish)
-                sent, ids_sent = len(text), len(out.token_ids)
+                sent, ids_sent = max(sent, len(text)), len(out.token_ids)
                 if cut >= 0:
                     await stream.aclose()  # aborts the request in the engine
                     return
