@@ -156,3 +156,34 @@ def test_rollouts_are_not_starved_by_an_overestimating_model_when_serving_is_idl
     assert ex.rollout.last_load.prefill_tokens == ex.config.idle_min_rollout_tokens
     while ex.has_unfinished():
         ex.step()  # it finishes, a floor's worth of tokens per iteration
+
+
+class _StubLatency:
+    """Serving free, a rollout decode 300 ms, a rollout prefill token 10 ms."""
+
+    error = 0.0
+
+    def time(self, model: str, load: TokenLoad) -> float:
+        return 0.0 if model == "serving" else 0.3 * load.decode_seqs + 0.01 * load.prefill_tokens
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return self.time("serving", serving) + self.time("rollout", rollout)
+
+    def observe(self, model: str, load: TokenLoad, seconds: float) -> None:
+        pass
+
+
+def test_the_token_budget_runs_only_the_admitted_rollout_decodes() -> None:
+    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1000)
+    ex.latency = _StubLatency()
+    for i in range(4):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(8, i), LONG))
+    ex.step()  # serving idle: the four prefill and become ready to decode
+    ex.add_serving(_ids(8, 50), LONG)
+    ex.step()  # serving's first token
+    ex.submit_turn(Turn("t4", "traj4", _ids(40, 4), LONG))
+    ex.step()
+    # Under 1 s: three decodes (0.9 s) plus 9 prefill tokens fit, a fourth decode does not; a
+    # budget of 12 tokens would run four decodes (1.2 s), so only the three go.
+    load = ex.rollout.last_load
+    assert (load.decode_seqs, load.prefill_tokens) == (3, 0)

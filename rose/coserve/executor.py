@@ -278,6 +278,10 @@ class CoServingExecutor:
         self.metrics.latency_error.set(self.latency.error)
         if not state.waiting and not state.decoding_last_token_s:
             return max(decision.rollout_tokens, self.config.idle_min_rollout_tokens)
+        if decision.decode_seqs < len(demand.decode_context):
+            # The engine spends a token budget on ready decodes before any prefill: prefill
+            # tokens admitted beside only some decodes would run as more (costlier) decodes.
+            return decision.decode_seqs
         return decision.rollout_tokens
 
     def _serving_state(self, now: float) -> ServingState:
