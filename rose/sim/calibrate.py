@@ -27,7 +27,8 @@ from rose.bench.train import WORKLOAD
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
-from rose.runtime.config import Config
+from rose.runtime.config import Config, load_config
+from rose.runtime.devices import init_ray
 from rose.sim.devices import MODELS
 
 REPEATS = 3
@@ -35,12 +36,7 @@ REPEATS = 3
 
 def bench_config() -> Config:
     """`rose train`'s embedded default with `rose bench train`'s workload overrides."""
-    from omegaconf import OmegaConf
-
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(WORKLOAD))
-    config = OmegaConf.to_object(merged)
-    assert isinstance(config, Config)
-    return config
+    return load_config(None, WORKLOAD)
 
 
 def engine_fit(path: Path) -> np.ndarray:
@@ -69,7 +65,7 @@ def ray_chunk_cpu_s() -> tuple[float, float]:
     chunks in flight (the least of three runs)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    init_ray(num_cpus=2)
 
     @ray.remote(num_cpus=0, max_concurrency=1000)
     class Streamer:
