@@ -41,13 +41,15 @@ def test_a_tiny_policy_learns_a_bandit(tiny_qwen3: Path) -> None:
 def test_a_tiny_policy_learns_frozenlake(tmp_path: Path) -> None:
     """The FrozenLake target: a random-initialised tiny policy goes from no success to a
     success rate of at least 0.8 on the fixed, non-slippery 4x4 map within 10 minutes on 2
-    cores (measured: about 80 steps, 3.5 minutes on a lightly shared machine). Recipe: one-token
-    replies, 8 groups of 8 episodes per step, progress shaping 0.5 (without it the policy
-    collapses onto one action before it ever reaches G), GRPO, lr 3e-3, two updates per step."""
+    cores (measured: 43 to 53 steps over four seeds). Recipe: one-token replies, 8 groups of 8
+    episodes per step, progress shaping 0.5 (without it the policy collapses onto one action
+    before it ever reaches G), GRPO, lr 3e-3 with a cosine decay over 80 steps, four updates per
+    step (docs/rl.md has what the other settings did)."""
     path = init_model("qwen3", "tiny", tmp_path / "policy", seed=0)
     tok = load_tokenizer(path)
     engine = LLMEngine.from_pretrained(path, kv_cache_bytes=64 * 1024**2)
-    trainer = Trainer(path, Objective.grpo(), TrainerConfig(lr=3e-3, mini_batches=2, micro_batch_size=32))
+    trainer = Trainer(path, Objective.grpo(), TrainerConfig(lr=3e-3, mini_batches=4, micro_batch_size=32,
+                                                                 lr_decay_steps=80))
     params = SamplingParams(max_tokens=1, temperature=1.0, seed=0)
     start, rates = time.monotonic(), []
     while time.monotonic() - start < 600 and (not rates or rates[-1] < 0.8):
@@ -71,8 +73,13 @@ def test_rose_train_embedded_default_learns_frozenlake(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     summary, rates = report["summary"], [s["success_rate"] for s in report["steps"]]
     reached = next((i for i, r in enumerate(rates) if r >= 0.8), None)
-    print(f"rose train: success {rates[0]:.2f} -> 0.8 at step {reached}, {rates[-1]:.2f} at step "
-          f"{len(rates)}, {elapsed:.0f} s")
     assert summary["initial_success_rate"] < 0.2 and reached is not None, rates
+    # Time to 0.8 from the command's start: everything outside the training loop counts as before
+    # it (the start-up: Ray, actors, models; conservatively, the shutdown too).
+    last, at = report["steps"][-1], report["steps"][reached]
+    startup = elapsed - (last["wall_start_s"] + last["step_s"])
+    to_target = startup + at["wall_start_s"] + at["step_s"]
+    print(f"rose train: success {rates[0]:.2f} -> 0.8 at step {reached}, {to_target:.0f} s after the "
+          f"command started; {rates[-1]:.2f} at step {len(rates)}, {elapsed:.0f} s in all")
     assert summary["lost_trajectories"] == 0 and summary["turns_on_serving_fraction"] > 0, summary
-    assert elapsed < 600, elapsed
+    assert to_target < 600, to_target

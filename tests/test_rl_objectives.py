@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rose.rl import Objective, Trajectory, Turn, group_advantages, informative_groups, overlong_penalty
+from rose.rl.advantages import returns_to_go
 from rose.rl.losses import aggregate, clipped_surrogate, k3_kl
 
 
@@ -24,6 +25,18 @@ def test_group_advantages_by_hand() -> None:
 def test_group_advantages_rejects_mismatched_lengths() -> None:
     with pytest.raises(ValueError, match="one reward per group id"):
         group_advantages([1.0, 2.0], ["a"])
+
+
+def test_unscaled_advantages_are_centred_rewards() -> None:
+    """Dr. GRPO: a group of successes where one replied invalidly once (1.5 vs 1.4) gets small
+    advantages, where GRPO's std makes them as large as a success against a failure."""
+    rewards, groups = [1.5, 1.5, 1.5, 1.4, 1.5, 0.0], ["a", "a", "a", "a", "b", "b"]
+    assert group_advantages(rewards, groups, scale=False).tolist() == pytest.approx(
+        [0.025, 0.025, 0.025, -0.075, 0.75, -0.75])
+    assert group_advantages(rewards, groups)[3] == pytest.approx(-1.5, abs=1e-4)  # -0.075 / 0.05
+    prepared = Objective.grpo(scale_advantages=False).prepare(
+        [_trajectory(g, r, 1) for r, g in zip(rewards, groups, strict=True)])
+    assert [a for (a,) in prepared.advantages] == pytest.approx([0.025, 0.025, 0.025, -0.075, 0.75, -0.75])
 
 
 def test_informative_groups_drops_equal_reward_groups() -> None:
@@ -84,7 +97,7 @@ def test_grpo_prepare_keeps_everything_and_normalises_per_group() -> None:
              _trajectory("b", 1, 3, True)]
     prepared = Objective.grpo().prepare(batch)
     assert len(prepared.trajectories) == 4
-    assert prepared.advantages == pytest.approx([0.70710678, -0.70710678, 0, 0], abs=2e-6)
+    assert [a for (a,) in prepared.advantages] == pytest.approx([0.70710678, -0.70710678, 0, 0], abs=2e-6)
     assert prepared.stats == {"trajectories": 4, "reward_sum": 3, "successes": 3, "groups": 2,
                               "groups_kept": 2}
 
@@ -95,8 +108,39 @@ def test_dapo_prepare_shapes_overlong_and_drops_flat_groups() -> None:
     batch = [_trajectory("a", 1, 2), _trajectory("a", 1, 8), _trajectory("b", 0, 2), _trajectory("b", 0, 2)]
     prepared = objective.prepare(batch)
     assert [t.group_id for t in prepared.trajectories] == ["a", "a"]
-    assert prepared.advantages == pytest.approx([0.70710678, -0.70710678], abs=2e-6)
+    assert [a for (a,) in prepared.advantages] == pytest.approx([0.70710678, -0.70710678], abs=2e-6)
     assert prepared.stats["groups_kept"] == 1
+
+
+def test_returns_to_go_by_hand() -> None:
+    assert returns_to_go([1.0, 0.0, 2.0], 0.5) == pytest.approx([1 + 0.5 * (0 + 0.5 * 2), 0.5 * 2, 2])
+    assert returns_to_go([], 0.9) == []
+
+
+def test_step_advantages_compare_turns_from_the_same_state() -> None:
+    """GiGPO by hand: two episodes of one group start in state [1] (turn 0). Episode x moves to
+    state [7] (+0.5) and then falls (-0.5); episode y stays in state [8] (+0) and then moves to
+    state [7] (+0.5), where it also falls (-0.5). Both return 0, so GRPO's episode advantages are 0;
+    the step level still tells the turns apart."""
+    def turn(prompt: list[int], reward: float) -> Turn:
+        return Turn(prompt, [3], [0.0], [0], reward)
+
+    x = Trajectory("g", [turn([1], 0.5), turn([7], -0.5)], done=True)
+    y = Trajectory("g", [turn([1], 0.0), turn([8], 0.5), turn([7], -0.5)], done=True)
+    plain = Objective.grpo().prepare([x, y])
+    assert plain.advantages == [[0.0, 0.0], [0.0, 0.0, 0.0]]
+    prepared = Objective.grpo(step_advantage_weight=1.0, discount=1.0).prepare([x, y])
+    # Returns-to-go: x (0, -0.5), y (0, 0, -0.5). Anchor [1]: x 0 vs y 0 -> 0, 0. Anchor [7]:
+    # x -0.5 vs y -0.5 -> 0, 0. Anchor [8]: y alone -> 0. Now with discount 0.5: x (0.25, -0.5),
+    # y (0.125, 0.25, -0.5): anchor [1] holds 0.25 and 0.125 -> +-0.70710678 (two samples).
+    assert prepared.advantages == [[0.0, 0.0], [0.0, 0.0, 0.0]]
+    prepared = Objective.grpo(step_advantage_weight=2.0, discount=0.5).prepare([x, y])
+    assert prepared.advantages[0] == pytest.approx([2 * 0.70710678, 0.0], abs=1e-4)
+    assert prepared.advantages[1] == pytest.approx([-2 * 0.70710678, 0.0, 0.0], abs=1e-4)
+    with pytest.raises(ValueError, match="discount must be in"):
+        Objective.grpo(discount=1.5)
+    with pytest.raises(ValueError, match="step_advantage_weight must be a finite number"):
+        Objective.grpo(step_advantage_weight=-1)
 
 
 def test_objective_loss_with_kl_and_token_aggregation() -> None:
@@ -130,6 +174,7 @@ def test_presets_follow_the_papers() -> None:
     (dict(kl_coef=float("nan")), "kl_coef"),
     (dict(aggregation="mean"), "aggregation must be one of"),
     (dict(dynamic_sampling="yes"), "dynamic_sampling must be true or false"),
+    (dict(scale_advantages=0), "scale_advantages must be true or false"),
     (dict(overlong_max_tokens=100, overlong_cache_tokens=200), "cache_tokens < max_tokens"),
 ])
 def test_objective_bad_values(kwargs: dict, message: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 from pathlib import Path
@@ -94,13 +95,23 @@ def test_on_policy_step_figures(tiny_qwen3: Path) -> None:
     assert any(not torch.equal(before[n], p) for n, p in _params(trainer).items())
 
 
-def test_token_aggregation_loss_by_hand(tiny_qwen3: Path) -> None:
-    trainer = Trainer(tiny_qwen3, Objective(aggregation="token"), TrainerConfig(lr=1e-3))
-    batch = _on_policy(_batch(), trainer.model)
+@pytest.mark.parametrize("step_weight", [0.0, 1.0])
+def test_token_aggregation_loss_by_hand(tiny_qwen3: Path, step_weight: float) -> None:
+    """With step-level advantages each turn's tokens carry their own turn's advantage."""
+    trainer = Trainer(tiny_qwen3, Objective(aggregation="token", step_advantage_weight=step_weight),
+                      TrainerConfig(lr=1e-3))
+    batch = _batch()
+    for t in batch:  # turn k of every trajectory starts from the same state: shared anchors
+        for k, turn in enumerate(t.turns):
+            turn.prompt_ids = [k + 1, 7]
+    batch = _on_policy(batch, trainer.model)
     prepared = trainer.objective.prepare(batch)
-    lengths = [t.num_generated_tokens for t in prepared.trajectories]
-    # Ratio 1: loss = -sum_i |o_i| A_i / sum_i |o_i|.
-    expected = -sum(n * a for n, a in zip(lengths, prepared.advantages, strict=True)) / sum(lengths)
+    pairs = [(len(turn.output_ids), a)
+             for t, advs in zip(prepared.trajectories, prepared.advantages, strict=True)
+             for turn, a in zip(t.turns, advs, strict=True)]
+    assert (len({a for _, a in pairs}) > len(prepared.trajectories)) == (step_weight > 0)
+    # Ratio 1: loss = -sum over turns of |o| A / sum |o|.
+    expected = -sum(n * a for n, a in pairs) / sum(n for n, _ in pairs)
     assert trainer.step(batch)["loss"] == pytest.approx(expected, abs=1e-6)
 
 
@@ -183,7 +194,9 @@ def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
     (dict(weight_decay=-1), "weight_decay"),
     (dict(betas=(0.9, 1.0)), "betas"),
     (dict(max_grad_norm=0), "max_grad_norm"),
-    (dict(micro_batch_size=0), "micro_batch_size must be a positive integer"),
+    (dict(micro_batch_size=0), "micro_batch_size must be an integer >= 1"),
+    (dict(lr_decay_steps=-1), "lr_decay_steps must be an integer >= 0"),
+    (dict(min_lr_ratio=2.0), r"min_lr_ratio must be in \[0, 1\]"),
     (dict(mini_batches=1.5), "mini_batches"),
 ])
 def test_bad_trainer_config(kwargs: dict, message: str) -> None:
@@ -244,3 +257,17 @@ def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp
         for key in ("loss", "grad_norm", "clip_fraction", "entropy", "tokens", "groups_kept", "reward_mean"):
             assert have[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
     assert expected[0]["groups_kept"] == 4
+
+
+def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -> None:
+    config = TrainerConfig(lr=1e-3, lr_decay_steps=4, min_lr_ratio=0.1)
+    trainer = Trainer(tiny_qwen3, Objective.grpo(), config)
+    lrs = [trainer.step(_batch(seed=s))["lr"] for s in range(3)]
+    assert lrs == pytest.approx([1e-3, 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))), 0.55e-3])
+    trainer.save(tmp_path / "ckpt")
+    resumed = Trainer(tmp_path / "ckpt", Objective.grpo(), config)
+    resumed.load_state(tmp_path / "ckpt")
+    assert resumed.lr == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4))))
+    trainer.version = 9  # past the horizon: the floor
+    assert trainer.lr == pytest.approx(1e-4)
+    assert Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3)).lr == 1e-3

@@ -4,8 +4,15 @@
   each reward minus the mean of its group (the samples of one prompt), divided by the group's
   standard deviation plus `eps`. The std is the unbiased one (Bessel-corrected, as torch's
   default); a group of one sample has advantage 0.
+  Dr. GRPO (Liu et al. 2025, arXiv 2503.20783) drops the division: near-equal rewards (a
+  group of successes, one of them with an invalid reply) otherwise get advantages as large as
+  a success against a failure.
 - `informative_groups`: DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose
   rewards all equal has all-zero advantages and gives no gradient, so it is dropped.
+- `returns_to_go`: each turn's discounted return from that turn on, for step-level credit in
+  multi-turn episodes (GiGPO, Feng et al. 2025, arXiv 2505.10978): the turns of a group's
+  trajectories that start from the same state ("anchor state") are a group of their own, and
+  `group_advantages` over their returns says which action was better from there.
 - `overlong_penalty`: DAPO's soft overlong punishment (section 3.4, eq. 13): 0 up to
   `max_tokens - cache_tokens` generated tokens, then falling linearly to -1 at `max_tokens`,
   and -1 beyond.
@@ -33,15 +40,16 @@ def _as_rewards(rewards: Sequence[float] | torch.Tensor, groups: Sequence[Hashab
 
 
 def group_advantages(rewards: Sequence[float] | torch.Tensor, groups: Sequence[Hashable],
-                     eps: float = 1e-6) -> torch.Tensor:
-    """`(r - mean_g) / (std_g + eps)` for each reward `r` of group `g`, as float32."""
+                     eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """`(r - mean_g) / (std_g + eps)` for each reward `r` of group `g`, as float32; without
+    `scale`, `r - mean_g` (Dr. GRPO)."""
     r = _as_rewards(rewards, groups)
     index, n = _group_index(groups)
     count = torch.zeros(n, dtype=torch.float64).index_add_(0, index, torch.ones_like(r))
     mean = torch.zeros(n, dtype=torch.float64).index_add_(0, index, r) / count
     centred = r - mean[index]
     var = torch.zeros(n, dtype=torch.float64).index_add_(0, index, centred**2) / (count - 1).clamp(min=1)
-    adv = centred / (var.sqrt()[index] + eps)
+    adv = centred / (var.sqrt()[index] + eps) if scale else centred
     return torch.where(count[index] > 1, adv, torch.zeros_like(adv)).float()
 
 
@@ -53,6 +61,15 @@ def informative_groups(rewards: Sequence[float] | torch.Tensor, groups: Sequence
     high = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, index, r, "amax")
     low = torch.full((n,), torch.inf, dtype=torch.float64).scatter_reduce_(0, index, r, "amin")
     return (high - low)[index] > tol
+
+
+def returns_to_go(rewards: Sequence[float], discount: float) -> list[float]:
+    """`R_t = r_t + discount * R_{t+1}` for each turn's reward `r_t` of one episode."""
+    out, total = [], 0.0
+    for r in reversed(rewards):
+        total = r + discount * total
+        out.append(total)
+    return out[::-1]
 
 
 def overlong_penalty(lengths: Sequence[int] | torch.Tensor, max_tokens: int,

@@ -6,6 +6,13 @@ optional k3 KL penalty (the paper used beta = 0.04; the default here is 0, as in
 recipes, which saves the reference model). `Objective.dapo()` is Yu et al.'s DAPO: clip-higher
 (eps_low 0.2, eps_high 0.28), dynamic sampling, token-level averaging, the soft overlong penalty
 (the paper's L_max 20480 with a 4096-token cache) and no KL.
+
+Either takes GiGPO's step-level credit for multi-turn episodes (Feng et al. 2025, arXiv
+2505.10978) with `step_advantage_weight` > 0: a turn's advantage is its episode's GRPO advantage
+plus that weight times the advantage of its discounted return-to-go among the turns of its group
+that started from the same state (the same new prompt tokens: the same observation). An episode
+where a good move is followed by a fall then still credits the move, where GRPO alone blames
+every turn for the fall.
 """
 
 from __future__ import annotations
@@ -18,17 +25,17 @@ from typing import Any
 import torch
 
 from rose.rl import losses
-from rose.rl.advantages import group_advantages, informative_groups, overlong_penalty
+from rose.rl.advantages import group_advantages, informative_groups, overlong_penalty, returns_to_go
 from rose.rl.trajectory import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """The trajectories that train, one advantage each, and sums over the whole batch (sums,
-    so that data-parallel ranks can add theirs up)."""
+    """The trajectories that train, one advantage per turn each, and sums over the whole batch
+    (sums, so that data-parallel ranks can add theirs up)."""
 
     trajectories: list[Trajectory]
-    advantages: list[float]
+    advantages: list[list[float]]
     stats: dict[str, float]
 
 
@@ -42,20 +49,26 @@ class Objective:
     overlong_max_tokens: int | None = None  # None: no overlong penalty
     overlong_cache_tokens: int = 0
     advantage_eps: float = 1e-6
+    scale_advantages: bool = True  # divide by the group's std (GRPO); False: Dr. GRPO
+    step_advantage_weight: float = 0.0  # GiGPO's omega; 0: every turn gets the episode's advantage
+    discount: float = 0.95  # of the returns-to-go that step-level advantages compare (GiGPO's gamma)
 
     def __post_init__(self) -> None:
-        for name in ("clip_low", "clip_high", "kl_coef", "advantage_eps"):
+        for name in ("clip_low", "clip_high", "kl_coef", "advantage_eps", "step_advantage_weight",
+                     "discount"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0:
                 raise ValueError(f"objective: {name} must be a finite number >= 0, got {value!r}")
+        if self.discount > 1:
+            raise ValueError(f"objective: discount must be in [0, 1], got {self.discount}")
         if self.clip_low >= 1:
             raise ValueError(f"objective: clip_low must be < 1 (the ratio's floor is 1 - clip_low), "
                              f"got {self.clip_low}")
         losses.check_aggregation(self.aggregation)
-        if not isinstance(self.dynamic_sampling, bool):
-            raise ValueError(f"objective: dynamic_sampling must be true or false, "
-                             f"got {self.dynamic_sampling!r}")
+        for name in ("dynamic_sampling", "scale_advantages"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"objective: {name} must be true or false, got {getattr(self, name)!r}")
         if self.overlong_max_tokens is not None:
             overlong_penalty([], self.overlong_max_tokens, self.overlong_cache_tokens)  # validates
 
@@ -82,7 +95,16 @@ class Objective:
         keep = (informative_groups(rewards, groups) if self.dynamic_sampling
                 else torch.ones(len(trajectories), dtype=torch.bool))
         kept = [t for t, k in zip(trajectories, keep.tolist(), strict=True) if k]
-        advantages = group_advantages(rewards[keep], [t.group_id for t in kept], self.advantage_eps)
+        episode = group_advantages(rewards[keep], [t.group_id for t in kept], self.advantage_eps,
+                                   self.scale_advantages).tolist()
+        advantages = [[a] * len(t.turns) for t, a in zip(kept, episode, strict=True)]
+        if self.step_advantage_weight > 0:
+            returns = [r for t in kept for r in returns_to_go([u.reward for u in t.turns], self.discount)]
+            anchors = [(t.group_id, tuple(turn.prompt_ids)) for t in kept for turn in t.turns]
+            step = iter(group_advantages(returns, anchors, self.advantage_eps,
+                                         self.scale_advantages).tolist())
+            w = self.step_advantage_weight
+            advantages = [[a + w * next(step) for a in turns] for turns in advantages]
         stats = {
             "trajectories": float(len(trajectories)),
             "reward_sum": sum(t.reward for t in trajectories),
@@ -90,7 +112,7 @@ class Objective:
             "groups": float(len(set(groups))),
             "groups_kept": float(len({t.group_id for t in kept})),
         }
-        return Prepared(kept, advantages.tolist(), stats)
+        return Prepared(kept, advantages, stats)
 
     def loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
              mask: torch.Tensor, ref_logprobs: torch.Tensor | None = None,

@@ -42,6 +42,11 @@ class TrainerConfig:
     max_grad_norm: float | None = 1.0  # None: no clipping
     micro_batch_size: int = 8  # sequences per forward/backward pass
     mini_batches: int = 1  # optimizer updates per step, each on its share of the batch
+    # Cosine decay of lr to lr * min_lr_ratio over this many steps (0: constant lr). Near
+    # convergence most groups tie and what gradient is left is sampling noise; full-size Adam
+    # steps on it random-walk a small policy off the solution.
+    lr_decay_steps: int = 0
+    min_lr_ratio: float = 0.1
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -58,10 +63,12 @@ class TrainerConfig:
             raise ValueError(f"trainer: betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.max_grad_norm is not None and number("max_grad_norm", self.max_grad_norm) <= 0:
             raise ValueError(f"trainer: max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        for name in ("micro_batch_size", "mini_batches"):
+        for name, low in (("micro_batch_size", 1), ("mini_batches", 1), ("lr_decay_steps", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"trainer: {name} must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"trainer: {name} must be an integer >= {low}, got {value!r}")
+        if not 0 <= number("min_lr_ratio", self.min_lr_ratio) <= 1:
+            raise ValueError(f"trainer: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 def _chunks(items: list[Any], n: int) -> list[list[Any]]:
@@ -69,6 +76,12 @@ def _chunks(items: list[Any], n: int) -> list[list[Any]]:
     size, extra = divmod(len(items), n)
     bounds = [i * size + min(i, extra) for i in range(n + 1)]
     return [items[bounds[i]:bounds[i + 1]] for i in range(n)]
+
+
+def _per_token(t: Trajectory, turn_advantages: list[float]) -> torch.Tensor:
+    """Each turn's advantage over its tokens, aligned with `t.flatten()` `[L]`."""
+    lengths = [len(turn.prompt_ids) + len(turn.output_ids) for turn in t.turns]
+    return torch.repeat_interleave(torch.tensor(turn_advantages, dtype=torch.float32), torch.tensor(lengths))
 
 
 def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,9 +133,11 @@ class Trainer:
         prepared = self.objective.prepare(trajectories)
         # A trajectory cut before its first turn counts in its group's statistics only.
         kept = [(t, a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True) if t.turns]
-        samples = [(self._flatten(t), a) for t, a in kept]
+        samples = [(self._flatten(t), _per_token(t, a)) for t, a in kept]
         sums = dict.fromkeys(("loss", "tokens", "sequences", "clipped", "kl", "entropy", "version_lag"), 0.0)
         grad_norms, updates = [], 0
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.lr
         for mini in _chunks(samples, self.config.mini_batches):
             shifted = [s.loss_mask[1:] for s, _ in mini]
             local = sum(int(m.sum()) for m in shifted), sum(int(m.any()) for m in shifted)
@@ -159,7 +174,17 @@ class Trainer:
             "groups": totals["groups"],
             "groups_kept": totals["groups_kept"],
             "version": float(self.version),
+            "lr": self.optimizer.param_groups[0]["lr"],
         }
+
+    @property
+    def lr(self) -> float:
+        """This step's learning rate (the schedule is a function of the version, so it resumes)."""
+        c = self.config
+        if c.lr_decay_steps == 0:
+            return c.lr
+        progress = min(self.version / c.lr_decay_steps, 1.0)
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def _flatten(self, t: Trajectory) -> TokenSequence:
         seq = t.flatten()
@@ -178,12 +203,12 @@ class Trainer:
         logp = model(inputs).float().log_softmax(-1)
         return logp.gather(-1, targets[..., None])[..., 0], logp
 
-    def _forward_backward(self, micro: list[tuple[TokenSequence, float]],
+    def _forward_backward(self, micro: list[tuple[TokenSequence, torch.Tensor]],
                           denominator: int) -> dict[str, float]:
         ids, mask, old, versions = _pad([s for s, _ in micro])
         inputs, targets = ids[:, :-1], ids[:, 1:]
         mask, old, versions = mask[:, 1:], old[:, 1:], versions[:, 1:]
-        advantages = torch.tensor([a for _, a in micro], dtype=torch.float32)[:, None]
+        advantages = torch.nn.utils.rnn.pad_sequence([a for _, a in micro], batch_first=True)[:, 1:]
         logprobs, logp = self._logprobs(self.model, inputs, targets)
         ref = None
         if self.ref_model is not None:

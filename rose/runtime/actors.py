@@ -38,11 +38,11 @@ from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, model_spec
 
 
 class TrainerActor:
-    def __init__(self, cores: list[int], model_path: str, objective: str, config: dict[str, Any],
-                 relay: str, group: str, resume: bool = False) -> None:
+    def __init__(self, cores: list[int], model_path: str, objective: str, objective_options: dict[str, Any],
+                 config: dict[str, Any], relay: str, group: str, resume: bool = False) -> None:
         pin(cores)
         make = Objective.dapo if objective == "dapo" else Objective.grpo
-        self.trainer = Trainer(model_path, make(), TrainerConfig(**config))
+        self.trainer = Trainer(model_path, make(**objective_options), TrainerConfig(**config))
         if resume:
             self.trainer.load_state(model_path)
         # The bf16 weights the rollout replicas get: the sender keeps views of these tensors.

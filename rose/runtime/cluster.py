@@ -72,10 +72,12 @@ class Cluster:
             c.model.arch, c.model.preset, self.out_dir / "initial", seed=c.model.seed))
         self.tokenizer = load_tokenizer(self.model_path)
         trainer_cfg = {"lr": c.train.lr, "micro_batch_size": c.train.micro_batch_size,
-                       "mini_batches": c.train.mini_batches}
+                       "mini_batches": c.train.mini_batches, "min_lr_ratio": c.train.min_lr_ratio,
+                       "lr_decay_steps": c.train.steps if c.train.lr_schedule == "cosine" else 0}
         self.trainer = ray.remote(TrainerActor).options(num_cpus=0).remote(
-            c.devices.trainer, self.model_path, c.train.objective, trainer_cfg, self.relay, self.group,
-            self.resume is not None)
+            c.devices.trainer, self.model_path, c.train.objective,
+            {k: getattr(c.train, k) for k in ("scale_advantages", "step_advantage_weight", "discount")},
+            trainer_cfg, self.relay, self.group, self.resume is not None)
         for i, cores in enumerate(c.devices.dedicated):
             self.dedicated[f"dedicated-{i}"] = self._start_dedicated(f"dedicated-{i}", cores)
         if self.mode is Mode.ROSE:

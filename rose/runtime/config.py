@@ -58,11 +58,16 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 80
+    steps: int = 100
     objective: str = "grpo"
+    scale_advantages: bool = True  # divide by the group's reward std (GRPO); false: Dr. GRPO
+    step_advantage_weight: float = 0.0  # GiGPO's step-level credit (rose.rl.objective); 0: off
+    discount: float = 0.95  # of the returns-to-go the step level compares
     lr: float = 3e-3
+    lr_schedule: str = "cosine"  # down to lr * min_lr_ratio at train.steps, or "constant"
+    min_lr_ratio: float = 0.1
     micro_batch_size: int = 32
-    mini_batches: int = 2
+    mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
     checkpoint_every: int = 10
     out_dir: str = "runs/train"
     seed: int = 0
@@ -145,6 +150,12 @@ def validate(config: Config, mode: Mode | None = None) -> None:
     check(t.steps >= 1 and t.checkpoint_every >= 1, "train.steps and train.checkpoint_every must be >= 1")
     check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
     check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    check(t.lr_schedule in ("constant", "cosine"),
+          f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
+    check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    check(t.step_advantage_weight >= 0,
+          f"train.step_advantage_weight must be >= 0, got {t.step_advantage_weight}")
+    check(0 <= t.discount <= 1, f"train.discount must be in [0, 1], got {t.discount}")
     check(d.provision_delay_s >= 0, "devices.provision_delay_s must be >= 0")
     check(bool(d.dedicated), "devices.dedicated needs at least one device")
     cores = available_cores()
