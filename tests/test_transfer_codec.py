@@ -152,3 +152,39 @@ def test_encode_delta_advances_the_baseline_sparsely() -> None:
     dense = codec.encode_delta(base, flipped)  # everything changed: a full copy is smaller
     assert dense.full and dense.changed == new.numel()
     assert torch.equal(bits(codec.apply(new, dense.to_bytes())), bits(flipped))
+
+
+def test_encode_delta_advances_a_strided_baseline() -> None:
+    base = torch.randn(64, 48).to(torch.bfloat16).t()  # column-major view
+    new = base.clone()
+    new[5, 7] = -new[5, 7] - 1
+    enc = codec.encode_delta(base, new)
+    assert enc.changed == 1 and torch.equal(bits(base), bits(new))
+
+
+def _reseal(header: bytes, body: np.ndarray) -> bytes:
+    """The header with its check recomputed over a tampered body: a forged payload."""
+    import xxhash
+
+    head = header[:-8]
+    return head + xxhash.xxh3_64(head + body.tobytes()).intdigest().to_bytes(8, "little")
+
+
+def test_forged_gaps_are_refused_before_any_write() -> None:
+    """Past the checksum a forged body must still never write out of range: the compiled
+    scatter trusts the checks before it."""
+    n = 4096
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    new = old.clone()
+    new[[3, 900, n - 1]] = 1.0  # gaps 4, then two escapes (897, 3195)
+    header, body = codec.split_payload(encode(old, new))
+    gaps_at = body.size - 3
+    assert body[gaps_at:].tolist() == [4, 0, 0]
+    for where, value, message in ((gaps_at, 0, "escapes do not match"),
+                                  (gaps_at, 200, "index out of range")):
+        forged = body.copy()
+        forged[where] = value
+        target = old.clone()
+        with pytest.raises(CorruptDelta, match=message):
+            codec.apply_into(target, _reseal(header, forged), forged)
+        assert not target.any()

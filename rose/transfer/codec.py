@@ -33,11 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
 import xxhash
 import zstandard
+
+from rose.transfer import kernels
 
 MAGIC = b"RSD1"
 FULL, DELTA = 0, 1
@@ -52,8 +56,8 @@ _DTYPES: dict[torch.dtype, tuple[int, torch.dtype]] = {
     torch.float16: (2, torch.int16),
     torch.float32: (3, torch.int32),
 }
+_T = TypeVar("_T")
 _BY_CODE = {code: dtype for dtype, (code, _) in _DTYPES.items()}
-BLOCK = 1 << 18  # elements compared per pass: keeps the temporaries in cache
 
 
 class CorruptDelta(ValueError):
@@ -110,10 +114,11 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, *, zstd_level: int | Non
     The sender keeps `base` as its baseline: advancing it writes only the changed positions.
     """
     _check_pair(base, new)
-    a, b = _flat(base), _flat(new)
-    idx, vals = _changed(a, b)
+    b = _flat(new)
     if advance:
-        _write(base, idx, vals)
+        idx, vals = _in_place(base, lambda a: _changed(a, b, True))
+    else:
+        idx, vals = _changed(_flat(base), b, False)
     result_hash = xxhash.xxh3_64(b.view(np.uint8)).intdigest()
     body, n_escapes = _delta_body(idx, vals, b.size)
     if body.nbytes >= b.nbytes:  # dense change: the raw tensor is smaller
@@ -177,8 +182,8 @@ def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray) -> int:
             raise CorruptDelta("payload checksum mismatch: full body corrupted in transit")
         np.copyto(_bits(target).numpy(), body.view(_np_int(target)).reshape(target.shape))
         return h.n_changed
-    idx, vals = _parse_delta(body, h.n_changed, h.n_escapes, numel, target)
-    _write(target, idx, vals)
+    delta = _parse_delta(body, h.n_changed, h.n_escapes, numel, target)
+    _in_place(target, lambda flat: _apply_delta(flat, *delta))
     if tensor_hash(target) != h.result_hash:
         raise CorruptDelta("result checksum mismatch: the tensor the delta was applied to is not the "
                            "sender's baseline; a full sync is needed")
@@ -218,41 +223,28 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
         raise ValueError(f"unsupported dtype {new.dtype}; expected one of bfloat16, float16, float32")
 
 
-def _changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted flat indices where the raw bits differ, and `b`'s bits there (block by block)."""
-    if a.size <= BLOCK:
-        return _changed_block(a, b)
-    found = [_changed_block(a[s:s + BLOCK], b[s:s + BLOCK]) for s in range(0, a.size, BLOCK)]
-    idx = np.concatenate([i + s for (i, _), s in zip(found, range(0, a.size, BLOCK), strict=True)])
-    return idx, np.concatenate([v for _, v in found])
+def _changed(a: np.ndarray, b: np.ndarray, advance: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted flat indices where the raw bits differ, and `b`'s bits there; with `advance`,
+    `a` takes `b`'s bits. The output buffers are sized for the worst case but only the
+    entries written are ever touched (and so backed by memory)."""
+    lanes = 8 // a.itemsize
+    words = a.size // lanes * lanes  # the elements in whole 8-byte words
+    idx, vals = np.empty(a.size, np.int64), np.empty(a.size, a.dtype)
+    k = kernels.find_changed(a, b, a[:words].view(np.uint64), b[:words].view(np.uint64), lanes, idx, vals,
+                             advance)
+    return idx[:k], vals[:k]
 
 
-def _changed_block(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Compares 8-byte words first: nonzero() is the costly step and runs on 4x (bf16) fewer
-    entries; only the words that differ are split into their lanes."""
-    shift = {2: 2, 4: 1}[a.itemsize]  # log2(lanes per word)
-    aligned = a.size >> shift << shift
-    a64, b64 = a[:aligned].view(np.uint64), b[:aligned].view(np.uint64)
-    words = np.flatnonzero(a64 != b64)
-    new_words = b64[words]
-    k = np.flatnonzero((a64[words] ^ new_words).view(a.dtype) != 0)  # changed lanes of those words
-    idx = (words[k >> shift] << shift) | (k & ((1 << shift) - 1))
-    vals = new_words.view(a.dtype)[k]
-    if aligned < a.size:
-        tail = aligned + np.flatnonzero(a[aligned:] != b[aligned:])
-        idx, vals = np.concatenate([idx, tail]), np.concatenate([vals, b[tail]])
-    return idx, vals
-
-
-def _write(target: torch.Tensor, idx: np.ndarray, vals: np.ndarray) -> None:
-    """target.flat[idx] = vals on the raw bits, through any strides."""
-    if idx.size == 0:
-        return
-    bits = _bits(target).numpy()
-    if bits.flags.c_contiguous:
-        bits.reshape(-1)[idx] = vals
-    else:
-        bits[np.unravel_index(idx, bits.shape)] = vals
+def _in_place(t: torch.Tensor, fn: Callable[[np.ndarray], _T]) -> _T:
+    """`fn` of `t`'s raw bits as a flat array it may write to: a view of a contiguous tensor,
+    else a copy written back afterwards."""
+    raw = _raw(t)
+    if raw.flags.c_contiguous:
+        return fn(raw.reshape(-1))
+    flat = raw.flatten()
+    out = fn(flat)
+    raw[...] = flat.reshape(raw.shape)
+    return out
 
 
 def _header(kind: int, t: torch.Tensor, n_changed: int, n_escapes: int, raw_len: int, stored: np.ndarray,
@@ -335,7 +327,10 @@ def _escape_dtype(numel: int) -> type:
 
 
 def _parse_delta(body: np.ndarray, n_changed: int, n_escapes: int, numel: int,
-                 target: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+                 target: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Checks a delta body against its header and the tensor before anything is written.
+    Returns the bitmap chunks' positions, the gaps, the escapes, and the values (bitmap ones
+    first)."""
     n_chunks = -(-numel // CHUNK)
     esc_dtype = _escape_dtype(numel)
     esc_bytes = n_escapes * np.dtype(esc_dtype).itemsize
@@ -352,17 +347,18 @@ def _parse_delta(body: np.ndarray, n_changed: int, n_escapes: int, numel: int,
     if n_gaps < 0 or body.size != pos + n_gaps:
         raise CorruptDelta(f"delta body is {body.size} bytes, its fields need {pos + max(n_gaps, 0)}")
     idx_b = (bitmap_chunks[set_bits >> CHUNK_SHIFT] << CHUNK_SHIFT) | (set_bits & (CHUNK - 1))
-    gaps = body[pos:]
-    dist = gaps.astype(np.int64)  # then an in-place cumsum: 3x faster than cumsum(dtype=int64)
-    if n_escapes:
-        escaped = np.flatnonzero(gaps == 0)
-        escapes = body[:esc_bytes].view(esc_dtype)
-        if escaped.size != n_escapes or (escapes <= 255).any() or (escapes >= numel + 1).any():
-            raise CorruptDelta("delta gap escapes do not match their markers")
-        dist[escaped] = escapes
-    idx_v = np.cumsum(dist, out=dist)
-    idx_v -= 1
-    if (idx_b.size and idx_b[-1] >= numel) or (idx_v.size and (idx_v[0] < 0 or idx_v[-1] >= numel)):
+    gaps, escapes = body[pos:], body[:esc_bytes].view(esc_dtype)
+    if np.count_nonzero(gaps == 0) != n_escapes or (escapes <= 255).any() or (escapes > numel).any():
+        raise CorruptDelta("delta gap escapes do not match their markers")
+    # Every distance is at least 1, so positions rise and the last one bounds them all.
+    last = int(gaps.sum(dtype=np.int64)) + int(escapes.sum(dtype=np.int64)) - 1
+    if (idx_b.size and idx_b[-1] >= numel) or last >= numel:
         raise CorruptDelta(f"delta index out of range for a tensor of {numel} elements")
-    idx = np.concatenate([idx_b, idx_v]) if idx_b.size else idx_v
-    return idx, body[esc_bytes:esc_bytes + n_changed * target.element_size()].view(_np_int(target))
+    return idx_b, gaps, escapes, body[esc_bytes:esc_bytes + n_changed * target.element_size()].view(
+        _np_int(target))
+
+
+def _apply_delta(flat: np.ndarray, idx_b: np.ndarray, gaps: np.ndarray, escapes: np.ndarray,
+                 vals: np.ndarray) -> None:
+    flat[idx_b] = vals[:idx_b.size]
+    kernels.scatter_gaps(flat, gaps, escapes, vals[idx_b.size:])
