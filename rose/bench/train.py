@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(None, [*WORKLOAD, f"train.steps={steps}", run_dir, *args.overrides])
         validate(config, mode)
         result = train(config, mode)
-        runs[mode.value] = {**result.summary, "elastic_alloc_s": result.elastic_alloc_s}
+        runs[mode.value] = {**result.summary, "elastic_alloc_s": result.elastic_alloc_s,
+                            "elastic_cancelled_s": result.elastic_cancelled_s}
         print(mode.value, runs[mode.value], flush=True)
     fixed, elastic, rose = runs["fixed"], runs["elastic"], runs["rose"]
     summary = {

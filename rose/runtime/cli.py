@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(config, mode, resume, show)
     console.print(f"report: {result.plot}; checkpoints: {', '.join(result.checkpoints)}")
     write_report(args.json, result.summary, mode=mode.value, serving=result.serving,
-                 elastic_alloc_s=result.elastic_alloc_s, checkpoints=result.checkpoints,
+                 elastic_alloc_s=result.elastic_alloc_s, elastic_cancelled_s=result.elastic_cancelled_s,
+                 checkpoints=result.checkpoints,
                  steps=[{k: v for k, v in vars(r).items() if k != "placements"} for r in result.steps])
     return 0

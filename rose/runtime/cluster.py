@@ -53,7 +53,8 @@ class Cluster:
         self.relay, self.group = f"rose-relay-{uuid.uuid4().hex[:8]}", "rollout"
         self.dedicated: dict[str, Any] = {}
         self.serving: dict[str, Any] = {}
-        self.elastic_alloc_s: list[float] = []
+        self.elastic_alloc_s: list[float] = []  # allocations that arrived: seconds from request to routable
+        self.elastic_cancelled_s: list[float] = []  # still pending when a step's rollouts ended: time wasted
         self._pinned = contextlib.ExitStack()
 
     # -- start and stop -------------------------------------------------------------------------
@@ -156,13 +157,17 @@ class Cluster:
     async def _provision(self, wid: str, cores: list[int]) -> None:
         """Allocate an on-demand device: wait for it, start it, sync it, then route to it."""
         start = time.perf_counter()
-        await asyncio.sleep(self.config.devices.provision_delay_s)
-        handle = self._start_dedicated(wid, cores)
-        self.dedicated[wid] = handle
-        await handle.ready.remote()
-        pulls = [h.sync_weights.remote(SYNC_TIMEOUT_S) for h in self.dedicated.values()]
-        await self.trainer.publish.remote()  # the current version again: a full copy for the newcomer
-        await asyncio.gather(*pulls)
+        try:
+            await asyncio.sleep(self.config.devices.provision_delay_s)
+            handle = self._start_dedicated(wid, cores)
+            self.dedicated[wid] = handle
+            await handle.ready.remote()
+            pulls = [h.sync_weights.remote(SYNC_TIMEOUT_S) for h in self.dedicated.values()]
+            await self.trainer.publish.remote()  # the current version again: a full copy for the newcomer
+            await asyncio.gather(*pulls)
+        except asyncio.CancelledError:
+            self.elastic_cancelled_s.append(time.perf_counter() - start)
+            raise
         self.registry.add(ActorWorker(wid, handle, self.config.rollout.dedicated_concurrency), self.version)
         self.elastic_alloc_s.append(time.perf_counter() - start)
 

@@ -19,6 +19,7 @@ class RunResult:
     steps: list[StepRecord]
     serving: dict[str, Any]
     elastic_alloc_s: list[float]
+    elastic_cancelled_s: list[float]
     checkpoints: list[str]
     plot: str
 
@@ -68,4 +69,5 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
     serving = serving_summary([r for _, r in served], config.serving) if mode is Mode.ROSE else {}
     summary = summarize(records, serving)
     plot = write_plot(out_dir / "report.png", records, served, config.serving, mode)
-    return RunResult(summary, records, serving, cluster.elastic_alloc_s, checkpoints, str(plot))
+    return RunResult(summary, records, serving, cluster.elastic_alloc_s, cluster.elastic_cancelled_s,
+                     checkpoints, str(plot))
