@@ -25,8 +25,9 @@ the 0.6-5% densities of RL steps nearly every gap fits a byte, and decoding is o
 `result_hash` is xxh3-64 of the resulting tensor's bytes; `check` is xxh3-64 of the header
 and, for a delta, the stored body, so corruption is caught before anything is written. A full
 body is the resulting tensor itself: `result_hash` checks it before the copy, and hashing it a
-second time (for `check`, or after the copy) would only double the cost of full syncs. Everything is
-vectorised numpy: no Python loop runs per element or per chunk.
+second time (for `check`, or after the copy) would only double the cost of full syncs. The two
+per-element loops (finding changed elements, scattering gap-coded ones) are compiled
+(`kernels.py`); the rest is vectorised numpy: no Python loop runs per element or per chunk.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, *, zstd_level: int | Non
                  advance: bool = True) -> Encoded:
     """Encode `new` against `base`; with `advance`, also bring `base` to `new` in place.
 
-    The sender keeps `base` as its baseline: advancing it writes only the changed positions.
+    The sender keeps `base` as its baseline: advancing it rewrites only the 8-byte words that
+    changed (a strided baseline is copied out and written back whole).
     """
     _check_pair(base, new)
     b = _flat(new)

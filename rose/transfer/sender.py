@@ -9,7 +9,7 @@ encode and transfer overlap bucket by bucket. A lost bucket is pushed again unde
 key (payloads are idempotent).
 
 The baseline is a CPU copy of this rank's shards as of the last published version. Encoding a
-delta advances it in place, writing only the changed positions.
+delta advances it in place, in the same pass that finds the changes.
 """
 
 from __future__ import annotations
