@@ -363,4 +363,4 @@ def _parse_delta(body: np.ndarray, n_changed: int, n_escapes: int, numel: int,
 def _apply_delta(flat: np.ndarray, idx_b: np.ndarray, gaps: np.ndarray, escapes: np.ndarray,
                  vals: np.ndarray) -> None:
     flat[idx_b] = vals[:idx_b.size]
-    kernels.scatter_gaps(flat, gaps, escapes, vals[idx_b.size:])
+    kernels.scatter_gaps(flat, gaps, escapes.astype(np.int64), vals[idx_b.size:])

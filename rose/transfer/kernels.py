@@ -19,8 +19,8 @@ def find_changed(base: np.ndarray, new: np.ndarray, base_words: np.ndarray, new_
     """Writes the flat positions where `base` and `new` (same-width integer views) differ, in
     order, to `idx` and `new`'s values there to `vals` (both at least `base.size` long); returns
     how many. `*_words` are the same arrays' leading whole 8-byte words, of `lanes` (4 or 2)
-    elements each (views made by the caller: numba's own views index slower). With `advance`, `base` takes
-    `new`'s values too.
+    elements each (views made by the caller: numba's own views index slower). With `advance`,
+    `base` takes `new`'s values too.
 
     Compares words first (most are equal at RL densities) and stores branch-free inside a word
     that differs: the position is always written and the count moves on only on a change.
@@ -48,7 +48,8 @@ def find_changed(base: np.ndarray, new: np.ndarray, base_words: np.ndarray, new_
 @numba.njit(nogil=True, cache=True)
 def scatter_gaps(target: np.ndarray, gaps: np.ndarray, escapes: np.ndarray, vals: np.ndarray) -> None:
     """`target[i_k] = vals[k]` where `i_k` advances by `gaps[k]` from -1, a gap of 0 taking the
-    next of `escapes` instead. The caller has checked that the positions stay in range."""
+    next of `escapes` (int64: an unsigned one would make the position a float) instead. The
+    caller has checked that the positions stay in range."""
     pos, e = -1, 0
     for k in range(gaps.size):
         g = gaps[k]
