@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rose.cli import main
-from rose.runtime.config import Mode, load_config, resume_checkpoint, validate
+from rose.runtime.config import Config, Mode, load_config, resume_checkpoint, validate
 from rose.runtime.devices import available_cores
 
 
@@ -25,6 +25,7 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["train.steps=many"], r"config: train\.steps: Value 'many' of type 'str' could not be converted"),
     (["train.steps"], r"override 'train\.steps' is not key=value"),
     (["train.steps=0"], r"train\.steps and train\.checkpoint_every must be >= 1"),
+    (["train.data_parallel=0"], r"train\.data_parallel must be >= 1, got 0"),
     (["train.objective=ppo"], r"train\.objective must be grpo or dapo, got 'ppo'"),
     (["train.lr_schedule=linear"], r"train\.lr_schedule must be constant or cosine, got 'linear'"),
     (["train.discount=1.5"], r"train\.discount must be in \[0, 1\], got 1\.5"),
@@ -60,3 +61,18 @@ def test_cli_fails_before_starting_anything(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err
     assert f"devices.serving uses core(s) [{more}]" in err
     assert "Ray" not in err  # nothing was started
+
+
+def test_cli_address_names_the_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rose.runtime.driver
+
+    seen = {}
+
+    def fake_train(config: Config, *_: object) -> None:  # the driver, stopped before Ray starts
+        seen["address"] = config.ray_address
+        raise SystemExit(0)
+
+    monkeypatch.setattr(rose.runtime.driver, "train", fake_train)
+    with pytest.raises(SystemExit):
+        main(["train", "--address", "ray://head:10001", "train.steps=1"])
+    assert seen["address"] == "ray://head:10001"

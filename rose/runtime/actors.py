@@ -34,23 +34,42 @@ from rose.rollout.routing import WorkerKind
 from rose.rollout.workers import EngineWorker, Heartbeat, TurnResult, extend
 from rose.runtime.config import ServingConfig
 from rose.runtime.devices import pin
-from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, model_spec
+from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
 
 
 class TrainerActor:
-    def __init__(self, cores: list[int], model_path: str, objective: str, objective_options: dict[str, Any],
-                 config: dict[str, Any], relay: str, group: str, resume: bool = False) -> None:
+    """One data-parallel rank of the trainer (gloo between ranks); rank 0 publishes the weights and
+    writes the checkpoints."""
+
+    def __init__(self, cores: list[int]) -> None:
         pin(cores)
+
+    def address(self) -> str:
+        """Where rank 0 takes the other ranks' connections (this node, like the serving URLs)."""
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+    def start(self, model_path: str, objective: str, objective_options: dict[str, Any],
+              config: dict[str, Any], relay: str, group: str, resume: bool = False, rank: int = 0,
+              world: int = 1, master: str | None = None) -> int:
+        """Join the ranks' process group (every rank's `start` runs at once), load the policy; the
+        version it starts from."""
+        if world > 1:
+            torch.distributed.init_process_group("gloo", init_method=master, rank=rank, world_size=world)
         make = Objective.dapo if objective == "dapo" else Objective.grpo
         self.trainer = Trainer(model_path, make(**objective_options), TrainerConfig(**config))
         if resume:
             self.trainer.load_state(model_path)
         # The bf16 weights the rollout replicas get: the sender keeps views of these tensors.
         self.weights = dict(self.trainer.export_weights())
-        self.sender = Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
-
-    def version(self) -> int:
+        self.sender = (Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
+                       if rank == 0 else None)
         return self.trainer.version
+
+    def digests(self) -> list[int]:
+        """xxh3 of every weight: the same on every rank while data parallelism holds."""
+        return [codec.tensor_hash(t) for t in self.weights.values()]
 
     def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         metrics = self.trainer.step(trajectories)

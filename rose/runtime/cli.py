@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rose: borrow serving devices")
     p.add_argument("--json", help="write the summary and per-step records here")
     p.add_argument("--resume", help="a checkpoint directory (or a run's out_dir) to go on from")
+    p.add_argument("--address", help="an existing Ray cluster (same as ray_address=...; default: a "
+                                     "local Ray started on demand)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if path is not None and "=" in path:
         path, overrides = None, [path, *overrides]
     mode = Mode(args.mode)
+    if args.address:
+        overrides.append(f"ray_address={args.address}")
     config = load_config(path, overrides)
     validate(config, mode)
     resume = resume_checkpoint(args.resume)

@@ -23,7 +23,7 @@ from rose.coserve.executor import ExecutorConfig
 from rose.coserve.loadgen import RequestResult
 from rose.engine import SamplingParams
 from rose.model import init_model, load_tokenizer
-from rose.rl import Episode, make_env
+from rose.rl import Episode, make_env, shard_by_group
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import LeaseWorker
@@ -51,6 +51,7 @@ class Cluster:
         self.loop = asyncio.new_event_loop()  # one loop for every async call (HTTP clients live on it)
         self.registry = WorkerRegistry(config.rollout.stall_timeout_s)
         self.relay, self.group = f"rose-relay-{uuid.uuid4().hex[:8]}", "rollout"
+        self.trainers: list[Any] = []  # data-parallel ranks
         self.dedicated: dict[str, Any] = {}
         self.serving: dict[str, Any] = {}
         self.elastic_alloc_s: list[float] = []  # allocations that arrived: seconds from request to routable
@@ -75,10 +76,17 @@ class Cluster:
         trainer_cfg = {"lr": c.train.lr, "micro_batch_size": c.train.micro_batch_size,
                        "mini_batches": c.train.mini_batches, "min_lr_ratio": c.train.min_lr_ratio,
                        "lr_decay_steps": c.train.steps if c.train.lr_schedule == "cosine" else 0}
-        self.trainer = ray.remote(TrainerActor).options(num_cpus=0).remote(
-            c.devices.trainer, self.model_path, c.train.objective,
-            {k: getattr(c.train, k) for k in ("scale_advantages", "step_advantage_weight", "discount")},
-            trainer_cfg, self.relay, self.group, self.resume is not None)
+        # Data-parallel ranks share out the trainer's cores (all of them each, if too few).
+        n, own = c.train.data_parallel, c.devices.trainer
+        actor = ray.remote(TrainerActor).options(num_cpus=0)
+        self.trainers = [actor.remote(own[r::n] if len(own) >= n else own) for r in range(n)]
+        self.trainer = self.trainers[0]  # rank 0 publishes the weights and writes the checkpoints
+        master = ray.get(self.trainer.address.remote()) if n > 1 else None
+        objective = {k: getattr(c.train, k) for k in ("scale_advantages", "step_advantage_weight",
+                                                      "discount")}
+        starts = [t.start.remote(self.model_path, c.train.objective, objective, trainer_cfg, self.relay,
+                                 self.group, self.resume is not None, rank, n, master)
+                  for rank, t in enumerate(self.trainers)]
         for i, cores in enumerate(c.devices.dedicated):
             self.dedicated[f"dedicated-{i}"] = self._start_dedicated(f"dedicated-{i}", cores)
         if self.mode is Mode.ROSE:
@@ -92,7 +100,7 @@ class Cluster:
                 wid = f"serving-{i}"
                 self.serving[wid] = ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
                     wid, cores, serving_path, self.model_path, executor, s, self.relay, self.group)
-        self.version = ray.get(self.trainer.version.remote())
+        self.version = ray.get(starts)[0]
         for wid, handle in self.dedicated.items():
             ray.get(handle.ready.remote())
             self.registry.add(ActorWorker(wid, handle, c.rollout.dedicated_concurrency), self.version)
@@ -115,7 +123,7 @@ class Cluster:
 
         for worker in self.registry.workers.values():
             self.loop.run_until_complete(worker.close())
-        for handle in [self.trainer, *self.dedicated.values(), *self.serving.values()]:
+        for handle in [*self.trainers, *self.dedicated.values(), *self.serving.values()]:
             ray.kill(handle)
         self.loop.close()
         self._pinned.close()
@@ -185,7 +193,8 @@ class Cluster:
     def train(self, trajectories: list) -> dict[str, float]:
         import ray
 
-        metrics = ray.get(self.trainer.step.remote(trajectories))
+        shards = shard_by_group(trajectories, len(self.trainers))
+        metrics = ray.get([t.step.remote(s) for t, s in zip(self.trainers, shards, strict=True)])[0]
         self.version = int(metrics["version"])
         return metrics
 

@@ -67,6 +67,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"  # down to lr * min_lr_ratio at train.steps, or "constant"
     min_lr_ratio: float = 0.1
     micro_batch_size: int = 32
+    data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer (gloo)
     mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
     checkpoint_every: int = 10
     out_dir: str = "runs/train"
@@ -148,6 +149,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
         check(getattr(r, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(r, name)}")
     check(r.stall_timeout_s > 0 and r.timeout_s > 0, "rollout.stall_timeout_s and timeout_s must be > 0")
     check(t.steps >= 1 and t.checkpoint_every >= 1, "train.steps and train.checkpoint_every must be >= 1")
+    check(t.data_parallel >= 1, f"train.data_parallel must be >= 1, got {t.data_parallel}")
     check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
     check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     check(t.lr_schedule in ("constant", "cosine"),

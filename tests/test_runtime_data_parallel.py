@@ -1,0 +1,33 @@
+"""The trainer as two data-parallel Ray actors (gloo): each steps on its share of the groups and
+both end each step with the same weights, which rank 0 publishes to the rollout replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rose.runtime.cluster import Cluster
+from rose.runtime.config import Mode, load_config
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.mark.slow
+def test_two_trainer_ranks_step_in_lockstep(tmp_path: Path) -> None:
+    config = load_config(None, ["train.data_parallel=2", "rollout.groups=4", "rollout.group_size=4",
+                                f"train.out_dir={tmp_path}"])
+    cluster = Cluster(config, Mode.FIXED, tmp_path)
+    cluster.start()
+    try:
+        assert len(cluster.trainers) == 2
+        before = ray.get(cluster.trainers[0].digests.remote())
+        for step in range(2):
+            metrics = cluster.train(cluster.rollout(step).trajectories)
+            # Metrics cover the whole batch, not rank 0's half of it.
+            assert metrics["version"] == step + 1 and metrics["groups"] == 4 and metrics["sequences"] > 0
+            digests = ray.get([t.digests.remote() for t in cluster.trainers])
+            assert digests[0] == digests[1] != before
+            cluster.sync_weights()
+    finally:
+        cluster.shutdown()
