@@ -58,6 +58,11 @@ class Cluster:
         self.elastic_cancelled_s: list[float] = []  # still pending when a step's rollouts ended: time wasted
         self._pinned = contextlib.ExitStack()
 
+    @property
+    def trainer(self) -> Any:
+        """Rank 0: it publishes the weights and writes the checkpoints."""
+        return self.trainers[0]
+
     # -- start and stop -------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -80,7 +85,6 @@ class Cluster:
         n, own = c.train.data_parallel, c.devices.trainer
         actor = ray.remote(TrainerActor).options(num_cpus=0)
         self.trainers = [actor.remote(own[r::n] if len(own) >= n else own) for r in range(n)]
-        self.trainer = self.trainers[0]  # rank 0 publishes the weights and writes the checkpoints
         master = ray.get(self.trainer.address.remote()) if n > 1 else None
         objective = {k: getattr(c.train, k) for k in ("scale_advantages", "step_advantage_weight",
                                                       "discount")}
