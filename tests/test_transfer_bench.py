@@ -25,3 +25,5 @@ def test_bench_transfer_reports_its_summary(tmp_path: Path, capsys: pytest.Captu
     assert summary["bytes_naive"] == 5 * weights  # a full copy to each of the five receiving processes
     assert weights < summary["bytes_shard_full"] < 1.05 * weights  # each slice once, plus headers
     assert 0 < summary["changed_fraction"] < 0.2 and summary["delta_bytes_ratio"] < 0.5
+    # One party's thread is part of the process: its CPU time is within the sync's.
+    assert 0 < summary["party_cpu_s_rose"] <= summary["cpu_s_rose"]

@@ -22,7 +22,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
@@ -52,6 +54,7 @@ HALF_B = dict(model_type="qwen3", vocab_size=151936, hidden_size=896, intermedia
               tie_word_embeddings=True)
 REPLICAS = (("tp2a", 2), ("tp2b", 2), ("tp1", 1))
 MODES = ("naive", "shard_full", "rose")
+T = TypeVar("T")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,10 +142,12 @@ def run(args: argparse.Namespace) -> int:
                     seconds = _naive(pool, relay, link, senders, receivers, trainer.policy, version,
                                      bucket_bytes)
                 else:
-                    seconds, reports = _sync(pool, senders, receivers, version, full=mode == "shard_full")
+                    seconds, reports, party_cpu = _sync(pool, senders, receivers, version,
+                                                        full=mode == "shard_full")
                     if mode == "rose":
                         row["changed"] = sum(r.changed for r in reports)
                         row["compared"] = sum(r.compared for r in reports)
+                        row["party_cpu_s_rose"] = party_cpu
                 # CPU seconds of this process (senders, receivers, Ray client): the work each mode needs
                 # apart from the link, whatever else shares the machine.
                 row[mode] = {"seconds": seconds, "bytes": link.bytes_sent - before,
@@ -179,16 +184,25 @@ def _relay(kind: str, quick: bool) -> tuple[Relay, object | None]:
 
 
 def _sync(pool: ThreadPoolExecutor, senders: list[Sender], receivers: list[Receiver], version: int,
-          full: bool) -> tuple[float, list]:
+          full: bool) -> tuple[float, list, float]:
+    """The sync's wall time, the senders' reports, and the most CPU time any one party's thread
+    spent in it (encoding or applying; not the sender's pusher thread, which only hands the
+    payloads to the relay): the sync's length if every party had a core of its own."""
     start = time.perf_counter()
-    pulls = [pool.submit(r.sync, 120) for r in receivers]
-    pushes = [pool.submit(s.publish, version, full=full) for s in senders]
-    reports = [f.result() for f in pushes]
-    got = [f.result() for f in pulls]
+    pulls = [pool.submit(_thread_cpu, r.sync, 120) for r in receivers]
+    pushes = [pool.submit(_thread_cpu, s.publish, version, full=full) for s in senders]
+    reports, send_cpu = zip(*[f.result() for f in pushes], strict=True)
+    got, receive_cpu = zip(*[f.result() for f in pulls], strict=True)
     seconds = time.perf_counter() - start
-    if got != [version] * len(receivers):
+    if list(got) != [version] * len(receivers):
         raise RuntimeError(f"sync of version {version} failed: {[r.last for r in receivers]}")
-    return seconds, reports
+    return seconds, list(reports), max(send_cpu + receive_cpu)
+
+
+def _thread_cpu(fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[T, float]:
+    start = time.thread_time()
+    out = fn(*args, **kwargs)
+    return out, time.thread_time() - start
 
 
 def _naive(pool: ThreadPoolExecutor, relay: Relay, link: Link, senders: list[Sender],
@@ -279,6 +293,9 @@ def _summary(rows: list[dict], link: Link, rates: dict[str, float], bit_exact: b
         "cpu_s_naive": cpu["naive"],
         "cpu_s_shard_full": cpu["shard_full"],
         "cpu_s_rose": cpu["rose"],
+        # The busiest party's own CPU time in a delta sync (median over the steps): how long the
+        # sync would take if each party had a core of its own, as in a deployment.
+        "party_cpu_s_rose": statistics.median(r["party_cpu_s_rose"] for r in rows),
         # The link-bound full sync (the path new receivers and periodic full syncs take): how
         # close the relay pipeline gets to the link. The delta sync is CPU-bound here, below.
         "efficiency_vs_link": eff["shard_full"],
