@@ -15,8 +15,8 @@ from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
 
 # `rose bench train --json OUT` on this machine, 2026-11-30 (6 steps a mode, quiet machine), four
-# runs of the final code: 1.453, 2.018, 1.593, 1.646 (their mean; one run's fixed mode alone
-# varies 17.9-24.4 s a step). Earlier code, before the learning recipe: 1.608, 1.70.
+# runs of the final code: 1.453, 2.018, 1.593, 1.646 (their mean; the fixed mode alone
+# varies 17.9-24.4 s a step across them). Earlier code, before the learning recipe: 1.608, 1.70.
 MEASURED_SPEEDUP_ROSE_VS_FIXED = (1.453 + 2.018 + 1.593 + 1.646) / 4
 
 
