@@ -23,6 +23,10 @@ def test_paper_scenarios_follow_the_issue():
     assert (s8.cluster.device, s8.cluster.train_gpus, s8.cluster.serving_gpus) == ("H800", 48, 64)
     assert (s32.models.policy, s32.models.serving, s32.rl.algorithm) == ("qwen3-32b", "qwen2.5-32b", "dapo")
     assert s32.rl.trajectories == 1024 * 16
+    # The paper's evaluation: 16 trajectories per rollout GPU, its serving SLOs (TTFT, TPOT).
+    assert (s8.rl.fixed_concurrency, s32.rl.fixed_concurrency) == (16, 16 * s32.cluster.rollout_tp)
+    assert (s8.serving.slo_ttft_ms, s8.serving.slo_tpot_ms, s32.serving.slo_ttft_ms,
+            s32.serving.slo_tpot_ms) == (500, 150, 1000, 450)
 
 
 def test_overrides_apply_with_types():
