@@ -125,16 +125,24 @@ class RayRelay:
         self._ray = ray
         actor = ray.remote(num_cpus=0, max_concurrency=1000)(_Directory)
         self._dir = actor.options(name=name, namespace=namespace, get_if_exists=True).remote()
+        # Ray runs one caller's calls in order only on a synchronous actor, and the directory is
+        # async (readers wait in it): registrations this process sent and has not seen land.
+        self._unacked: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def put(self, key: str, value: Any) -> None:
         """Store `value` (the payload is in the object store when this returns) and register it
-        without waiting: one caller's registrations reach the directory in order."""
+        without waiting; an earlier registration of the same key lands first."""
         # A reference goes wrapped in a list so that Ray hands the directory the reference itself.
         bulk = _nbytes(value) >= _INLINE_LIMIT
         item = ("ref", [self._ray.put(value)]) if bulk else ("inline", value)
-        self._dir.put.remote(key, item)
+        self._settle(key)
+        ref = self._dir.put.remote(key, item)
+        with self._lock:
+            self._unacked[key] = ref
 
     def get(self, key: str, timeout: float | None = None) -> Any:
+        self._settle()
         start = time.monotonic()
         found, item = self._ray.get(self._dir.get.remote(key, timeout))
         if not found:
@@ -142,10 +150,29 @@ class RayRelay:
         return self._resolve(item)
 
     def scan(self, prefix: str) -> dict[str, Any]:
+        self._settle()
         return {k: self._resolve(v) for k, v in self._ray.get(self._dir.scan.remote(prefix)).items()}
 
     def delete(self, prefix: str) -> None:
-        self._dir.delete.remote(prefix)  # ordered after this caller's earlier puts
+        self._settle()
+        self._ray.get(self._dir.delete.remote(prefix))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_ray": self._ray, "_dir": self._dir}   # another process: its own registrations
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _unacked={}, _lock=threading.Lock())
+
+    def _settle(self, key: str | None = None) -> None:
+        """Wait until this process's registrations (all, or those of `key`) are in the
+        directory, so that what follows sees them: read your writes, delete after put."""
+        with self._lock:
+            if key is None:
+                refs, self._unacked = list(self._unacked.values()), {}
+            else:
+                refs = [self._unacked.pop(key)] if key in self._unacked else []
+        if refs:
+            self._ray.get(refs)
 
     def close(self) -> None:
         """Remove the directory (and with it every payload it still references)."""
