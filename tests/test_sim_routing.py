@@ -87,6 +87,42 @@ def test_drain_routes_queued_turns_fifo_when_room_frees():
     assert [q.trajectory_id for q in t.queue] == ["c"]
 
 
+def test_held_slots_count_trajectories_not_turns():
+    """With `hold_slots` a trajectory keeps its slot between turns: a queued trajectory starts when
+    one ends (or moves away), not at a turn boundary; without, it takes the freed slot at once."""
+    for hold in (False, True):
+        t = RoutingTable(hold_slots=hold)
+        t.register(WorkerState("d", D, 1))
+        t.route(turn("a", 0), 0.0)
+        assert t.route(turn("b", 0), 0.0).reason is RouteReason.QUEUED
+        t.complete("d", "a")                                 # a's environment steps
+        assert [p[0].trajectory_id for p in t.drain(0.0)] == ([] if hold else ["b"])
+        if not hold:
+            continue
+        assert t.workers["d"].held == 1 and t.workers["d"].room() == 0
+        assert t.route(turn("a", 1), 0.1).reason is RouteReason.AFFINITY   # its own slot back
+        t.complete("d", "a")
+        t.finish_trajectory("a")
+        assert t.workers["d"].held == 0
+        assert [p[0].trajectory_id for p in t.drain(0.2)] == ["b"]
+
+
+def test_held_slot_is_released_when_the_trajectory_moves_or_its_worker_goes():
+    t = RoutingTable(hold_slots=True)
+    t.register(WorkerState("d0", D, 1))
+    t.register(WorkerState("s", S, 4, free_slots=4, slack_s=0.1))
+    assert t.route(turn("a", 0), 0.0).worker_id == t.route(turn("b", 0), 0.0).worker_id == "s"
+    t.complete("s", "a")
+    assert t.workers["s"].held == 1
+    assert t.route(turn("a", 1), 0.1).worker_id == "d0"      # drifts to the less loaded dedicated
+    assert (t.workers["s"].held, t.workers["d0"].occupied) == (0, 1)
+    t.complete("d0", "a")
+    t.remove("d0")
+    assert "a" not in t.holder
+    t.register(WorkerState("d1", D, 1))
+    assert t.route(turn("a", 2), 0.2).worker_id in ("s", "d1")
+
+
 def test_resume_folds_produced_tokens_into_the_prompt():
     r = resume(TurnRequest("x", 3, prompt_tokens=100, max_tokens=50), 20)
     assert (r.prompt_tokens, r.max_tokens, r.produced_tokens, r.attempt) == (120, 30, 20, 1)

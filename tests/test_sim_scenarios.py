@@ -25,6 +25,7 @@ def test_paper_scenarios_follow_the_issue():
     assert s32.rl.trajectories == 1024 * 16
     # The paper's evaluation: 16 trajectories per rollout GPU, its serving SLOs (TTFT, TPOT).
     assert (s8.rl.fixed_concurrency, s32.rl.fixed_concurrency) == (16, 16 * s32.cluster.rollout_tp)
+    assert s8.rl.cap_counts == s32.rl.cap_counts == "trajectories"
     assert (s8.serving.slo_ttft_ms, s8.serving.slo_tpot_ms, s32.serving.slo_ttft_ms,
             s32.serving.slo_tpot_ms) == (500, 150, 1000, 450)
 

@@ -12,7 +12,7 @@ same code. Each *turn* of a trajectory is routed, in this order:
    to dedicated workers as they free up, which is what finishes the long tail there);
 2. else a serving-GPU executor whose SLOs would still hold (it reports free rollout slots and a
    positive predicted slack), the one with the most free slots;
-3. else the least-loaded eligible worker (active turns over its concurrency cap);
+3. else the least-loaded eligible worker (occupied slots over its concurrency cap);
 4. else the turn queues (FIFO) until `drain` finds room.
 
 `rebalance` is the other half of "dedicated first": it picks turns in flight on serving
@@ -49,6 +49,7 @@ class WorkerState:
     kind: WorkerKind
     max_concurrency: int
     active: int = 0
+    held: int = 0                # trajectories between turns keeping their slot here (hold_slots)
     last_heartbeat_s: float = 0.0
     policy_version: int = 0
     free_slots: int = 0
@@ -57,9 +58,13 @@ class WorkerState:
     def alive(self, now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
         return now - self.last_heartbeat_s <= stall_timeout_s
 
+    @property
+    def occupied(self) -> int:
+        return self.active + self.held
+
     def room(self) -> int:
         """Turns it can take now."""
-        room = self.max_concurrency - self.active
+        room = self.max_concurrency - self.occupied
         if self.kind is WorkerKind.SERVING:
             room = min(room, self.free_slots) if self.slack_s > 0 else 0
         return max(0, room)
@@ -126,10 +131,10 @@ def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: W
     least, least_load = None, 2.0
     least_ded, least_ded_load = None, 2.0
     for w in workers:
-        room = w.max_concurrency - w.active
+        room = w.max_concurrency - w.occupied
         if room <= 0 or w.policy_version < version or now - w.last_heartbeat_s > stall_timeout_s:
             continue
-        load = w.active / w.max_concurrency
+        load = w.occupied / w.max_concurrency
         if w.kind is WorkerKind.SERVING:
             room = min(room, w.free_slots) if w.slack_s > 0 else 0
             if room <= 0:
@@ -142,7 +147,7 @@ def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: W
             least, least_load = w, load
     if previous is not None and eligible(previous) and previous.room() > 0:
         # `previous` is a serving executor: keep it unless a dedicated worker is less loaded.
-        if least_ded is None or least_ded_load >= previous.active / previous.max_concurrency:
+        if least_ded is None or least_ded_load >= previous.occupied / previous.max_concurrency:
             return Route(previous.worker_id, RouteReason.AFFINITY)
         return Route(least_ded.worker_id, RouteReason.LEAST_LOADED)
     if best_serving is not None:
@@ -154,11 +159,20 @@ def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: W
 
 class RoutingTable:
     """The scheduler's routing state: workers, the cache-affinity table, turns in flight per
-    worker, and the FIFO of queued turns. Every method is a pure state update."""
+    worker, and the FIFO of queued turns. Every method is a pure state update.
 
-    def __init__(self, stall_timeout_s: float = STALL_TIMEOUT_S, affinity: bool = True) -> None:
+    The concurrency cap counts turns in flight; with `hold_slots` it counts trajectories, as the
+    ROSE paper's "16 trajectories per GPU" and ROLL's environment managers do: a trajectory keeps
+    its slot between its turns (its prefix KV stays there) until its next turn is routed or it
+    ends, so queued turns start only when a trajectory finishes or moves, not at every turn
+    boundary."""
+
+    def __init__(self, stall_timeout_s: float = STALL_TIMEOUT_S, affinity: bool = True,
+                 hold_slots: bool = False) -> None:
         self.stall_timeout_s = stall_timeout_s
         self.use_affinity = affinity
+        self.hold_slots = hold_slots
+        self.holder: dict[Hashable, Hashable] = {}                   # trajectory -> worker held
         self.workers: dict[Hashable, WorkerState] = {}
         self.affinity: dict[Hashable, Hashable] = {}                 # trajectory -> worker
         self.in_flight: dict[Hashable, dict[Hashable, TurnRequest]] = {}   # worker -> traj -> turn
@@ -197,6 +211,7 @@ class RoutingTable:
 
     def route(self, turn: TurnRequest, now: float) -> Route:
         """Route (and place) a turn, or queue it when no worker has room."""
+        self._release(turn.trajectory_id)
         prev_id = self.affinity.get(turn.trajectory_id) if self.use_affinity else None
         previous = self.workers.get(prev_id) if prev_id is not None else None
         decision = choose_worker(turn, self.workers.values(), previous, now, self.stall_timeout_s)
@@ -221,10 +236,20 @@ class RoutingTable:
         return placed
 
     def complete(self, worker_id: Hashable, trajectory_id: Hashable) -> TurnRequest:
-        """The turn finished (or was aborted) on `worker_id`; its slot frees."""
+        """The turn finished (or was aborted) on `worker_id`; its slot frees (with `hold_slots`,
+        the trajectory keeps it until its next turn is routed)."""
         turn = self.in_flight[worker_id].pop(trajectory_id)
-        self.workers[worker_id].active -= 1
+        w = self.workers[worker_id]
+        w.active -= 1
+        if self.hold_slots:
+            w.held += 1
+            self.holder[trajectory_id] = worker_id
         return turn
+
+    def _release(self, trajectory_id: Hashable) -> None:
+        wid = self.holder.pop(trajectory_id, None)
+        if wid in self.workers:
+            self.workers[wid].held -= 1
 
     def abort(self, worker_id: Hashable, trajectory_id: Hashable, produced: int, now: float) -> Route:
         """An executor aborted the turn (emergency cut): resume it elsewhere with its tokens.
@@ -235,7 +260,7 @@ class RoutingTable:
 
     def rebalance(self, now: float) -> list[tuple[TurnRequest, Hashable, Hashable]]:
         """Moves (turn, from serving executor, to dedicated worker) that even out turns in
-        flight: while some eligible dedicated worker with room has fewer turns in flight than a
+        flight: while some eligible dedicated worker with room has fewer slots occupied than a
         serving executor, that executor's longest-running turn moves to it. The caller aborts
         each on its executor and calls `move` with the tokens it produced."""
         dedicated = [w for w in self.workers.values() if w.kind is WorkerKind.DEDICATED
@@ -243,25 +268,26 @@ class RoutingTable:
         serving = [w for w in self.workers.values() if w.kind is WorkerKind.SERVING and w.active]
         if not dedicated or not serving:
             return []
-        active = {w.worker_id: w.active for w in (*dedicated, *serving)}
+        load = {w.worker_id: w.occupied for w in (*dedicated, *serving)}
         taken = {w.worker_id: iter(self.in_flight[w.worker_id].values()) for w in serving}
         moves = []
         while True:
-            dst = min(dedicated, key=lambda w: active[w.worker_id])
-            src = max(serving, key=lambda w: active[w.worker_id])
-            if (active[dst.worker_id] >= active[src.worker_id]
-                    or active[dst.worker_id] >= dst.max_concurrency):
+            dst = min(dedicated, key=lambda w: load[w.worker_id])
+            src = max(serving, key=lambda w: load[w.worker_id])
+            if (load[dst.worker_id] >= load[src.worker_id]
+                    or load[dst.worker_id] >= dst.max_concurrency):
                 return moves
             turn = next(taken[src.worker_id], None)
             if turn is None or turn.policy_version > dst.policy_version:
                 return moves
             moves.append((turn, src.worker_id, dst.worker_id))
-            active[src.worker_id] -= 1
-            active[dst.worker_id] += 1
+            load[src.worker_id] -= 1
+            load[dst.worker_id] += 1
 
     def move(self, trajectory_id: Hashable, src: Hashable, dst: Hashable, produced: int) -> Route:
         """Carry out one `rebalance` move: the turn resumes on `dst` with `produced` tokens."""
         turn = self.complete(src, trajectory_id)
+        self._release(trajectory_id)
         self.affinity.pop(trajectory_id, None)
         route = Route(dst, RouteReason.LEAST_LOADED)
         self._place(resume(turn, produced), route)
@@ -269,6 +295,7 @@ class RoutingTable:
         return route
 
     def finish_trajectory(self, trajectory_id: Hashable) -> None:
+        self._release(trajectory_id)
         self.affinity.pop(trajectory_id, None)
 
     def reap(self, now: float) -> list[TurnRequest]:
@@ -281,6 +308,8 @@ class RoutingTable:
         """Take a worker out now (dead, released, preempted); return its turns in flight."""
         lost = list(self.in_flight.pop(worker_id).values())
         del self.workers[worker_id]
+        for tid in [t for t, w in self.holder.items() if w == worker_id]:
+            del self.holder[tid]
         for tid in [t for t, w in self.affinity.items() if w == worker_id]:
             del self.affinity[tid]
         return lost

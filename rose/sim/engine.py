@@ -153,7 +153,7 @@ class Simulation:
         ded_kv = kv_capacity_tokens(self.policy, self.device, c.rollout_tp, self.eff)
         self.workers = Workers.build((n_ded, n_el, n_cs_workers), (ded_kv, ded_kv, 0), sc.rl.rollout_max_seqs)
         self.first_cs = n_ded + n_el
-        self.table = RoutingTable(affinity=system.affinity)
+        self.table = RoutingTable(affinity=system.affinity, hold_slots=sc.rl.cap_counts == "trajectories")
         # A trajectory early in its life: what a serving executor budgets a new turn at.
         self.typical_ctx = self.env.prompt_tokens + 2 * int(self.env.response_median + self.env.obs_tokens)
         self.ticks: list[tuple[float, np.ndarray]] = []
@@ -428,11 +428,17 @@ class Simulation:
         budget = float(self.sc.rl.rollout_batched_tokens)
         pf = np.minimum(budget, pending)
         chunk_seqs = np.maximum(1, np.bincount(wk[~is_dec], minlength=n))
-        iter_s = self.ded_cost.time(pf, dec, ctx, chunk_seqs)
-        ok = iter_s > 0
-        inv = np.where(ok, 1.0 / np.where(ok, iter_s, 1.0), 0.0)
-        plan = Plan(prefill_rate=pf * inv, cap1=np.full(n, np.inf), rate1=inv,
-                    cap2=np.zeros(n), rate2=np.zeros(n))
+        # The prompts pending at the tick's start take their chunked iterations, and the rest of
+        # the tick runs decode-only ones (as on serving GPUs): decodes do not crawl at a prefill
+        # iteration's pace for a whole tick because a few chunks were pending at its start.
+        iter_p = self.ded_cost.time(pf, dec, ctx, chunk_seqs)
+        iter_d = self.ded_cost.time(0.0, np.maximum(dec, 1), ctx)
+        n_pre = np.minimum(pending / np.maximum(pf, 1.0), self.dt / np.maximum(iter_p, 1e-12))
+        n_pre = np.where(pf > 0, n_pre, 0.0)
+        iters = n_pre + np.maximum(0.0, self.dt - n_pre * iter_p) / iter_d
+        iter_s = self.dt / iters                            # the tick's mean iteration time
+        plan = Plan(prefill_rate=np.where(pf > 0, pf / np.maximum(iter_p, 1e-12), 0.0),
+                    cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
         serving_times = None
         if self.n_cs and self.system.extra is Extra.COSERVE:
             serving_times = self._plan_coserve(plan, view, rnd, t, pending)

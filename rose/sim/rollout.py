@@ -184,7 +184,6 @@ class Round:
         # latency on average.
         back = t - dt if credit else t
         begin = np.where(self.fresh[idx], np.maximum(back, self.ready[idx]), np.maximum(t, self.ready[idx]))
-        self.fresh[idx] = False
         avail = np.maximum(0.0, t1 - begin)
         # Prefill: the worker's prefill rate shared equally by its fitting prefilling sequences.
         pre = self.phase[idx] == PREFILL
@@ -192,6 +191,9 @@ class Round:
         prate = np.where(pre, plan.prefill_rate[w] / np.maximum(n_pre[w], 1), 0.0)
         need = np.where(pre, self.prefill_left[idx] / np.where(prate > 0, prate, 1.0), 0.0)
         need = np.where(pre & (prate <= 0), np.inf, need)
+        # A turn placed in a sub-pass on a worker whose tick plan has no prefill budget (none was
+        # pending at the tick's start) starts next tick, from its ready time, not from the tick.
+        self.fresh[idx[~(pre & (prate <= 0))]] = False
         pre_done = pre & (need <= avail)
         still_pre = pre & ~pre_done
         self.prefill_left[idx[still_pre]] -= prate[still_pre] * avail[still_pre]

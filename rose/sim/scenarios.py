@@ -20,11 +20,12 @@ from rose.traces import TRACE_FILES
 # Qwen3-8B's thinking length per FrozenLake turn (median tokens). The one calibrated workload
 # constant: set so that the fixed-sync baseline spends the paper's measured share of its step in
 # rollout (86.9% for Qwen3-8B), see docs/simulator.md. Nothing is calibrated against ROSE.
-FROZENLAKE_THINKING_MEDIAN = 1500.0
+FROZENLAKE_THINKING_MEDIAN = 2400.0
 # The paper's evaluation caps rollout concurrency at 16 trajectories per GPU (Qwen3 models, 32K
-# context) for every system; its serving SLOs (P99 TTFT / TPOT) are 500 / 150 ms for Qwen2.5-7B
-# and 1,000 / 450 ms for Qwen2.5-32B. Source: a review of the paper's section 6 (docs/simulator.md
-# says which, and why the SLOs are read in that order).
+# context; a trajectory holds its slot between turns) for every system; its serving SLOs (P99
+# TTFT / TPOT) are 500 / 150 ms for Qwen2.5-7B and 1,000 / 450 ms for Qwen2.5-32B. Source: a
+# review of the paper's section 6 (docs/simulator.md says which, and why the SLOs are read in
+# that order).
 PAPER_TRAJECTORIES_PER_GPU = 16
 ENV_FIELDS = ("prompt_tokens", "obs_tokens", "response_median", "max_response", "max_turns", "env_step_s")
 
@@ -84,6 +85,9 @@ class RLConfig:
     # Turns in flight per worker, fixed (as `rose train` sets them); 0: the manager shares each
     # round's trajectories over the workers in proportion to their speed.
     fixed_concurrency: int = 0
+    # What the cap counts: turns in flight (`rose train`'s manager), or trajectories, which keep
+    # their slot between turns (the paper's evaluation, ROLL's environment managers).
+    cap_counts: str = "turns"
     # Optional overrides of the environment profile (rose.sim.workloads.ENVS); None keeps it.
     prompt_tokens: int | None = None
     obs_tokens: int | None = None
@@ -184,6 +188,7 @@ def validate(sc: Scenario) -> Scenario:
     need(s.trace in TRACE_FILES, "serving.trace", f"one of {', '.join(TRACE_FILES)}", s.trace)
     need(r.env in ENVS, "rl.env", f"one of {', '.join(ENVS)}", r.env)
     need(r.algorithm in ("grpo", "dapo"), "rl.algorithm", "grpo or dapo", r.algorithm)
+    need(r.cap_counts in ("turns", "trajectories"), "rl.cap_counts", "turns or trajectories", r.cap_counts)
     need(sc.elastic.availability in ("measured", "full"), "elastic.availability", "measured or full",
          sc.elastic.availability)
     for key, value in (("cluster.rollout_tp", c.rollout_tp), ("cluster.serving_tp", c.serving_tp),
@@ -264,7 +269,7 @@ def _paper_8b() -> Scenario:
                     "per rollout GPU",
         serving=ServingConfig(slo_ttft_ms=500.0, slo_tpot_ms=150.0),
         rl=RLConfig(steps=4, response_median=FROZENLAKE_THINKING_MEDIAN, max_response=8192,
-                    fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU),
+                    fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU, cap_counts="trajectories"),
         sim=SimConfig(tick_s=4.0, slice=4),
     )
 
@@ -278,7 +283,8 @@ def _paper_32b() -> Scenario:
         models=ModelsConfig(policy="qwen3-32b", serving="qwen2.5-32b"),
         serving=ServingConfig(slo_ttft_ms=1000.0, slo_tpot_ms=450.0),
         rl=RLConfig(env="alfworld", algorithm="dapo", trajectories=1024 * 16, group=16, steps=2,
-                    fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU * 4),   # a TP-4 replica: 4 GPUs
+                    fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU * 4,    # a TP-4 replica: 4 GPUs
+                    cap_counts="trajectories"),
         sim=SimConfig(tick_s=2.0, slice=4),
     )
 
