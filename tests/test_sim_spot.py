@@ -43,7 +43,12 @@ def test_full_availability_rents_every_gpu_each_step_and_never_replaces_one():
     sc = load_scenario("paper-8b", [*SPOT, "elastic.availability=full", "elastic.spot_mean_lifetime_h=0.1"])
     sim = Simulation(sc, SYSTEMS["elastic-spot"])
     rented, rent = [], sim._rent
-    sim._rent = lambda wids, t: (rented.append(len(wids)), rent(wids, t))[1]
+
+    def counted_rent(wids, t):
+        rented.append(len(wids))
+        rent(wids, t)
+
+    sim._rent = counted_rent
     r = sim.run()
     assert rented == [8, 8]                   # all 8 requested, at each step's allocation only
     assert r.aborted_turns > 0                # though instances were preempted mid-rollout

@@ -434,10 +434,9 @@ class Simulation:
         iter_p = self.ded_cost.time(pf, dec, ctx, chunk_seqs)
         iter_d = self.ded_cost.time(0.0, np.maximum(dec, 1), ctx)
         n_pre = np.minimum(pending / np.maximum(pf, 1.0), self.dt / np.maximum(iter_p, 1e-12))
-        n_pre = np.where(pf > 0, n_pre, 0.0)
         iters = n_pre + np.maximum(0.0, self.dt - n_pre * iter_p) / iter_d
         iter_s = self.dt / iters                            # the tick's mean iteration time
-        plan = Plan(prefill_rate=np.where(pf > 0, pf / np.maximum(iter_p, 1e-12), 0.0),
+        plan = Plan(prefill_rate=pf / np.maximum(iter_p, 1e-12),
                     cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
         serving_times = None
         if self.n_cs and self.system.extra is Extra.COSERVE:
