@@ -1,4 +1,5 @@
-"""Per-turn routing (`rose.rollout.routing`): affinity, serving executors, least loaded, queue."""
+"""Per-turn routing (`rose.rollout.routing`): affinity, least-loaded dedicated, serving executors,
+queue; rebalancing by measured decode rates."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ def turn(tid: str, k: int = 0) -> TurnRequest:
     return TurnRequest(tid, k, prompt_tokens=100, max_tokens=50)
 
 
-def test_order_serving_first_then_least_loaded_then_queue():
+def test_order_dedicated_first_then_serving_then_queue():
     t = table()
     reasons = [t.route(turn(f"t{i}"), 0.0) for i in range(11)]
-    assert [r.worker_id for r in reasons[:4]] == ["s1", "s1", "s0", "s1"]    # most free slots
-    assert all(r.reason is RouteReason.SERVING for r in reasons[:4])
-    # Then least loaded by active/cap: d0 (0/2), d1 (0/4) -> d0 first, then d1 (0/4 < 1/2) ...
-    assert [r.worker_id for r in reasons[4:10]] == ["d0", "d1", "d1", "d0", "d1", "d1"]
+    # Least loaded by occupied/cap: d0 (0/2), d1 (0/4) -> d0 first, then d1 (0/4 < 1/2) ...
+    assert [r.worker_id for r in reasons[:6]] == ["d0", "d1", "d1", "d0", "d1", "d1"]
+    assert all(r.reason is RouteReason.LEAST_LOADED for r in reasons[:6])
+    # ... then, dedicated workers full, the executor with the most free slots.
+    assert [r.worker_id for r in reasons[6:10]] == ["s1", "s1", "s0", "s1"]
+    assert all(r.reason is RouteReason.SERVING for r in reasons[6:10])
     assert reasons[10].reason is RouteReason.QUEUED and len(t.queue) == 1
 
 
@@ -111,9 +114,12 @@ def test_held_slot_is_released_when_the_trajectory_moves_or_its_worker_goes():
     t = RoutingTable(hold_slots=True)
     t.register(WorkerState("d0", D, 1))
     t.register(WorkerState("s", S, 4, free_slots=4, slack_s=0.1))
+    assert t.route(turn("x", 0), 0.0).worker_id == "d0"
     assert t.route(turn("a", 0), 0.0).worker_id == t.route(turn("b", 0), 0.0).worker_id == "s"
     t.complete("s", "a")
     assert t.workers["s"].held == 1
+    t.complete("d0", "x")
+    t.finish_trajectory("x")
     assert t.route(turn("a", 1), 0.1).worker_id == "d0"      # drifts to the less loaded dedicated
     assert (t.workers["s"].held, t.workers["d0"].occupied) == (0, 1)
     t.complete("d0", "a")
@@ -132,7 +138,9 @@ def test_resume_folds_produced_tokens_into_the_prompt():
 
 def test_abort_reroutes_with_tokens_and_drops_affinity():
     t = table()
-    t.route(turn("a"), 0.0)                                  # -> s1
+    for i in range(6):
+        t.route(turn(f"f{i}"), 0.0)                          # fills the dedicated workers
+    assert t.route(turn("a"), 0.0).worker_id == "s1"
     r = t.abort("s1", "a", produced=30, now=0.0)
     assert r.worker_id is not None
     moved = t.in_flight[r.worker_id]["a"]
@@ -146,7 +154,49 @@ def test_dead_worker_turns_come_back_for_resume():
     for wid in ("d1", "s0", "s1"):
         t.heartbeat(wid, 2.5)
     lost = t.reap(2.5)                                      # d0 silent for 2.5 s > 2 s
-    assert "d0" not in t.workers and len(lost) == 1
+    assert "d0" not in t.workers and len(lost) == 2
     assert all(w != "d0" for w in t.affinity.values())
     r = t.route(resume(lost[0], 5), 2.5)
     assert r.worker_id in t.workers
+
+
+def test_rebalance_moves_turns_only_where_they_decode_faster():
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 8))
+    t.register(WorkerState("s", S, 8, free_slots=8, slack_s=0.1))
+    for i in range(8):
+        assert t.route(turn(f"d{i}"), 0.0).worker_id == "d"
+    for i in range(3):
+        assert t.route(turn(f"s{i}"), 0.0).worker_id == "s"
+    for i in range(4):
+        t.complete("d", f"d{i}")                             # d: 4 of 8 slots occupied
+    assert t.rebalance(0.0) == []                            # unmeasured: by counts, 4 >= 3
+    t.measure("d", 40.0)
+    t.measure("s", 30.0)
+    assert t.rebalance(0.0) == []                            # 40 x 4/5 = 32 < 1.25 x 30
+    t.measure("s", 10.0)
+    assert t.workers["s"].seq_rate == 20.0                   # smoothed
+    # 40 x 4/5 = 32 and 40 x 4/6 = 26.7 beat 1.25 x 20 = 25; a third (22.9) would not.
+    moves = t.rebalance(0.0)
+    assert [(src, dst) for _, src, dst in moves] == [("s", "d")] * 2
+
+
+def test_a_served_trajectory_moves_to_dedicated_only_when_it_decodes_faster_there():
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 2))
+    t.register(WorkerState("s", S, 8, free_slots=4, slack_s=0.1))
+    t.route(turn("x"), 0.0)
+    t.route(turn("y"), 0.0)
+    assert t.route(turn("a", 0), 0.0).worker_id == "s"       # dedicated full: spills over
+    t.complete("s", "a")
+    t.complete("d", "y")
+    t.finish_trajectory("y")                                 # d has room again
+    t.measure("d", 40.0)
+    t.measure("s", 30.0)
+    kept = t.route(turn("a", 1), 0.1)                        # 40 x 1/2 = 20 < 1.25 x 30
+    assert kept.worker_id == "s" and kept.cache_hit
+    t.complete("s", "a")
+    t.measure("s", 5.0)
+    t.measure("s", 5.0)                                      # 11.25 tokens/s: 1.25 x 11.25 < 20
+    moved = t.route(turn("a", 2), 0.2)
+    assert moved.worker_id == "d" and moved.reason is RouteReason.LEAST_LOADED

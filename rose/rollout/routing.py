@@ -1,23 +1,27 @@
 """Per-turn routing of multi-turn rollouts across dedicated workers and serving executors.
 
 Pure policy over plain data (no I/O, no clock of its own): the real rollout scheduler feeds it
-heartbeats and capacity reports and acts on its answers; the cluster simulator drives the very
-same code. Each *turn* of a trajectory is routed, in this order:
+heartbeats, capacity reports and measured decode rates and acts on its answers; the cluster
+simulator drives the very same code. Dedicated GPUs are first-class and serving GPUs
+opportunistic: a co-served turn shares every iteration with the serving model, so it decodes
+slower (about half as fast in `rose simulate`'s paper scenarios). Each *turn* of a
+trajectory is routed, in this order:
 
 1. cache affinity: the worker that ran the trajectory's previous turn, if it has capacity (its
-   prefix KV is reusable, so only the new observation needs a prefill). Dedicated GPUs are
-   first-class and serving GPUs opportunistic: a trajectory on a serving executor keeps its
-   affinity only while no dedicated worker is less loaded than that executor (a co-served
-   turn shares every iteration with the serving model, so it decodes slower; turns drift back
-   to dedicated workers as they free up, which is what finishes the long tail there);
-2. else a serving-GPU executor whose SLOs would still hold (it reports free rollout slots and a
+   prefix KV is reusable, so only the new observation needs a prefill); a serving executor
+   keeps the trajectory only while moving to a dedicated worker would not pay (`_pays`);
+2. else the least-loaded dedicated worker with room (occupied slots over its concurrency cap);
+3. else a serving-GPU executor whose SLOs would still hold (it reports free rollout slots and a
    positive predicted slack), the one with the most free slots;
-3. else the least-loaded eligible worker (occupied slots over its concurrency cap);
 4. else the turn queues (FIFO) until `drain` finds room.
 
-`rebalance` is the other half of "dedicated first": it picks turns in flight on serving
-executors to move, with the tokens they produced, to dedicated workers that have fewer turns in
-flight, so the long tail of a step finishes on dedicated GPUs.
+Rollouts start on dedicated workers and spill to serving executors when those are full, as the
+ROSE paper describes its scheduler. (The design's step order puts serving executors before the
+least-loaded worker; with dedicated capacity to spare that sent new trajectories to slower
+executors and cost up to 22% of the throughput: docs/simulator.md, "Routing".)
+`rebalance` is the other half: it moves turns in flight from serving executors, with the tokens
+they produced, to dedicated workers with room where they decode faster, so trajectories migrate
+back as dedicated capacity frees up and the long tail of a step finishes there.
 
 A worker is eligible when alive (a heartbeat within `stall_timeout_s`, default 2 s), on at
 least the turn's policy version, and under its concurrency cap. Turns aborted by an executor
@@ -54,6 +58,7 @@ class WorkerState:
     policy_version: int = 0
     free_slots: int = 0
     slack_s: float = 0.0
+    seq_rate: float = 0.0        # tokens/s one of its sequences decodes, measured (0: not yet)
 
     def alive(self, now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
         return now - self.last_heartbeat_s <= stall_timeout_s
@@ -115,6 +120,20 @@ class Route:
 QUEUED = Route(None, RouteReason.QUEUED)
 
 
+MOVE_MARGIN = 1.25        # a move must promise this much faster decoding (it costs a re-prefill)
+RATE_SMOOTHING = 0.5      # weight of the newest measurement in a worker's decode rate
+
+
+def _pays(dst: WorkerState, dst_load: int, src: WorkerState, src_load: int) -> bool:
+    """Whether a turn on serving executor `src` (holding `src_load`) decodes faster on dedicated
+    worker `dst` once it holds `dst_load` + 1. With both rates measured: `dst`'s rate, taken
+    to fall as 1/sequences (KV-bound decode; pessimistic), beats `src`'s by MOVE_MARGIN (the
+    moved turn re-prefills its context); otherwise by counts, fewer sequences than `src`."""
+    if dst.seq_rate > 0 and src.seq_rate > 0:
+        return dst.seq_rate * max(1, dst.occupied) / (dst_load + 1) > MOVE_MARGIN * src.seq_rate
+    return dst_load < src_load
+
+
 def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: WorkerState | None,
                   now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
     """The routing decision for one turn; `previous` is the worker of its previous turn (None
@@ -128,7 +147,6 @@ def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: W
             and previous.room() > 0):
         return Route(previous.worker_id, RouteReason.AFFINITY)
     best_serving, best_room = None, 0
-    least, least_load = None, 2.0
     least_ded, least_ded_load = None, 2.0
     for w in workers:
         room = w.max_concurrency - w.occupied
@@ -143,17 +161,15 @@ def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: W
                 best_serving, best_room = w, room
         elif load < least_ded_load:
             least_ded, least_ded_load = w, load
-        if load < least_load:
-            least, least_load = w, load
     if previous is not None and eligible(previous) and previous.room() > 0:
-        # `previous` is a serving executor: keep it unless a dedicated worker is less loaded.
-        if least_ded is None or least_ded_load >= previous.occupied / previous.max_concurrency:
+        # `previous` is a serving executor: keep it unless a dedicated worker runs turns faster.
+        if least_ded is None or not _pays(least_ded, least_ded.occupied, previous, previous.occupied):
             return Route(previous.worker_id, RouteReason.AFFINITY)
+        return Route(least_ded.worker_id, RouteReason.LEAST_LOADED)
+    if least_ded is not None:
         return Route(least_ded.worker_id, RouteReason.LEAST_LOADED)
     if best_serving is not None:
         return Route(best_serving.worker_id, RouteReason.SERVING)
-    if least is not None:
-        return Route(least.worker_id, RouteReason.LEAST_LOADED)
     return QUEUED
 
 
@@ -193,6 +209,12 @@ class RoutingTable:
             w.slack_s = slack_s
         if policy_version is not None:
             w.policy_version = policy_version
+
+    def measure(self, worker_id: Hashable, tokens_per_s: float) -> None:
+        """A measured decode rate of one sequence on the worker (tokens/s), smoothed."""
+        w = self.workers[worker_id]
+        w.seq_rate = tokens_per_s if w.seq_rate <= 0 else (
+            RATE_SMOOTHING * tokens_per_s + (1 - RATE_SMOOTHING) * w.seq_rate)
 
     def set_concurrency(self, worker_id: Hashable, max_concurrency: int) -> None:
         """Change a worker's concurrency cap (the rollout manager's per-worker share)."""
@@ -259,10 +281,10 @@ class RoutingTable:
         return self.route(resume(turn, produced), now)
 
     def rebalance(self, now: float) -> list[tuple[TurnRequest, Hashable, Hashable]]:
-        """Moves (turn, from serving executor, to dedicated worker) that even out turns in
-        flight: while some eligible dedicated worker with room has fewer slots occupied than a
-        serving executor, that executor's longest-running turn moves to it. The caller aborts
-        each on its executor and calls `move` with the tokens it produced."""
+        """Moves (turn, from serving executor, to dedicated worker): while the least-loaded
+        eligible dedicated worker has room and a turn of the busiest serving executor would
+        decode faster there (`_pays`), that executor's longest-running turn moves to it. The
+        caller aborts each on its executor and calls `move` with the tokens it produced."""
         dedicated = [w for w in self.workers.values() if w.kind is WorkerKind.DEDICATED
                      and w.alive(now, self.stall_timeout_s)]
         serving = [w for w in self.workers.values() if w.kind is WorkerKind.SERVING and w.active]
@@ -274,8 +296,8 @@ class RoutingTable:
         while True:
             dst = min(dedicated, key=lambda w: load[w.worker_id])
             src = max(serving, key=lambda w: load[w.worker_id])
-            if (load[dst.worker_id] >= load[src.worker_id]
-                    or load[dst.worker_id] >= dst.max_concurrency):
+            if load[dst.worker_id] >= dst.max_concurrency or not _pays(dst, load[dst.worker_id], src,
+                                                                        load[src.worker_id]):
                 return moves
             turn = next(taken[src.worker_id], None)
             if turn is None or turn.policy_version > dst.policy_version:

@@ -246,6 +246,7 @@ class Simulation:
                                       self.workers.kind == COSERVE, only_fresh=True)
                 made += self._advance(rnd, t, sub, plan, credit=False)
             self.ticks.append((t, np.bincount(self.workers.kind, weights=made, minlength=3)))
+            self._measure_rates(view, made)
             if serving_times is not None:
                 self.fleet.advance(t, self.dt, *serving_times)
             elif self.n_cs:
@@ -254,6 +255,12 @@ class Simulation:
             if t > 1e6:
                 raise RuntimeError(f"{self.system.name}: a rollout round did not finish (stuck turns)")
         return float(np.nanmax(rnd.finished))
+
+    def _measure_rates(self, view, made: np.ndarray) -> None:
+        """What the scheduler measures of each worker: tokens/s per sequence it decoded."""
+        n_dec = np.bincount(view.worker[view.fits & (view.decode_rank >= 0)], minlength=len(made))
+        for wid in np.flatnonzero((n_dec > 0) & self.workers.registered).tolist():
+            self.table.measure(wid, float(made[wid]) / self.dt / int(n_dec[wid]))
 
     def _set_caps(self, rnd: Round, t: float) -> None:
         """The rollout manager's per-worker concurrency caps: the round's unfinished
