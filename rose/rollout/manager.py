@@ -1,8 +1,10 @@
 """The rollout manager: plays environment episodes turn by turn across workers.
 
 Each episode is one trajectory; each of its turns is routed on its own by the routing policy
-(`RoutingTable`): cache affinity, then a serving executor with SLO room, then the least loaded,
-else the FIFO queue. A turn runs as one or more *attempts*: when an executor hands it back (an
+(`RoutingTable`): cache affinity, then the least-loaded dedicated worker, then a serving
+executor with SLO room, else the FIFO queue. Each finished attempt's tokens over its time is
+its worker's measured decode rate, which decides when a served trajectory moves back to a
+dedicated worker. A turn runs as one or more *attempts*: when an executor hands it back (an
 emergency cut, finish reason "abort"), when `rebalance` moves it from a serving executor to a
 dedicated worker, or when its worker dies (a failed call, or silence past the stall timeout),
 the tokens it already produced join its prompt and the rest of it is routed again (`resume`):
