@@ -15,9 +15,10 @@ from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
 
 # `rose bench train --json OUT` on this machine, 2026-11-30 (6 steps a mode, quiet machine), four
-# runs of the final code: 1.453, 2.018, 1.593, 1.646 (their mean; the fixed mode alone
-# varies 17.9-24.4 s a step across them). Earlier code, before the learning recipe: 1.608, 1.70.
-MEASURED_SPEEDUP_ROSE_VS_FIXED = (1.453 + 2.018 + 1.593 + 1.646) / 4
+# runs of the current code (dedicated-first routing): 1.449, 1.496, 1.740, 1.270 (their mean; the
+# fixed mode alone varies 13.3-16.8 s a step across them). Four runs before the routing change:
+# 1.453, 2.018, 1.593, 1.646 (fixed 17.9-24.4 s); before the learning recipe: 1.608, 1.70.
+MEASURED_SPEEDUP_ROSE_VS_FIXED = (1.449 + 1.496 + 1.740 + 1.270) / 4
 
 
 def test_cpu_bench_train_mirrors_the_benchmark_config():
