@@ -106,3 +106,16 @@ def test_serving_executors_report_every_tick_and_free_a_slot_per_finished_turn()
     sim.run()
     assert reports[0] == ticks[0]
     assert freed and all(freed)
+
+
+def test_serverless_functions_restart_cold_at_their_time_limit():
+    """A function runs at most `serverless_max_run_s`: its turns resume elsewhere with their
+    tokens and it starts cold again, which the allocation overhead counts."""
+    base = [*SMALL, "sim.systems=[elastic-serverless]"]
+    unlimited = Simulation(load_scenario("paper-8b", [*base, "elastic.serverless_max_run_s=1e9"]),
+                           SYSTEMS["elastic-serverless"]).run()
+    limited = Simulation(load_scenario("paper-8b", [*base, "elastic.serverless_max_run_s=60"]),
+                         SYSTEMS["elastic-serverless"]).run()
+    assert unlimited.aborted_turns == 0 and limited.aborted_turns > 0
+    assert [s.generated_tokens for s in limited.steps] == [s.generated_tokens for s in unlimited.steps]
+    assert limited.allocation_overhead > unlimited.allocation_overhead

@@ -226,6 +226,8 @@ class Simulation:
                 self._memory(rnd, t)
             if self.market:
                 self._rent_more(t)
+            elif self.system.extra is Extra.SERVERLESS:
+                self._reinvoke(t)
             self._membership(rnd, t, version)
             if coserving:
                 # The rollout manager polls every 0.25 s (`rose.rollout.manager`), within any tick.
@@ -531,7 +533,7 @@ class Simulation:
 
     def _acquire(self, t: float, coserve_ready: float) -> None:
         """Ask for the step's extra capacity at t; each piece's wait is recorded in `self.prep`."""
-        w, e, sc = self.workers, self.sc.elastic, self.sc
+        w = self.workers
         sel = np.flatnonzero(w.kind == (COSERVE if self.system.extra is Extra.COSERVE else ELASTIC))
         if not len(sel):
             return
@@ -543,11 +545,25 @@ class Simulation:
         elif self.system.extra is Extra.SPOT:
             self._rent(sel[: self.market.granted(len(sel), t)] if self.market else sel, t)
         else:
-            shard = self.policy.weight_bytes / sc.cluster.rollout_tp
-            load_s = shard / (e.serverless_storage_gbps / 8 * 1e9)
-            cold = e.serverless_container_s + e.serverless_engine_init_s + load_s
-            w.ready_at[sel], w.gone_at[sel] = t + cold, np.inf
-            self.prep.append((t, t + cold))
+            self._invoke(sel, t)
+
+    def _invoke(self, wids: np.ndarray, t: float) -> None:
+        """Serverless functions for `wids` from t: a cold start (container, engine, the weights
+        from object storage), then at most `serverless_max_run_s` of running."""
+        w, e = self.workers, self.sc.elastic
+        load_s = self.policy.weight_bytes / self.sc.cluster.rollout_tp / (e.serverless_storage_gbps / 8 * 1e9)
+        cold = e.serverless_container_s + e.serverless_engine_init_s + load_s
+        w.ready_at[wids], w.gone_at[wids] = t + cold, t + cold + e.serverless_max_run_s
+        self.prep.append((t, t + cold))
+
+    def _reinvoke(self, t: float) -> None:
+        """Functions that hit their time limit mid-rollout (their turns already resumed
+        elsewhere, with their tokens) start cold again."""
+        w = self.workers
+        el = np.flatnonzero(w.kind == ELASTIC)
+        ended = el[(w.gone_at[el] <= t) & ~w.registered[el]]
+        if len(ended):
+            self._invoke(ended, t)
 
     def _rent(self, wids: np.ndarray, t: float) -> None:
         """Spot instances for `wids` from t: each prepares (instance, container, engine, weights),

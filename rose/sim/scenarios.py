@@ -124,6 +124,9 @@ class ElasticConfig:
     serverless_storage_gbps: float = 16.0    # 2 GB/s per instance from object storage
     serverless_invoke_s: float = 0.5
     serverless_finalize_s: float = 3.0
+    # A function runs for at most 15 minutes, then starts cold again: lambda-RL's timeout (the
+    # paper's review), AWS Lambda's documented maximum (900 s).
+    serverless_max_run_s: float = 900.0
 
 
 @dataclasses.dataclass
@@ -209,7 +212,8 @@ def validate(sc: Scenario) -> Scenario:
                        ("serving.slo_ttft_ms", s.slo_ttft_ms), ("serving.slo_tpot_ms", s.slo_tpot_ms),
                        ("sim.tick_s", sc.sim.tick_s), ("rl.demand_sigma", r.demand_sigma + 1e-12),
                        ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
-                       ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps)):
+                       ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps),
+                       ("elastic.serverless_max_run_s", sc.elastic.serverless_max_run_s)):
         need(value > 0, key, "positive", value)
     need(r.fixed_concurrency >= 0, "rl.fixed_concurrency", ">= 0", r.fixed_concurrency)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
