@@ -165,12 +165,12 @@ class RolloutManager:
             outcome = "lost"
             self.registry.suspect(wid)
         extend(t.out, got)
+        end, produced = self._elapsed(), len(got.token_ids)
         self._placements.append(Placement(req.trajectory_id, req.turn, req.attempt, wid, worker.kind.value,
-                                          start, self._elapsed(), len(got.token_ids), outcome))
+                                          start, end, produced, outcome))
         in_flight = req.trajectory_id in self.table.in_flight.get(wid, {})
-        produced = len(got.token_ids)
         if produced and wid in self.table.workers:
-            self.table.measure(wid, produced / max(self._elapsed() - start, 1e-6))
+            self.table.measure(wid, produced / max(end - start, 1e-6))
         stopped = bool(got.token_ids) and got.token_ids[-1] in self.params.stop_token_ids
         if outcome == "done" or produced == req.max_tokens or stopped:
             if in_flight:

@@ -4,7 +4,7 @@ Pure policy over plain data (no I/O, no clock of its own): the real rollout sche
 heartbeats, capacity reports and measured decode rates and acts on its answers; the cluster
 simulator drives the very same code. Dedicated GPUs are first-class and serving GPUs
 opportunistic: a co-served turn shares every iteration with the serving model, so it decodes
-slower (about half as fast in `rose simulate`'s paper scenarios). Each *turn* of a
+slower (0.5-0.6x as fast in `rose simulate`'s paper scenarios). Each *turn* of a
 trajectory is routed, in this order:
 
 1. cache affinity: the worker that ran the trajectory's previous turn, if it has capacity (its
