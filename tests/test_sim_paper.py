@@ -1,9 +1,8 @@
 """The paper scenarios against the paper's figures the simulator meets (reproducing-the-paper.md):
-ROSE faster than fixed-sync (1.3-3.3x for paper-8b; paper-32b's lighter workload gives less),
-under 1% allocation overhead, no SLO violation, while naive sharing breaks the SLO. (Its rollout
-against elastic-spot depends on the spot market's luck and is not asserted; the docs give ten
-seeds.) And where the job's own GPUs are enough, or barely short, lending it serving GPUs costs
-it nothing."""
+ROSE faster than fixed-sync (1.3-3.3x), under 1% allocation overhead, no SLO violation, while
+naive sharing breaks the SLO. (Its rollout against elastic-spot depends on the spot market's
+luck and is not asserted; the docs give ten seeds.) And where the job's own GPUs are enough, or
+barely short, lending it serving GPUs costs it nothing."""
 
 from __future__ import annotations
 
@@ -26,13 +25,14 @@ def test_paper_8b_lands_in_the_papers_ranges():
 
 
 @pytest.mark.slow
-def test_paper_32b_gains_and_keeps_the_slo():
-    _check("paper-32b", 1.1)
+def test_paper_32b_lands_in_the_papers_ranges():
+    _check("paper-32b", 1.3)
 
 
 @pytest.mark.parametrize("name, overrides", [
     ("paper-8b", ["rl.trajectories=256", "rl.steps=2"]),       # 256 trajectories, 768 slots
-    ("paper-32b", ["rl.trajectories=1024", "rl.steps=1"]),     # 1,024 trajectories, 768 slots
+    # 1,024 trajectories, 768 slots (GRPO: DAPO's resampling would make it contended)
+    ("paper-32b", ["rl.trajectories=1024", "rl.steps=1", "rl.algorithm=grpo"]),
 ])
 def test_rose_costs_nothing_when_dedicated_capacity_nearly_suffices(name, overrides):
     """Rollouts start on dedicated GPUs and spill to (slower) serving executors only when those

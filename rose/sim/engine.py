@@ -48,7 +48,7 @@ from rose.sim.scenarios import Scenario
 from rose.sim.serving import ServingFleet
 from rose.sim.spot import SpotMarket
 from rose.sim.systems import SYSTEMS, Extra, Sharing, System
-from rose.sim.workloads import DynamicSampling, plan_rounds, sample_round, step_multipliers
+from rose.sim.workloads import dapo_resampling, groups_sampled, sample_round, step_multipliers
 from rose.traces import Trace, diurnal_for_peak, load_trace
 
 DEDICATED, ELASTIC, COSERVE = 0, 1, 2
@@ -60,13 +60,13 @@ KIND_NAMES = ("dedicated", "elastic", "serving")
 class StepRecord:
     step: int
     start_s: float
-    rollout_s: float          # first turn routed to last trajectory done (all rounds)
+    rollout_s: float          # first turn routed to last trajectory done
     train_s: float
     sync_s: float             # weight sync on the critical path
     alloc_s: float            # allocation overhead: waiting for extra capacity + finalisation
     end_s: float
-    trajectories: int
-    rounds: int
+    trajectories: int         # trained on
+    generated: int            # trajectories generated (more under DAPO's resampling)
     generated_tokens: int
 
 
@@ -624,7 +624,8 @@ class Simulation:
         wall0 = time.perf_counter()
         sc = self.sc
         mult = step_multipliers(sc.rl.steps, sc.rl.demand_sigma, sc.sim.seed)
-        sampling = DynamicSampling() if sc.rl.algorithm == "dapo" else None
+        dapo = sc.rl.algorithm == "dapo"
+        resampling = dapo_resampling(mult, sc.rl.demand_sigma) if dapo else None
         groups = sc.rl.trajectories // sc.rl.group
         wl_rng = np.random.default_rng(sc.sim.seed + 7)     # the same workload for every system
         logprob_passes = 2 if sc.rl.algorithm == "grpo" else 1   # old policy + reference (GRPO's KL)
@@ -634,8 +635,9 @@ class Simulation:
         coserve_ready = self._serving_sync_s(0) if coserve else 0.0      # initial full load
         train_end: list[float] = []
         for step in range(sc.rl.steps):
-            rounds = plan_rounds(groups, sc.rl.group, sampling, wl_rng)
-            demands = [sample_round(self.env, g, sc.rl.group, float(mult[step]), wl_rng) for g in rounds]
+            # Demand varies in how many groups DAPO samples, and in response lengths otherwise.
+            sampled = groups_sampled(groups, 1.0 / resampling[step], wl_rng) if dapo else groups
+            demand = sample_round(self.env, sampled, sc.rl.group, 1.0 if dapo else float(mult[step]), wl_rng)
             if not self.system.colocated and step > self.system.staleness:
                 # Bounded staleness: rollout k waits for the policy of step k - 1 - staleness.
                 t = max(t, train_end[step - 1 - self.system.staleness] + self._intra_sync_s())
@@ -643,16 +645,12 @@ class Simulation:
             start = t
             self.prep = []
             self._acquire(t, coserve_ready)
-            tokens = 0
-            for d in demands:
-                rnd = Round(d, t, id_base)
-                id_base += d.trajectories
-                tokens += d.generated_tokens
-                t = self._align(self.run_round(rnd, t, step))
+            t = self._align(self.run_round(Round(demand, t, id_base), t, step))
+            id_base += demand.trajectories
             rollout_end = t
             final = self._release()
             alloc = self._waited(start, rollout_end) + final
-            ctx = np.concatenate([d.context_tokens() for d in demands])[: sc.rl.trajectories]
+            ctx = demand.context_tokens()[: sc.rl.trajectories]
             train_s = train_step_time(self.policy, self.device, self.train_gpus,
                                       float(ctx.mean()) * sc.rl.trajectories, logprob_passes, self.eff)
             if self.system.colocated:
@@ -668,7 +666,7 @@ class Simulation:
                 sync_s = self._intra_sync_s()
             train_end.append(end)
             records.append(StepRecord(step, start, rollout_end - start, train_s, sync_s, alloc,
-                                      end, sc.rl.trajectories, len(demands), tokens))
+                                      end, sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
         total = max(r.end_s for r in records)
         tick_t = np.array([x[0] for x in self.ticks])
         tick_tok = np.array([x[1] for x in self.ticks]).reshape(-1, 3)

@@ -56,9 +56,11 @@ ENVS: dict[str, EnvProfile] = {
                                   note="rose bench train's rollout: 8 turns of 24 tokens, measured"),
 }
 
-# Demand varies up to 5.7x between training steps (ROSE paper). A lognormal multiplier with
-# sigma s has an expected max/min over 20 steps of exp(3.73 s) (the expected range of 20
-# standard normals is 3.73); s = ln(5.7) / 3.73 makes that 5.7x.
+# Demand varies up to 5.7x between training steps (ROSE paper, Figure 1d: the trajectories DAPO
+# generates per step). A lognormal multiplier with sigma s has an expected max/min over 20 steps of
+# exp(3.73 s) (3.73: the expected range of 20 standard normals, so the largest lies 3.73 / 2
+# above their mean); s = ln(5.7) / 3.73 makes that 5.7x.
+MAX_OF_20 = 3.73 / 2
 DEMAND_SIGMA = math.log(5.7) / 3.73
 
 
@@ -86,7 +88,8 @@ class RoundDemand:
 
 
 def step_multipliers(steps: int, sigma: float, seed: int) -> np.ndarray:
-    """Per-step demand multipliers (mean response length scale), lognormal, median 1."""
+    """Per-step demand multipliers, lognormal, median 1: the response length scale under GRPO,
+    DAPO's resampling (`dapo_resampling`) under DAPO."""
     return np.exp(sigma * np.random.default_rng(seed).standard_normal(steps))
 
 
@@ -101,34 +104,19 @@ def sample_round(env: EnvProfile, groups: int, group_size: int, multiplier: floa
     return RoundDemand(env, resp, turns, groups)
 
 
-@dataclasses.dataclass(frozen=True)
-class DynamicSampling:
-    """DAPO's dynamic sampling: groups whose rewards all agree carry no advantage and are
-    dropped; more prompts are sampled, a round at a time, until the batch is full (or
-    `max_rounds`). Per-prompt success probability ~ Beta(alpha, beta): Beta(1, 1), prompts of
-    uniformly spread difficulty, is the assumption (the chance a 16-sample group is all-equal
-    is then 2/17)."""
-
-    alpha: float = 1.0
-    beta: float = 1.0
-    max_rounds: int = 3
-
-    def valid_groups(self, groups: int, group_size: int, rng: np.random.Generator) -> int:
-        p = rng.beta(self.alpha, self.beta, size=groups)
-        wins = rng.binomial(group_size, p)
-        return int(np.count_nonzero((wins > 0) & (wins < group_size)))
+def dapo_resampling(multipliers: np.ndarray, sigma: float) -> np.ndarray:
+    """Trajectories DAPO generates per step, over the batch it trains on: the step's demand
+    multiplier (the paper's 5.7x is DAPO's trajectory count, so under DAPO it scales how many
+    groups are sampled, not their lengths), scaled so that the run's expected lightest step of 20
+    generates just the batch, the least resampling consistent with that spread; never below 1.
+    How often groups all agree (hence how much DAPO resamples) is not in the sources at hand."""
+    return np.maximum(1.0, multipliers * math.exp(sigma * MAX_OF_20))
 
 
-def plan_rounds(groups: int, group_size: int, sampling: DynamicSampling | None,
-                rng: np.random.Generator) -> list[int]:
-    """Groups generated in each rollout round of one step (one round without dynamic sampling)."""
-    if sampling is None:
-        return [groups]
-    rounds, valid = [], 0
-    while valid < groups and len(rounds) < sampling.max_rounds:
-        # Oversample the deficit by the valid fraction seen so far, as DAPO's trainer does.
-        frac = valid / sum(rounds) if rounds else 1.0
-        want = math.ceil((groups - valid) / max(frac, 0.1))
-        rounds.append(min(want, groups))
-        valid += sampling.valid_groups(rounds[-1], group_size, rng)
-    return rounds
+def groups_sampled(groups: int, valid_fraction: float, rng: np.random.Generator) -> int:
+    """Groups DAPO samples to fill a batch of `groups` valid ones (whose rewards disagree), each
+    valid with probability `valid_fraction`: the batch plus the failures before that many
+    successes. ROLL, which the paper builds on, streams them: its scheduler starts another prompt
+    whenever one is filtered out, until the batch is full (verl's recipe instead generates
+    synchronous batches of 3x the prompts)."""
+    return groups + int(rng.negative_binomial(groups, valid_fraction))
