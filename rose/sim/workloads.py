@@ -116,7 +116,8 @@ def dapo_resampling(multipliers: np.ndarray, sigma: float) -> np.ndarray:
 def groups_sampled(groups: int, valid_fraction: float, rng: np.random.Generator) -> int:
     """Groups DAPO samples to fill a batch of `groups` valid ones (whose rewards disagree), each
     valid with probability `valid_fraction`: the batch plus the failures before that many
-    successes. ROLL, which the paper builds on, streams them: its scheduler starts another prompt
-    whenever one is filtered out, until the batch is full (verl's recipe instead generates
+    successes. ROLL, which the paper builds on, streams them: its generate scheduler
+    (`roll/distributed/scheduler/generate_scheduler.py`) starts another prompt whenever one is
+    filtered out, until the batch is full (verl's recipe instead generates
     synchronous batches of 3x the prompts)."""
     return groups + int(rng.negative_binomial(groups, valid_fraction))
