@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -30,4 +28,3 @@ def test_dapo_samples_groups_until_the_batch_has_enough_valid_ones():
         assert min(sampled) >= 1024
         assert np.mean(sampled) == pytest.approx(1024 / fraction, rel=0.02)
     assert groups_sampled(1024, 1.0, rng) == 1024
-    assert math.isclose(DEMAND_SIGMA, math.log(5.7) / (2 * MAX_OF_20))

@@ -61,7 +61,7 @@ ENVS: dict[str, EnvProfile] = {
 # exp(3.73 s) (3.73: the expected range of 20 standard normals, so the largest lies 3.73 / 2
 # above their mean); s = ln(5.7) / 3.73 makes that 5.7x.
 MAX_OF_20 = 3.73 / 2
-DEMAND_SIGMA = math.log(5.7) / 3.73
+DEMAND_SIGMA = math.log(5.7) / (2 * MAX_OF_20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +118,6 @@ def groups_sampled(groups: int, valid_fraction: float, rng: np.random.Generator)
     valid with probability `valid_fraction`: the batch plus the failures before that many
     successes. ROLL, which the paper builds on, streams them: its generate scheduler
     (`roll/distributed/scheduler/generate_scheduler.py`) starts another prompt whenever one is
-    filtered out, until the batch is full (verl's recipe instead generates
-    synchronous batches of 3x the prompts)."""
+    filtered out, until the batch is full (verl's recipe instead generates synchronous batches
+    of 3x the prompts)."""
     return groups + int(rng.negative_binomial(groups, valid_fraction))
