@@ -12,6 +12,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rose.engine import SamplingParams
 from rose.model import load_tokenizer
@@ -215,7 +217,8 @@ def test_turns_queue_under_caps_and_time_out_without_workers(tokenizer) -> None:
     report, _ = run([gone], episodes(tokenizer, 2, max_turns=1), stall_timeout_s=0.1, timeout_s=1.0)
     assert report.lost_trajectories == 2 and report.trajectories == []
     for u in report.lost:
-        assert u.reason.endswith("turn 0 (attempt 0) queued: no eligible worker had room")
+        assert u.reason.startswith("unfinished at the 1.0 s timeout: turn 0 (attempt ")  # the dead one's
+        assert u.reason.endswith(") queued: no eligible worker had room")  # failed call may come first
 
 
 def test_a_timed_out_step_keeps_what_finished_frees_every_slot_and_the_next_step_finishes(tokenizer) -> None:
@@ -276,3 +279,40 @@ def test_a_busy_executor_keeps_its_standing(tokenizer, monkeypatch: pytest.Monke
     assert "lost" not in {p.outcome for p in report.placements}
     assert suspected == [] and sorted(registry.alive()) == ["d", "s"]
     assert_released(registry, [busy, dedicated])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_mix_of_faults_accounts_for_every_trajectory_and_frees_every_slot(tokenizer, data) -> None:
+    n = data.draw(st.integers(1, 6), label="episodes")
+    ids = [f"s0-{i}" for i in range(n)]
+    subset = st.sets(st.sampled_from(ids), max_size=2)
+    maybe = st.none() | st.integers(1, 4)
+    spec = st.tuples(st.sampled_from(WorkerKind), st.integers(1, 3), subset, subset, st.integers(0, 2),
+                     maybe, maybe)  # kind, cap, refuse, stuck, busy calls, cut after, die after
+    workers = [FakeWorker(f"w{i}", kind, cap, refuse=refuse, stuck=stuck, busy_calls=busy, abort_after=cut,
+                          die_after=die)
+               for i, (kind, cap, refuse, stuck, busy, cut, die)
+               in enumerate(data.draw(st.lists(spec, min_size=1, max_size=3), label="workers"))]
+    registry = WorkerRegistry(2.0)
+    for w in workers:
+        registry.add(w)
+    manager = RolloutManager(registry, SamplingParams(max_tokens=6), tick_s=0.02)
+
+    async def faulty_then_healthy():
+        eps = episodes(tokenizer, n)
+        first = await manager.run(eps, 0, prefix="s0-", timeout_s=1.0)
+        kept = {id(t) for t in first.trajectories}
+        assert kept <= {id(e.trajectory) for e in eps if e.done} and len(kept) == len(first.trajectories)
+        ended = [u.trajectory_id for u in first.failed + first.lost]
+        assert len(set(ended)) == len(ended) and len(kept) + len(ended) == n
+        assert_released(registry, workers)
+        for w in workers:
+            w.refuse = w.stuck = ()
+            w.busy_calls, w.abort_after, w.die_after, w.dead = 0, None, None, False
+        eps = episodes(tokenizer, n)
+        return await manager.run(eps, 0, prefix="s1-", timeout_s=30.0), eps
+
+    second, eps = asyncio.run(faulty_then_healthy())
+    check_complete(second, eps)
+    assert_released(registry, workers)
