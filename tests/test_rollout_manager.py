@@ -267,6 +267,21 @@ def test_a_refused_turn_fails_its_trajectory_not_the_workers(tokenizer, retries:
     assert_released(registry, workers)
 
 
+def test_an_environment_error_fails_its_trajectory_alone(tokenizer) -> None:
+    eps = episodes(tokenizer, 3, max_turns=1)
+
+    def crash(text: str):
+        raise RuntimeError("the environment crashed")
+
+    eps[1].env.step = crash  # on 0dda912 the trajectory vanished into lost_trajectories, no reason given
+    worker = FakeWorker("a")
+    report, registry = run([worker], eps)
+    assert [(u.trajectory_id, u.reason) for u in report.failed] == [
+        ("t1", "RuntimeError: the environment crashed")]
+    assert len(report.trajectories) == 2 and report.lost == []
+    assert_released(registry, [worker])
+
+
 def test_a_busy_executor_keeps_its_standing(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     suspected: list[str] = []
     monkeypatch.setattr(WorkerRegistry, "suspect", lambda self, wid: suspected.append(wid))

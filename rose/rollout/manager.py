@@ -155,8 +155,6 @@ class RolloutManager:
         for tid, episode, play in zip(ids, episodes, plays, strict=True):
             if tid in late:
                 report.lost.append(Unfinished(tid, episode.trajectory, late[tid]))
-            elif (error := play.exception()) is not None:
-                raise error  # a bug, not a fault: the step fails loudly
             elif (reason := play.result()) is not None:
                 report.failed.append(Unfinished(tid, episode.trajectory, reason))
             else:
@@ -200,6 +198,8 @@ class RolloutManager:
                 k += 1
         except TurnFailed as exc:
             return str(exc)
+        except Exception as exc:  # the environment's error (or ours): this trajectory's, not the step's
+            return f"{type(exc).__name__}: {exc}"
         finally:
             self.table.cancel(tid)
         return None
@@ -264,8 +264,8 @@ class RolloutManager:
         """After an attempt: the turn is done, failed, or goes on from its tokens elsewhere."""
         tid = req.trajectory_id
         in_flight = tid in self.table.in_flight.get(wid, {})
-        stopped = bool(t.out.token_ids) and t.out.token_ids[-1] in self.params.stop_token_ids
-        if outcome == "done" or produced == req.max_tokens or (produced and stopped):
+        stopped = produced > 0 and t.out.token_ids[-1] in self.params.stop_token_ids
+        if outcome == "done" or produced == req.max_tokens or stopped:
             if in_flight:
                 self.table.complete(wid, tid)
             if outcome != "done":
