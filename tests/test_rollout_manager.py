@@ -29,14 +29,16 @@ TOKEN = 50  # what fake workers generate
 class FakeWorker:
     """`refuse`: trajectories whose turns it refuses (a ValueError, as an engine refuses a bad
     sampling parameter); `stuck`: trajectories whose turns never end (its heartbeats go on);
-    `busy_calls`: how many first calls it turns away (429)."""
+    `busy_calls`: how many first calls it turns away (429); `break_after`: its streams end after
+    that many tokens, without a finish reason (a connection closed early)."""
 
     def __init__(self, worker_id: str, kind: WorkerKind = WorkerKind.DEDICATED, cap: int = 8, *,
                  abort_after: int | None = None, die_after: int | None = None, hang_after: int | None = None,
                  delay_s: float = 0.002, refuse: Collection[str] = (), stuck: Collection[str] = (),
-                 busy_calls: int = 0) -> None:
+                 busy_calls: int = 0, break_after: int | None = None) -> None:
         self.worker_id, self.kind, self.max_concurrency = worker_id, kind, cap
         self.abort_after, self.die_after, self.hang_after = abort_after, die_after, hang_after
+        self.break_after = break_after
         self.delay_s, self.refuse, self.stuck, self.busy_calls = delay_s, refuse, stuck, busy_calls
         self.calls: list[tuple[str, list[int], int]] = []
         self.aborted: set[str] = set()
@@ -70,6 +72,8 @@ class FakeWorker:
             if i == self.die_after:
                 self.dead = True
                 raise ConnectionError(f"{self.worker_id} died")
+            if i == self.break_after:
+                return result
             if i == self.hang_after:
                 self.hung = True
                 await asyncio.Event().wait()
@@ -184,6 +188,15 @@ def test_a_worker_that_dies_mid_turn_loses_nothing(tokenizer) -> None:
     lost = [p for p in report.placements if p.outcome == "lost"]
     assert lost and all(p.worker_id == "doomed" and p.tokens == 3 for p in lost[:1])
     assert registry.alive() == ["ok"]
+
+
+def test_a_stream_cut_short_is_a_worker_failure_not_a_finished_turn(tokenizer) -> None:
+    broken, survivor = FakeWorker("broken", cap=4, break_after=2), FakeWorker("ok", cap=4)
+    eps = episodes(tokenizer, 4, max_turns=1)
+    report, registry = run([broken, survivor], eps, stall_timeout_s=0.3)
+    check_complete(report, eps)  # on 0dda912 such a turn counted as done with 2 of its 6 tokens
+    assert {(p.outcome, p.tokens) for p in report.placements if p.worker_id == "broken"} == {("lost", 2)}
+    assert_released(registry, [broken, survivor])
 
 
 def test_a_silent_worker_is_reaped_and_its_turns_resumed(tokenizer) -> None:

@@ -237,6 +237,8 @@ class RolloutManager:
         try:
             await worker.run_turn(turn_id, req.trajectory_id, t.prompt + t.out.token_ids, params,
                                   req.policy_version, got)
+            if got.finish_reason is None:  # a stream cut short: not a finished turn
+                raise ConnectionError(f"{wid} ended turn {turn_id!r} without a finish reason")
             outcome = "abort" if got.finish_reason == "abort" else "done"
         except asyncio.CancelledError:
             if not t.lost or t.done.done():
