@@ -10,14 +10,14 @@ dedicated worker, or when its worker dies (a failed call, or silence past the st
 the tokens it already produced join its prompt and the rest of it is routed again (`resume`):
 nothing is regenerated and no trajectory is lost. A turn refused for what it is (a 4xx from an
 executor, a dedicated worker's ValueError: a bad sampling parameter, a prompt past the context)
-is the turn's failure, not its worker's: it is tried again elsewhere at most `turn_retries`
-times, then its trajectory is reported failed with the reason; the worker keeps its standing,
-as does an executor that turns a turn away for lack of room (429: the turn is routed again).
-Only transport and liveness failures make a worker suspect. A step that times out reports its
-unfinished trajectories as lost, each with where it stood. Every attempt's placement is
-recorded, so a report can say where the turns ran; every exit path (done, failed, timed out,
-cancelled) takes the trajectory out of the routing table, so the next step finds its workers'
-slots free.
+is the turn's failure, not its worker's: it is routed again (without its affinity) at most
+`turn_retries` times, then its trajectory is reported failed with the reason (as is one whose
+environment raised); the worker keeps its standing, as does an executor that turns a turn away
+for lack of room (429: the turn is routed again). Only transport and liveness failures make a
+worker suspect. A step that times out reports its unfinished trajectories as lost, each with
+where it stood. Every attempt's placement is recorded, so a report can say where the turns ran;
+every exit path (done, failed, timed out, cancelled) takes the trajectory out of the routing
+table, so the next step finds its workers' slots free.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class RolloutReport:
     trajectories: list[Trajectory]  # the finished ones, for training
     placements: list[Placement]
     seconds: float
-    failed: list[Unfinished] = dataclasses.field(default_factory=list)  # a turn refused every time
+    failed: list[Unfinished] = dataclasses.field(default_factory=list)  # refused turn, environment error
     lost: list[Unfinished] = dataclasses.field(default_factory=list)  # unfinished at the deadline
 
     @property
