@@ -1,14 +1,19 @@
 """The worker registry and the rollout manager with fake in-process workers: heartbeats and the
 stall timeout, an executor's emergency cut resumed elsewhere with its tokens, a worker that dies
-or falls silent mid-turn, rebalancing from serving to dedicated, and queueing under caps."""
+or falls silent mid-turn, rebalancing from serving to dedicated, queueing under caps, a step that
+times out (and the next one on the same workers), turns refused for what they are, and busy
+executors."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rose.engine import SamplingParams
 from rose.model import load_tokenizer
@@ -16,26 +21,48 @@ from rose.rl import Episode, make_env
 from rose.rollout.manager import RolloutManager
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.routing import WorkerKind
-from rose.rollout.workers import Heartbeat, TurnResult, extend
+from rose.rollout.workers import ExecutorBusy, Heartbeat, TurnResult, extend
 
 TOKEN = 50  # what fake workers generate
 
 
 class FakeWorker:
+    """`refuse`: trajectories whose turns it refuses (a ValueError, as an engine refuses a bad
+    sampling parameter); `stuck`: trajectories whose turns never end (its heartbeats go on);
+    `busy_calls`: how many first calls it turns away (429); `break_after`: its streams end after
+    that many tokens, without a finish reason (a connection closed early)."""
+
     def __init__(self, worker_id: str, kind: WorkerKind = WorkerKind.DEDICATED, cap: int = 8, *,
                  abort_after: int | None = None, die_after: int | None = None, hang_after: int | None = None,
-                 delay_s: float = 0.002) -> None:
+                 delay_s: float = 0.002, refuse: Collection[str] = (), stuck: Collection[str] = (),
+                 busy_calls: int = 0, break_after: int | None = None) -> None:
         self.worker_id, self.kind, self.max_concurrency = worker_id, kind, cap
         self.abort_after, self.die_after, self.hang_after = abort_after, die_after, hang_after
-        self.delay_s = delay_s
+        self.break_after = break_after
+        self.delay_s, self.refuse, self.stuck, self.busy_calls = delay_s, refuse, stuck, busy_calls
         self.calls: list[tuple[str, list[int], int]] = []
         self.aborted: set[str] = set()
         self.dead = self.hung = False
         self.policy_version = 0
+        self.running = 0  # calls in progress: all end with the step
 
     async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
                        policy_version: int | None, result: TurnResult) -> TurnResult:
         self.calls.append((turn_id, list(token_ids), params.max_tokens))
+        self.running += 1
+        try:
+            return await self._generate(turn_id, trajectory_id, params, result)
+        finally:
+            self.running -= 1
+
+    async def _generate(self, turn_id: str, trajectory_id: str, params: SamplingParams,
+                        result: TurnResult) -> TurnResult:
+        if len(self.calls) <= self.busy_calls:
+            raise ExecutorBusy(f"{self.worker_id}: HTTP 429: lease slots full", 429)
+        if trajectory_id in self.refuse:
+            raise ValueError("temperature must be >= 0, got -1.0")
+        if trajectory_id in self.stuck:
+            await asyncio.Event().wait()
         for i in range(params.max_tokens):
             if self.dead:
                 raise ConnectionError(f"{self.worker_id} is gone")
@@ -45,6 +72,8 @@ class FakeWorker:
             if i == self.die_after:
                 self.dead = True
                 raise ConnectionError(f"{self.worker_id} died")
+            if i == self.break_after:
+                return result
             if i == self.hang_after:
                 self.hung = True
                 await asyncio.Event().wait()
@@ -78,13 +107,22 @@ def episodes(tokenizer, n: int, max_turns: int = 2) -> list[Episode]:
 
 
 def run(workers: list[FakeWorker], eps: list[Episode], max_tokens: int = 6, stall_timeout_s: float = 2.0,
-        rebalance: bool = True, timeout_s: float = 30.0):
+        rebalance: bool = True, timeout_s: float = 30.0, turn_retries: int = 2):
     registry = WorkerRegistry(stall_timeout_s)
     for w in workers:
         registry.add(w)
     params = SamplingParams(max_tokens=max_tokens)
-    manager = RolloutManager(registry, params, tick_s=0.02, rebalance=rebalance)
+    manager = RolloutManager(registry, params, tick_s=0.02, rebalance=rebalance, turn_retries=turn_retries)
     return asyncio.run(manager.run(eps, policy_version=0, timeout_s=timeout_s)), registry
+
+
+def assert_released(registry: WorkerRegistry, workers: list[FakeWorker]) -> None:
+    """Nothing of a finished step is left: no slot, turn in flight or queued, held slot or
+    affinity in the routing table, and no call still running on a worker."""
+    table = registry.table
+    assert all(w.active == 0 and w.held == 0 for w in table.workers.values())
+    assert not any(table.in_flight.values()) and not table.queue and not table.holder and not table.affinity
+    assert all(w.running == 0 for w in workers)
 
 
 def check_complete(report, eps: list[Episode], max_tokens: int = 6) -> None:
@@ -152,6 +190,15 @@ def test_a_worker_that_dies_mid_turn_loses_nothing(tokenizer) -> None:
     assert registry.alive() == ["ok"]
 
 
+def test_a_stream_cut_short_is_a_worker_failure_not_a_finished_turn(tokenizer) -> None:
+    broken, survivor = FakeWorker("broken", cap=4, break_after=2), FakeWorker("ok", cap=4)
+    eps = episodes(tokenizer, 4, max_turns=1)
+    report, registry = run([broken, survivor], eps, stall_timeout_s=0.3)
+    check_complete(report, eps)  # on 0dda912 such a turn counted as done with 2 of its 6 tokens
+    assert {(p.outcome, p.tokens) for p in report.placements if p.worker_id == "broken"} == {("lost", 2)}
+    assert_released(registry, [broken, survivor])
+
+
 def test_a_silent_worker_is_reaped_and_its_turns_resumed(tokenizer) -> None:
     silent, survivor = FakeWorker("silent", cap=4, hang_after=2), FakeWorker("ok", cap=4)
     eps = episodes(tokenizer, 4, max_turns=1)
@@ -182,3 +229,118 @@ def test_turns_queue_under_caps_and_time_out_without_workers(tokenizer) -> None:
     gone.dead = True
     report, _ = run([gone], episodes(tokenizer, 2, max_turns=1), stall_timeout_s=0.1, timeout_s=1.0)
     assert report.lost_trajectories == 2 and report.trajectories == []
+    for u in report.lost:
+        assert u.reason.startswith("unfinished at the 1.0 s timeout: turn 0 (attempt ")  # the dead one's
+        assert u.reason.endswith(") queued: no eligible worker had room")  # failed call may come first
+
+
+def test_a_timed_out_step_keeps_what_finished_frees_every_slot_and_the_next_step_finishes(tokenizer) -> None:
+    worker = FakeWorker("a", cap=3, stuck={"s0-0", "s0-1"})  # two turns never end: the step times out
+    registry = WorkerRegistry(2.0)
+    registry.add(worker)
+    manager = RolloutManager(registry, SamplingParams(max_tokens=6), tick_s=0.02)
+
+    async def two_steps():
+        first = await manager.run(episodes(tokenizer, 5, max_turns=1), 0, prefix="s0-", timeout_s=2.0)
+        assert_released(registry, [worker])
+        worker.stuck = ()
+        eps = episodes(tokenizer, 6, max_turns=1)
+        return first, await manager.run(eps, 0, prefix="s1-", timeout_s=30.0), eps
+
+    first, second, eps = asyncio.run(two_steps())
+    assert len(first.trajectories) == 3 and first.failed == []
+    assert sorted(u.trajectory_id for u in first.lost) == ["s0-0", "s0-1"] and first.lost_trajectories == 2
+    for u in first.lost:
+        assert u.reason == "unfinished at the 2.0 s timeout: turn 0 (attempt 0) running on a"
+    check_complete(second, eps)  # on 0dda912 the stale slots kept every turn queued: all 6 lost
+    assert_released(registry, [worker])
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_refused_turn_fails_its_trajectory_not_the_workers(tokenizer, retries: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    suspected: list[str] = []
+    monkeypatch.setattr(WorkerRegistry, "suspect", lambda self, wid: suspected.append(wid))
+    refused = {"t1", "t4"}
+    workers = [FakeWorker("a", cap=2, refuse=refused), FakeWorker("b", cap=2, refuse=refused)]
+    eps = episodes(tokenizer, 6)
+    report, registry = run(workers, eps, turn_retries=retries, timeout_s=60.0)
+    # On 0dda912: every refusal suspected its worker (72 calls in 2 s for 8 such trajectories on
+    # two workers) and the step was lost at its timeout.
+    assert suspected == [] and sorted(registry.alive()) == ["a", "b"]
+    assert sorted(u.trajectory_id for u in report.failed) == ["t1", "t4"] and report.failed_trajectories == 2
+    for u in report.failed:
+        assert u.reason.startswith(f"turn 0 refused {retries + 1} times, the last by ")
+        assert u.reason.endswith(": temperature must be >= 0, got -1.0") and u.trajectory.turns == []
+    calls = [turn_id for w in workers for turn_id, _, _ in w.calls]
+    assert sorted(c for c in calls if c.startswith(("t1:", "t4:"))) == sorted(
+        f"{t}:0:{k}" for t in ("t1", "t4") for k in range(retries + 1))
+    assert {p.outcome for p in report.placements} == {"done", "rejected"}
+    assert report.lost_trajectories == 0 and len(report.trajectories) == 4 and report.seconds < 30
+    assert_released(registry, workers)
+
+
+def test_an_environment_error_fails_its_trajectory_alone(tokenizer) -> None:
+    eps = episodes(tokenizer, 3, max_turns=1)
+
+    def crash(text: str):
+        raise RuntimeError("the environment crashed")
+
+    eps[1].env.step = crash  # on 0dda912 the trajectory vanished into lost_trajectories, no reason given
+    worker = FakeWorker("a")
+    report, registry = run([worker], eps)
+    assert [(u.trajectory_id, u.reason) for u in report.failed] == [
+        ("t1", "RuntimeError: the environment crashed")]
+    assert len(report.trajectories) == 2 and report.lost == []
+    assert_released(registry, [worker])
+
+
+def test_a_busy_executor_keeps_its_standing(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    suspected: list[str] = []
+    monkeypatch.setattr(WorkerRegistry, "suspect", lambda self, wid: suspected.append(wid))
+    busy = FakeWorker("s", WorkerKind.SERVING, cap=4, busy_calls=3)  # 429 to its first 3 turns
+    dedicated = FakeWorker("d", cap=1, delay_s=0.01)
+    eps = episodes(tokenizer, 4, max_turns=1)
+    report, registry = run([busy, dedicated], eps, rebalance=False)
+    check_complete(report, eps)
+    assert [p.worker_id for p in report.placements if p.outcome == "busy"] == ["s"] * 3
+    assert "lost" not in {p.outcome for p in report.placements}
+    assert suspected == [] and sorted(registry.alive()) == ["d", "s"]
+    assert_released(registry, [busy, dedicated])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_mix_of_faults_accounts_for_every_trajectory_and_frees_every_slot(tokenizer, data) -> None:
+    n = data.draw(st.integers(1, 6), label="episodes")
+    ids = [f"s0-{i}" for i in range(n)]
+    subset = st.sets(st.sampled_from(ids), max_size=2)
+    maybe = st.none() | st.integers(1, 4)
+    spec = st.tuples(st.sampled_from(WorkerKind), st.integers(1, 3), subset, subset, st.integers(0, 2),
+                     maybe, maybe)  # kind, cap, refuse, stuck, busy calls, cut after, die after
+    workers = [FakeWorker(f"w{i}", kind, cap, refuse=refuse, stuck=stuck, busy_calls=busy, abort_after=cut,
+                          die_after=die)
+               for i, (kind, cap, refuse, stuck, busy, cut, die)
+               in enumerate(data.draw(st.lists(spec, min_size=1, max_size=3), label="workers"))]
+    registry = WorkerRegistry(2.0)
+    for w in workers:
+        registry.add(w)
+    manager = RolloutManager(registry, SamplingParams(max_tokens=6), tick_s=0.02)
+
+    async def faulty_then_healthy():
+        eps = episodes(tokenizer, n)
+        first = await manager.run(eps, 0, prefix="s0-", timeout_s=1.0)
+        kept = {id(t) for t in first.trajectories}
+        assert kept <= {id(e.trajectory) for e in eps if e.done} and len(kept) == len(first.trajectories)
+        ended = [u.trajectory_id for u in first.failed + first.lost]
+        assert len(set(ended)) == len(ended) and len(kept) + len(ended) == n
+        assert_released(registry, workers)
+        for w in workers:
+            w.refuse = w.stuck = ()
+            w.busy_calls, w.abort_after, w.die_after, w.dead = 0, None, None, False
+        eps = episodes(tokenizer, n)
+        return await manager.run(eps, 0, prefix="s1-", timeout_s=30.0), eps
+
+    second, eps = asyncio.run(faulty_then_healthy())
+    check_complete(second, eps)
+    assert_released(registry, workers)

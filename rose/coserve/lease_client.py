@@ -25,7 +25,53 @@ class TurnResult:
 
 
 class LeaseError(RuntimeError):
-    """The executor refused a lease call (its 4xx message) or could not be reached."""
+    """A lease call failed: the executor answered `status` (an HTTP code), or could not be reached
+    or broke off (`status` None). A failure of the executor, unless a subclass says otherwise."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TurnRejected(LeaseError):
+    """The turn itself was refused and would be wherever it ran: an executor's 4xx naming what is
+    wrong with it (a prompt past the context, a bad sampling parameter), or a dedicated worker's
+    ValueError (`status` None). The turn's failure, not the worker's."""
+
+
+class ExecutorBusy(LeaseError):
+    """429: the executor has no room for the turn now (lease slots or queue full); it is healthy
+    and the turn may go elsewhere or come back later."""
+
+
+# 4xx that are not about the turn: our key refused (the executor is unusable to us, as if
+# down) or the executor timing the request out.
+_NOT_THE_TURN = frozenset({401, 403, 408})
+
+
+def _error(message: str, status: int) -> LeaseError:
+    """The error class an HTTP status stands for."""
+    if status == 429:
+        return ExecutorBusy(message, status)
+    if 400 <= status < 500 and status not in _NOT_THE_TURN:
+        return TurnRejected(message, status)
+    return LeaseError(message, status)
+
+
+def _append(result: TurnResult, data: str, turn_id: str, url: str) -> None:
+    """Add one streamed event to `result`. A malformed event is the executor's failure (a
+    ValueError would read as the turn's own)."""
+    try:
+        event = json.loads(data)
+        tokens, logprobs, versions = event["token_ids"], event["logprobs"], event["versions"]
+        finish_reason = event["finish_reason"] if event["finished"] else None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LeaseError(f"turn {turn_id!r} on {url}: malformed stream event {data[:200]!r}: {exc}",
+                         200) from exc
+    result.token_ids += tokens
+    result.logprobs += logprobs
+    result.versions += versions
+    result.finish_reason = finish_reason
 
 
 class LeaseClient:
@@ -42,7 +88,7 @@ class LeaseClient:
         except httpx.HTTPError as exc:
             raise LeaseError(f"{self.url}{path}: {exc}") from exc
         if r.status_code != 200:
-            raise LeaseError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+            raise _error(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
         return r.json()
 
     async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int],
@@ -58,15 +104,11 @@ class LeaseClient:
         try:
             async with self._client.stream("POST", f"{self.url}/v1/lease/turns", json=body) as r:
                 if r.status_code != 200:
-                    raise LeaseError(f"turn {turn_id!r}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                    raise _error(f"turn {turn_id!r} on {self.url}: HTTP {r.status_code}: "
+                                 f"{(await r.aread())[:300]!r}", r.status_code)
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    event = json.loads(line[6:])
-                    result.token_ids += event["token_ids"]
-                    result.logprobs += event["logprobs"]
-                    result.versions += event["versions"]
-                    result.finish_reason = event["finish_reason"] if event["finished"] else None
+                    if line.startswith("data: "):
+                        _append(result, line[6:], turn_id, self.url)
         except httpx.HTTPError as exc:
             raise LeaseError(f"turn {turn_id!r} on {self.url}: {exc}") from exc
         return result
@@ -76,6 +118,8 @@ class LeaseClient:
             r = await self._client.get(f"{self.url}/v1/lease/capacity")
         except httpx.HTTPError as exc:
             raise LeaseError(f"{self.url}: {exc}") from exc
+        if r.status_code != 200:
+            raise _error(f"{self.url}/v1/lease/capacity: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
         return r.json()
 
     async def heartbeat(self) -> dict[str, Any]:

@@ -8,8 +8,16 @@ dedicated worker. A turn runs as one or more *attempts*: when an executor hands 
 emergency cut, finish reason "abort"), when `rebalance` moves it from a serving executor to a
 dedicated worker, or when its worker dies (a failed call, or silence past the stall timeout),
 the tokens it already produced join its prompt and the rest of it is routed again (`resume`):
-nothing is regenerated and no trajectory is lost. Every attempt's placement is recorded, so a
-report can say where the turns ran.
+nothing is regenerated and no trajectory is lost. A turn refused for what it is (a 4xx from an
+executor, a dedicated worker's ValueError: a bad sampling parameter, a prompt past the context)
+is the turn's failure, not its worker's: it is routed again (without its affinity) at most
+`turn_retries` times, then its trajectory is reported failed with the reason (as is one whose
+environment raised); the worker keeps its standing, as does an executor that turns a turn away
+for lack of room (429: the turn is routed again). Only transport and liveness failures make a
+worker suspect. A step that times out reports its unfinished trajectories as lost, each with
+where it stood. Every attempt's placement is recorded, so a report can say where the turns ran;
+every exit path (done, failed, timed out, cancelled) takes the trajectory out of the routing
+table, so the next step finds its workers' slots free.
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ import asyncio
 import dataclasses
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from rose.engine import SamplingParams
 from rose.rl import Episode, Trajectory
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerKind, resume
-from rose.rollout.workers import TurnResult, extend
+from rose.rollout.workers import Failure, TurnResult, classify, extend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +48,36 @@ class Placement:
     start_s: float  # since the rollout started
     end_s: float
     tokens: int
-    outcome: str  # "done", "abort" (handed back or moved) or "lost" (worker died)
+    # "done", "abort" (handed back or moved), "lost" (worker died), "rejected" (the turn was
+    # refused for what it is) or "busy" (the worker had no room)
+    outcome: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Unfinished:
+    """A trajectory that did not finish: the turns it did finish, and why it stopped."""
+
+    trajectory_id: str
+    trajectory: Trajectory
+    reason: str
 
 
 @dataclasses.dataclass
 class RolloutReport:
-    trajectories: list[Trajectory]
+    trajectories: list[Trajectory]  # the finished ones, for training
     placements: list[Placement]
     seconds: float
-    lost_trajectories: int  # episodes that could not finish (no worker left before the deadline)
+    failed: list[Unfinished] = dataclasses.field(default_factory=list)  # refused turn, environment error
+    lost: list[Unfinished] = dataclasses.field(default_factory=list)  # unfinished at the deadline
+
+    @property
+    def failed_trajectories(self) -> int:
+        return len(self.failed)
+
+    @property
+    def lost_trajectories(self) -> int:
+        """Episodes that could not finish before the deadline (no worker left, or too slow)."""
+        return len(self.lost)
 
     def tokens_on(self, kind: WorkerKind) -> int:
         return sum(p.tokens for p in self.placements if p.kind == kind.value)
@@ -78,18 +108,27 @@ class _Turn:
     task: asyncio.Task[None] | None = None
     move_to: str | None = None  # a rebalance move in progress
     lost: bool = False  # its worker was reaped: the cancellation is ours
+    rejections: int = 0
+
+
+class TurnFailed(Exception):
+    """A turn refused every time it was tried: its trajectory cannot go on."""
 
 
 class RolloutManager:
     def __init__(self, registry: WorkerRegistry, params: SamplingParams, *, rebalance: bool = True,
-                 tick_s: float = 0.25, seed: int = 0) -> None:
+                 tick_s: float = 0.25, seed: int = 0, turn_retries: int = 2) -> None:
         """`params`: sampling for every turn (`max_tokens` is a turn's budget; the stop ids end a
-        turn early). Each attempt gets its own seed, drawn from `seed` and the turn."""
+        turn early). Each attempt gets its own seed, drawn from `seed` and the turn. A turn
+        refused for what it is is tried again at most `turn_retries` times."""
+        if turn_retries < 0:
+            raise ValueError(f"turn_retries must be >= 0, got {turn_retries}")
         self.registry, self.params = registry, params
         self.rebalance, self.tick_s, self.seed = rebalance, tick_s, seed
+        self.turn_retries = turn_retries
         self._turns: dict[str, _Turn] = {}
         self._placements: list[Placement] = []
-        self._aborts: set[asyncio.Task[None]] = set()  # rebalance aborts in flight
+        self._tasks: set[asyncio.Task[None]] = set()  # attempts and rebalance aborts in flight
         self._t0 = 0.0
 
     @property
@@ -101,25 +140,55 @@ class RolloutManager:
         """Play every episode to its end; turns need workers on at least `policy_version`.
         Trajectory ids are `prefix` + index (unique among the runs a worker sees)."""
         self._placements, self._t0 = [], time.perf_counter()
+        ids = [f"{prefix}{i}" for i in range(len(episodes))]
         ticker = asyncio.create_task(self._tick())
-        plays = [asyncio.create_task(self._play(f"{prefix}{i}", e, policy_version))
-                 for i, e in enumerate(episodes)]
+        plays = [asyncio.create_task(self._play(tid, e, policy_version))
+                 for tid, e in zip(ids, episodes, strict=True)]
+        late: dict[str, str] = {}
         try:
-            await asyncio.wait(plays, timeout=timeout_s)
+            _, pending = await asyncio.wait(plays, timeout=timeout_s)
+            late = {tid: f"unfinished at the {timeout_s} s timeout: {self._whereabouts(tid)}"
+                    for tid, p in zip(ids, plays, strict=True) if p in pending}
         finally:
-            ticker.cancel()
-            for task in plays:
+            await self._stop([ticker, *plays])
+        report = RolloutReport([], self._placements, self._elapsed())
+        for tid, episode, play in zip(ids, episodes, plays, strict=True):
+            if tid in late:
+                report.lost.append(Unfinished(tid, episode.trajectory, late[tid]))
+            elif (reason := play.result()) is not None:
+                report.failed.append(Unfinished(tid, episode.trajectory, reason))
+            else:
+                report.trajectories.append(episode.trajectory)
+        return report
+
+    async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:
+        """Cancel the run's tasks and wait for them all: each play takes its trajectory out of
+        the routing table, and no call to a worker outlives the run."""
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        while self._tasks:
+            left = list(self._tasks)
+            for task in left:
                 task.cancel()
-            await asyncio.gather(*plays, ticker, return_exceptions=True)
-            for t in list(self._turns.values()):
-                if t.task is not None:
-                    t.task.cancel()
-        kept = [e.trajectory for e, p in zip(episodes, plays, strict=True) if e.done and not p.cancelled()]
-        return RolloutReport(kept, self._placements, self._elapsed(), len(episodes) - len(kept))
+            await asyncio.gather(*left, return_exceptions=True)
+            self._tasks.difference_update(left)
+
+    def _whereabouts(self, tid: str) -> str:
+        """Where a trajectory's current turn stands, for a timeout's report."""
+        t = self._turns.get(tid)
+        if t is None:
+            return "between two turns"
+        req = t.request
+        wid = next((w for w, turns in self.table.in_flight.items() if tid in turns), None)
+        if wid is None:
+            return f"turn {req.turn} (attempt {req.attempt}) queued: no eligible worker had room"
+        return f"turn {req.turn} (attempt {req.attempt}) running on {wid}"
 
     # -- one episode, one turn -----------------------------------------------------------------
 
-    async def _play(self, tid: str, episode: Episode, version: int) -> None:
+    async def _play(self, tid: str, episode: Episode, version: int) -> str | None:
+        """Play the episode to its end; the reason it failed, or None."""
         k = 0
         try:
             while not episode.done:
@@ -127,8 +196,13 @@ class RolloutManager:
                                                    version), episode.prompt_ids)
                 episode.record(out.token_ids, out.logprobs, out.versions)
                 k += 1
+        except TurnFailed as exc:
+            return str(exc)
+        except Exception as exc:  # the environment's error (or ours): this trajectory's, not the step's
+            return f"{type(exc).__name__}: {exc}"
         finally:
-            self.table.finish_trajectory(tid)
+            self.table.cancel(tid)
+        return None
 
     async def _turn(self, request: TurnRequest, prompt: list[int]) -> TurnResult:
         t = _Turn(request, prompt, asyncio.get_running_loop().create_future())
@@ -145,52 +219,83 @@ class RolloutManager:
         """Start an attempt where the table placed the turn; a queued turn waits for `_drain`."""
         if route.worker_id is not None:
             t.move_to = None
-            t.task = asyncio.create_task(self._attempt(t, route.worker_id, t.request))
+            t.task = self._spawn(self._attempt(t, route.worker_id, t.request))
+
+    def _spawn(self, call: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(call)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _attempt(self, t: _Turn, wid: str, req: TurnRequest) -> None:
-        worker = self.registry.workers[wid]
-        got, start, outcome = TurnResult(), self._elapsed(), "done"
+        got, start = TurnResult(), self._elapsed()
         seed = zlib.crc32(f"{self.seed}:{req.trajectory_id}:{req.turn}:{req.attempt}".encode())
         params = dataclasses.replace(self.params, max_tokens=req.max_tokens, seed=seed)
         turn_id = f"{req.trajectory_id}:{req.turn}:{req.attempt}"
+        worker = self.registry.workers[wid]
+        error: Exception | None = None
         try:
             await worker.run_turn(turn_id, req.trajectory_id, t.prompt + t.out.token_ids, params,
                                   req.policy_version, got)
+            if got.finish_reason is None:  # a stream cut short: not a finished turn
+                raise ConnectionError(f"{wid} ended turn {turn_id!r} without a finish reason")
             outcome = "abort" if got.finish_reason == "abort" else "done"
         except asyncio.CancelledError:
-            if not t.lost:
+            if not t.lost or t.done.done():
                 raise
-            outcome = "lost"
-        except Exception:  # any failure of the call: the worker is presumed dead
-            outcome = "lost"
-            self.registry.suspect(wid)
+            outcome = Failure.WORKER.value
+        except Exception as exc:
+            error, outcome = exc, classify(exc).value
+            if outcome == Failure.WORKER.value:
+                self.registry.suspect(wid)
         extend(t.out, got)
         end, produced = self._elapsed(), len(got.token_ids)
         self._placements.append(Placement(req.trajectory_id, req.turn, req.attempt, wid, worker.kind.value,
                                           start, end, produced, outcome))
-        in_flight = req.trajectory_id in self.table.in_flight.get(wid, {})
         if produced and wid in self.table.workers:
             self.table.measure(wid, produced / max(end - start, 1e-6))
-        stopped = bool(got.token_ids) and got.token_ids[-1] in self.params.stop_token_ids
+        if not t.done.done():
+            try:
+                self._settle(t, wid, req, produced, outcome, error)
+            except Exception as exc:  # a bug: the turn fails with it rather than waiting for the deadline
+                t.done.set_exception(exc)
+        self._drain()
+
+    def _settle(self, t: _Turn, wid: str, req: TurnRequest, produced: int, outcome: str,
+                error: Exception | None) -> None:
+        """After an attempt: the turn is done, failed, or goes on from its tokens elsewhere."""
+        tid = req.trajectory_id
+        in_flight = tid in self.table.in_flight.get(wid, {})
+        stopped = produced > 0 and t.out.token_ids[-1] in self.params.stop_token_ids
         if outcome == "done" or produced == req.max_tokens or stopped:
             if in_flight:
-                self.table.complete(wid, req.trajectory_id)
+                self.table.complete(wid, tid)
             if outcome != "done":
                 t.out.finish_reason = "stop" if stopped else "length"
             t.done.set_result(t.out)
-        else:
-            t.lost, t.request = False, resume(req, produced)
-            now = self._now()
-            if outcome == "abort" and in_flight and t.move_to in self.table.workers:
-                route = self.table.move(req.trajectory_id, wid, t.move_to, produced)
-            elif outcome == "abort" and in_flight:
-                route = self.table.abort(wid, req.trajectory_id, produced, now)
-            else:
+            return
+        if outcome == Failure.REJECTED.value:
+            t.rejections += 1
+            if t.rejections > self.turn_retries:
                 if in_flight:
-                    self.table.complete(wid, req.trajectory_id)
-                route = self.table.route(t.request, now)
-            self._dispatch(t, route)
-        self._drain()
+                    self.table.complete(wid, tid)
+                t.done.set_exception(TurnFailed(f"turn {req.turn} refused {t.rejections} times, the last by "
+                                                f"{wid}: {error}"))
+                return
+        t.lost, t.request = False, resume(req, produced)
+        now = self._now()
+        if outcome == "abort" and in_flight and t.move_to in self.table.workers:
+            route = self.table.move(tid, wid, t.move_to, produced)
+        elif outcome != Failure.WORKER.value and in_flight:
+            if outcome == Failure.BUSY.value:
+                self.table.full(wid)
+            # handed back, refused or turned away: resumed elsewhere, without this worker's affinity
+            route = self.table.abort(wid, tid, produced, now)
+        else:
+            if in_flight:
+                self.table.complete(wid, tid)
+            route = self.table.route(t.request, now)
+        self._dispatch(t, route)
 
     # -- the periodic half: heartbeats, dead workers, queued turns, rebalancing ------------------
 
@@ -208,9 +313,8 @@ class RolloutManager:
                     t = self._turns.get(turn.trajectory_id)
                     if t is not None and t.move_to is None:
                         t.move_to = dst
-                        self._aborts.add(asyncio.create_task(self.registry.workers[src].abort(
-                            f"{turn.trajectory_id}:{turn.turn}:{turn.attempt}")))
-                        self._aborts = {a for a in self._aborts if not a.done()}
+                        self._spawn(self.registry.workers[src].abort(
+                            f"{turn.trajectory_id}:{turn.turn}:{turn.attempt}"))
             await asyncio.sleep(self.tick_s)
 
     def _drain(self) -> None:

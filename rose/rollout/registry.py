@@ -54,8 +54,7 @@ class WorkerRegistry:
     async def poll(self) -> None:
         """Heartbeat every known worker concurrently; an answer within the stall timeout counts."""
         workers = list(self.workers.values())
-        replies = await asyncio.gather(*(asyncio.wait_for(w.heartbeat(), self.stall_timeout_s)
-                                         for w in workers), return_exceptions=True)
+        replies = await asyncio.gather(*(self._beat(w) for w in workers), return_exceptions=True)
         now = self.clock()
         for worker, reply in zip(workers, replies, strict=True):
             if isinstance(reply, BaseException) or worker.worker_id not in self.workers:
@@ -64,6 +63,11 @@ class WorkerRegistry:
                 self._register(worker, reply)
             self.table.heartbeat(worker.worker_id, now, free_slots=reply.free_slots, slack_s=reply.slack_s,
                                  policy_version=reply.policy_version)
+
+    async def _beat(self, worker: Worker) -> Heartbeat:
+        # The heartbeat's coroutine is made here, not before: a poll cancelled before this runs
+        # (the step ended) leaves no coroutine never awaited.
+        return await asyncio.wait_for(worker.heartbeat(), self.stall_timeout_s)
 
     def reap(self) -> list[TurnRequest]:
         """Take out the workers silent past the stall timeout; return their turns in flight."""

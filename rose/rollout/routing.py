@@ -316,9 +316,28 @@ class RoutingTable:
         self.counts[RouteReason.LEAST_LOADED] += 1
         return route
 
+    def full(self, worker_id: Hashable) -> None:
+        """A serving executor turned a turn away for lack of room (busy): route it nothing more
+        until its next capacity report."""
+        self.workers[worker_id].free_slots = 0
+
     def finish_trajectory(self, trajectory_id: Hashable) -> None:
         self._release(trajectory_id)
         self.affinity.pop(trajectory_id, None)
+
+    def cancel(self, trajectory_id: Hashable) -> TurnRequest | None:
+        """Take a trajectory out wherever it is (its step timed out or was cancelled, it failed):
+        its turn in flight or queued, the slot it holds, its affinity. Returns that turn, if any."""
+        turn = None
+        for wid, turns in self.in_flight.items():
+            if trajectory_id in turns:
+                turn = self.complete(wid, trajectory_id)
+                break
+        queued = [q for q in self.queue if q.trajectory_id == trajectory_id]
+        for q in queued:
+            self.queue.remove(q)
+        self.finish_trajectory(trajectory_id)
+        return turn or (queued[0] if queued else None)
 
     def reap(self, now: float) -> list[TurnRequest]:
         """Remove workers silent past the stall timeout; return their turns in flight, which the

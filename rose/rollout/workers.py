@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import math
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
+from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected, TurnResult
 from rose.engine import SamplingParams
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.rollout.routing import WorkerKind
 
-__all__ = ["EngineWorker", "Heartbeat", "LeaseWorker", "TurnResult", "Worker", "extend"]
+__all__ = ["EngineWorker", "ExecutorBusy", "Failure", "Heartbeat", "LeaseWorker", "TurnRejected",
+           "TurnResult", "Worker", "classify", "extend"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,25 @@ class Worker(Protocol):
     async def abort(self, turn_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class Failure(enum.Enum):
+    """Why a turn's call failed, which decides what the rollout manager does about it."""
+
+    REJECTED = "rejected"  # the turn's own fault: retried a few times, then its trajectory fails
+    BUSY = "busy"          # the worker has no room now: routed again; the worker keeps its standing
+    WORKER = "lost"        # transport or liveness: the worker is suspected, the turn resumes elsewhere
+
+
+def classify(exc: Exception) -> Failure:
+    """A refused turn (`TurnRejected`, or a worker's ValueError: the engine's validation of a
+    prompt or its sampling parameters) is the turn's failure, a 429 a busy worker; anything else
+    (connection errors, timeouts, 5xx, a dead actor) a worker failure."""
+    if isinstance(exc, ExecutorBusy):
+        return Failure.BUSY
+    if isinstance(exc, TurnRejected | ValueError):
+        return Failure.REJECTED
+    return Failure.WORKER
 
 
 def extend(result: TurnResult, delta: TurnResult) -> TurnResult:

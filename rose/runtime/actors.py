@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
-from rose.coserve.lease_client import LeaseClient
+from rose.coserve.lease_client import LeaseClient, TurnRejected
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import build_app
 from rose.engine import LLMEngine, SamplingParams
@@ -144,8 +144,17 @@ class ActorWorker:
 
     async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
                        policy_version: int | None, result: TurnResult) -> TurnResult:
-        async for ref in self.handle.stream_turn.remote(turn_id, token_ids, params, policy_version):
-            extend(result, await ref)
+        """A ValueError in the actor (the engine refusing the prompt or its sampling, reaching
+        here wrapped in a RayTaskError) is the turn's failure; anything else the worker's."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            async for ref in self.handle.stream_turn.remote(turn_id, token_ids, params, policy_version):
+                extend(result, await ref)
+        except RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):
+                raise TurnRejected(f"turn {turn_id!r} on {self.worker_id}: {exc.cause}") from exc
+            raise
         return result
 
     async def heartbeat(self) -> Heartbeat:

@@ -54,7 +54,7 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
                 sync_s=sync.seconds, sync_bytes=sync.payload_bytes,
                 success_rate=rollout.success_rate, reward=metrics["reward_mean"],
                 turns_on_serving=rollout.serving_fraction, resumed_turns=rollout.resumed_turns,
-                lost_trajectories=rollout.lost_trajectories,
+                lost_trajectories=rollout.lost_trajectories, failed_trajectories=rollout.failed_trajectories,
                 placements=[(p.start_s + (wall0 - t_start), p.end_s + (wall0 - t_start), p.kind)
                             for p in rollout.placements],
                 serving=serving_summary(served, config.serving) if cluster.serving else {},

@@ -26,6 +26,7 @@ class StepRecord:
     turns_on_serving: float  # share of generated tokens produced on serving devices
     resumed_turns: int
     lost_trajectories: int
+    failed_trajectories: int  # a turn refused every time it was tried (the reasons: RolloutReport.failed)
     placements: list[tuple[float, float, str]]  # (start, end, kind), seconds since the run began
     serving: dict[str, Any]
     loss: float
@@ -55,6 +56,7 @@ def summarize(records: list[StepRecord], serving: dict[str, Any]) -> dict[str, A
         "weight_sync_s": round(sum(r.sync_s for r in records) / n, 4),
         "weight_sync_bytes": sum(r.sync_bytes for r in records) // n,
         "lost_trajectories": sum(r.lost_trajectories for r in records),
+        "failed_trajectories": sum(r.failed_trajectories for r in records),
     }
 
 
