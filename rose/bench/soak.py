@@ -16,8 +16,10 @@ Then the load stops, in-flight work drains (at most `--drain` s) and the idle se
 inspected. Summary:
 
 - `requests`: HTTP requests sent; `status_2xx`, `status_4xx` (429 included), `status_429`,
-  `status_5xx`; `transport_errors` (no answer, or a stream cut before its end), `timeouts`;
-  `client_left`: exchanges the misbehaving clients abandoned on purpose;
+  `status_5xx` (and `status_5xx_by_kind`: which clients got them); `transport_errors` (no
+  answer, or a stream cut before its end); `timeouts` (no byte for 60 s);
+  `unanswered_at_drain_deadline`; `client_left`: exchanges the misbehaving clients abandoned
+  on purpose. 4xx answers to the garbage are the expected ones;
 - `rss_growth_after_warmup`: server RSS (VmRSS) at the end of the load over its RSS at the end
   of the warm-up (a quarter of the run, at most 120 s), minus 1;
 - `kv_pages_leaked`: at idle, the KV pages both models map in the pool minus the pages only
@@ -27,7 +29,11 @@ inspected. Summary:
 - `lost_turns`: lease turns submitted that got neither a finished event nor an HTTP error
   answer (the stream ended or broke early, the turn timed out, or it still ran at the drain
   deadline);
-- `p99_ttft_ms`, `p50_ttft_ms`: the streamed trace requests'.
+- `p99_ttft_ms`, `p50_ttft_ms`: the streamed trace requests';
+- after the drain: `engine_quiet_after_drain` (no iteration for 2 s), `idle_cpu_fraction` (the
+  server's CPU use over 2 idle seconds), `idle_probe_ok` (a 1-token completion answered), and
+  `server_alive_after`, `shutdown_s`, `sigterm_ignored`, `server_tracebacks` (in its log; the
+  report lists their exceptions).
 
 Goal (issue 16): 10 minutes with 0 5xx, under 10% RSS growth, 0 pages leaked, 0 lost turns.
 """
@@ -261,10 +267,12 @@ def _stream_outcome(r: RequestResult) -> str:
     return "cut" if r.status == 200 and r.error else str(r.status)
 
 
-def _lease_status(exc: LeaseError) -> int | None:
+def _lease_status(exc: LeaseError) -> str | None:
     """The HTTP status a lease call was refused with; None when the server did not answer."""
+    if isinstance(exc.__cause__, httpx.HTTPError):
+        return None
     found = re.search(r"HTTP (\d{3})", str(exc))
-    return int(found.group(1)) if found else None
+    return found.group(1) if found else "refused"
 
 
 class Soak:
@@ -321,6 +329,9 @@ class Soak:
             self.count(kind, "timeout")
         except httpx.HTTPError:
             self.count(kind, "transport")
+        except asyncio.CancelledError:
+            self.count(kind, "deadline")  # still unanswered at the drain deadline
+            raise
 
     def tokens(self, n: int) -> list[int]:
         return self.rng.integers(*VOCAB, n).tolist()
@@ -337,20 +348,26 @@ class Soak:
             await asyncio.sleep(max(0.0, self.t0 + at - time.perf_counter()))
             if not self.running():
                 return
-            self.spawn(self.serve_one(str(self.rng.choice(kinds, p=weights)), float(at), int(p), int(o)))
+            kind = str(self.rng.choice(kinds, p=weights))
+            send = self.stream(float(at), int(p), int(o)) if kind == "stream" else self.openai_request(
+                kind, int(p), int(o))
+            self.spawn(self.exchange(f"serving/{kind}", send))
 
-    async def serve_one(self, kind: str, at: float, prompt: int, max_tokens: int) -> None:
-        ids = self.tokens(prompt)
-        if kind == "stream":
-            result = RequestResult(at, prompt)
-            self.streamed.append(result)
-            await stream_completion(self.openai_http, self.url, self.model, ids, max_tokens, result)
-            self.count("serving/stream", _stream_outcome(result))
-            return
+    async def stream(self, at: float, prompt: int, max_tokens: int) -> str:
+        """A streamed completion, measured as `rose loadgen` measures it."""
+        result = RequestResult(at, prompt)
+        self.streamed.append(result)
+        await stream_completion(self.openai_http, self.url, self.model, self.tokens(prompt), max_tokens,
+                                result)
+        return _stream_outcome(result)
+
+    async def openai_request(self, kind: str, prompt: int, max_tokens: int) -> str:
+        """A plain completion, or a chat completion (streamed or not), through the openai client."""
         try:
             if kind == "complete":
-                await self.openai.completions.create(model=self.model, prompt=ids, max_tokens=max_tokens,
-                                                     temperature=0.0, extra_body={"ignore_eos": True})
+                await self.openai.completions.create(model=self.model, prompt=self.tokens(prompt),
+                                                     max_tokens=max_tokens, temperature=0.0,
+                                                     extra_body={"ignore_eos": True})
             else:
                 words = " ".join(self.rng.choice(WORDS, max(1, prompt // 2)))
                 answer = await self.openai.chat.completions.create(
@@ -359,15 +376,15 @@ class Soak:
                 if kind == "chat_stream":
                     async for _ in answer:
                         pass
-            self.count(f"serving/{kind}", "200")
         except openai.APITimeoutError:
-            self.count(f"serving/{kind}", "timeout")
+            return "timeout"
         except openai.APIConnectionError:
-            self.count(f"serving/{kind}", "transport")
+            return "transport"
         except openai.APIStatusError as exc:
-            self.count(f"serving/{kind}", str(exc.status_code))
+            return str(exc.status_code)
         except openai.APIError:  # an error event inside a stream that had begun
-            self.count(f"serving/{kind}", "cut")
+            return "cut"
+        return "200"
 
     # -- rollouts: the lease API ---------------------------------------------------------------
 
@@ -397,12 +414,12 @@ class Soak:
             if status is None:
                 return self._lost("transport", str(exc))
             self.turns["refused"] += 1
-            self.count("lease/turn", str(status))
+            self.count("lease/turn", status)
             return None
         except asyncio.TimeoutError:
             return self._lost("timeout", f"no finished event within {TURN_TIMEOUT_S:.0f} s")
         except asyncio.CancelledError:
-            self._lost("left", "still running at the drain deadline")
+            self._lost("deadline", "still running at the drain deadline")
             raise
         if got.finish_reason is None:
             return self._lost("cut", "the stream ended without a finished event")
@@ -465,10 +482,11 @@ class Soak:
         await self.exchange(f"disconnect/{kind}", send())
 
     async def stall(self) -> None:
-        """Open a long stream, take its first bytes, then read nothing for 5-20 s and close."""
+        """Open a long stream, take its first bytes, then read nothing for 5-20 s (at most until the
+        load ends) and close."""
         lease = bool(self.rng.random() < 0.5)
         client, path, body = self._stream_target(lease, 1500)
-        pause = float(self.rng.uniform(5, 20))
+        pause = min(float(self.rng.uniform(5, 20)), max(1.0, self.stop_at - time.perf_counter()))
 
         async def send() -> int | str:
             async with client.stream("POST", f"{self.url}{path}", json=body) as r:
@@ -511,7 +529,8 @@ class Soak:
             self.samples.append({
                 "t": round(time.perf_counter() - self.t0, 1),
                 "rss_mb": round(self.server.rss_bytes() / 2**20, 1) if self.server.alive() else None,
-                "pages": {o: m.get(f"rose_kv_pool_pages/{o}") for o in ("serving", "rollout", "free")}})
+                "pages": {o: m.get(f"rose_kv_pool_pages/{o}") for o in ("serving", "rollout", "free")},
+                "served": m.get("rose_serving_requests_total")})
             if not self.running():
                 return
             await asyncio.sleep(min(SAMPLE_EVERY_S, max(0.0, self.stop_at - time.perf_counter())))
@@ -543,7 +562,7 @@ class Soak:
             await client.aclose()
         await self.openai.close()
         await self.lease.aclose()
-        return self.summary(drained_s, len(cut), idle)
+        return self.summary(drained_s, idle)
 
     async def inspect_idle(self) -> dict[str, Any]:
         """Wait for the engine to go quiet (bounded), then: CPU while idle, a probe request (whose
@@ -562,7 +581,7 @@ class Soak:
         await asyncio.sleep(2.0)
         idle_cpu = (self.server.cpu_seconds() - cpu0) / 2.0
         try:
-            probe = await self.openai_http.post(f"{self.url}/v1/completions", timeout=30, json={
+            probe = await self.openai_http.post(f"{self.url}/v1/completions", timeout=10, json={
                 "model": self.model, "prompt": [11, 12], "max_tokens": 1})
             probe_ok = probe.status_code == 200
             self.count("probe/idle", str(probe.status_code))
@@ -576,7 +595,7 @@ class Soak:
                 "idle_probe_ok": probe_ok, "pages_cached": cached,
                 "kv_pages_leaked": int(sum(used.values()) - sum(cached.values())) if m else None}
 
-    def summary(self, drained_s: float, cut: int, idle: dict[str, Any]) -> dict[str, Any]:
+    def summary(self, drained_s: float, idle: dict[str, Any]) -> dict[str, Any]:
         total: collections.Counter[str] = collections.Counter()
         for outcomes in self.outcomes.values():
             total.update(outcomes)
@@ -604,7 +623,9 @@ class Soak:
             "turns_finished": self.turns["finished"], "turns_refused": self.turns["refused"],
             "turns_handed_back": self.turns["handed_back"],
             "p50_ttft_ms": ttft["p50_ttft_ms"], "p99_ttft_ms": ttft["p99_ttft_ms"],
-            "drain_s": round(drained_s, 2), "cut_at_drain_deadline": cut,
+            "drain_s": round(drained_s, 2), "unanswered_at_drain_deadline": total["deadline"],
+            "status_5xx_by_kind": {k: n for k, c in sorted(self.outcomes.items())
+                                   if (n := sum(v for o, v in c.items() if o.isdigit() and int(o) >= 500))},
             "engine_quiet_after_drain": idle["engine_quiet"], "idle_cpu_fraction": idle["idle_cpu_fraction"],
             "idle_probe_ok": idle["idle_probe_ok"], "client_exceptions": sum(self.client_exceptions.values()),
         }
