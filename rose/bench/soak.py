@@ -412,7 +412,9 @@ class Soak:
         except LeaseError as exc:
             status = _lease_status(exc)
             if status is None:
-                return self._lost("transport", str(exc))
+                cause = exc.__cause__
+                timeout = isinstance(cause, httpx.TimeoutException)
+                return self._lost("timeout" if timeout else "transport", f"{type(cause).__name__}: {cause}")
             self.turns["refused"] += 1
             self.count("lease/turn", status)
             return None
