@@ -30,10 +30,11 @@ inspected. Summary:
   answer (the stream ended or broke early, the turn timed out, or it still ran at the drain
   deadline);
 - `p99_ttft_ms`, `p50_ttft_ms`: the streamed trace requests';
-- after the drain: `engine_quiet_after_drain` (no iteration for 2 s), `idle_cpu_fraction` (the
-  server's CPU use over 2 idle seconds), `idle_probe_ok` (a 1-token completion answered), and
-  `server_alive_after`, `shutdown_s`, `sigterm_ignored`, `server_tracebacks` (in its log; the
-  report lists their exceptions).
+- after the drain: `engine_busy_after_drain_s` (how long the engine kept iterating once every
+  client was done: work nobody waits for; None if it never stopped for 2 s within 30 s),
+  `idle_cpu_fraction` (the server's CPU use over 2 idle seconds), `idle_probe_ok` (a 1-token
+  completion answered), `server_alive_after`, `shutdown_s`, `sigterm_ignored`, and
+  `server_tracebacks` (in its log; the report lists their exceptions).
 
 Goal (issue 16): 10 minutes with 0 5xx, under 10% RSS growth, 0 pages leaked, 0 lost turns.
 """
@@ -570,15 +571,16 @@ class Soak:
         """Wait for the engine to go quiet (bounded), then: CPU while idle, a probe request (whose
         iteration also re-exports the pool gauges), and the pages still held."""
         if not self.server.alive():
-            return {"engine_quiet": None, "idle_cpu_fraction": None, "idle_probe_ok": False,
+            return {"busy_s": None, "idle_cpu_fraction": None, "idle_probe_ok": False,
                     "kv_pages_leaked": None, "pages_cached": {}}
-        quiet_for, last, deadline = 0.0, -1.0, time.perf_counter() + 30.0
-        while quiet_for < 2.0 and time.perf_counter() < deadline:
+        start, last_change, last = time.perf_counter(), time.perf_counter(), -1.0
+        while time.perf_counter() - last_change < 2.0 and time.perf_counter() < start + 30.0:
             m = await self.metrics() or {}
             now = m.get("rose_iterations_total/serving", 0.0) + m.get("rose_iterations_total/rollout", 0.0)
-            quiet_for = quiet_for + 0.5 if now == last else 0.0
-            last = now
+            if now != last:
+                last, last_change = now, time.perf_counter()
             await asyncio.sleep(0.5)
+        quiet = time.perf_counter() - last_change >= 2.0
         cpu0 = self.server.cpu_seconds()
         await asyncio.sleep(2.0)
         idle_cpu = (self.server.cpu_seconds() - cpu0) / 2.0
@@ -593,7 +595,8 @@ class Soak:
         m = await self.metrics()
         used = {o: m.get(f"rose_kv_pool_pages/{o}", 0.0) for o in ("serving", "rollout")} if m else {}
         cached = {o: m.get(f"rose_kv_cached_pages/{o}", 0.0) for o in ("serving", "rollout")} if m else {}
-        return {"engine_quiet": quiet_for >= 2.0, "idle_cpu_fraction": round(idle_cpu, 3),
+        return {"busy_s": round(last_change - start, 1) if quiet else None,
+                "idle_cpu_fraction": round(idle_cpu, 3),
                 "idle_probe_ok": probe_ok, "pages_cached": cached,
                 "kv_pages_leaked": int(sum(used.values()) - sum(cached.values())) if m else None}
 
@@ -628,7 +631,7 @@ class Soak:
             "drain_s": round(drained_s, 2), "unanswered_at_drain_deadline": total["deadline"],
             "status_5xx_by_kind": {k: n for k, c in sorted(self.outcomes.items())
                                    if (n := sum(v for o, v in c.items() if o.isdigit() and int(o) >= 500))},
-            "engine_quiet_after_drain": idle["engine_quiet"], "idle_cpu_fraction": idle["idle_cpu_fraction"],
+            "engine_busy_after_drain_s": idle["busy_s"], "idle_cpu_fraction": idle["idle_cpu_fraction"],
             "idle_probe_ok": idle["idle_probe_ok"], "client_exceptions": sum(self.client_exceptions.values()),
         }
 
