@@ -99,7 +99,8 @@ class Keys:
 
     AUTH, the single spot to change once `rose serve` takes `--api-key`/`--lease-key` (issue 16,
     item 3): return the flags from `server_args` and pass `key=self.lease` to `LeaseClient` in
-    `lease_client`. Until then the server runs open and ignores the headers already sent.
+    `lease_client` (and change `headers` if the lease key travels otherwise than as a bearer
+    token). Until then the server runs open and ignores the headers already sent.
     """
 
     api: str
