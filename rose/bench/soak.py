@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=3.0, help="serving requests per second (mean)")
     p.add_argument("--trajectories", type=int, default=4, help="concurrent rollout trajectories")
     p.add_argument("--drain", type=float, default=60.0, help="seconds in-flight work may take to end")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the clients' choices")
 
 
 @dataclasses.dataclass(frozen=True)
