@@ -288,7 +288,7 @@ class Soak:
         self.trajectories = args.trajectories
         self.rng = np.random.default_rng(args.seed)
         self.run_id = secrets.token_hex(3)
-        # kind of client -> outcome (an HTTP status, or transport/timeout/cut/left) -> count
+        # kind of client -> outcome (an HTTP status, or transport/timeout/cut/left/deadline) -> count
         self.outcomes: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.turns: collections.Counter[str] = collections.Counter()
         self.lost_reasons: collections.Counter[str] = collections.Counter()
