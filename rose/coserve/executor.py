@@ -299,6 +299,9 @@ class CoServingExecutor:
     def _export_pool(self) -> None:
         for owner in (SERVING, ROLLOUT):
             self.metrics.pool_pages.labels(owner).set(self.pool.used(owner))
+        for engine in (self.serving, self.rollout):
+            if engine is not None:
+                self.metrics.cached_pages.labels(engine.blocks.owner).set(engine.blocks.num_cached_pages)
         self.metrics.pool_pages.labels("free").set(self.pool.num_free)
 
     def _rollout(self) -> LLMEngine:

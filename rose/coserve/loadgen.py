@@ -34,6 +34,7 @@ class RequestResult:
     latency_s: float | None = None
     itl_s: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
+    status: int | None = None  # the HTTP status, when the server answered
 
     @property
     def tpot_s(self) -> float | None:
@@ -62,14 +63,16 @@ def fit_lengths(trace: Trace, max_context: int, max_output: int) -> tuple[np.nda
     return prompts, outputs
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
-               result: RequestResult) -> None:
+async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                            max_tokens: int, result: RequestResult) -> None:
+    """Send one streamed completion and fill `result` from its chunks (errors are recorded, not raised)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     last = start
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            result.status = r.status_code
             if r.status_code != 200:
                 result.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                 return
@@ -110,7 +113,7 @@ async def replay(url: str, trace: Trace, max_context: int = 4096, max_output: in
             result = RequestResult(float(at), int(p))
             results.append(result)
             ids = rng.integers(*vocab, int(p)).tolist()
-            tasks.append(asyncio.create_task(_one(c, url, model, ids, int(o), result)))
+            tasks.append(asyncio.create_task(stream_completion(c, url, model, ids, int(o), result)))
         await asyncio.gather(*tasks)
     return results
 

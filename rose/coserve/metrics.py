@@ -27,6 +27,9 @@ class ExecutorMetrics:
         self.busy = Counter("rose_busy_seconds", "Time spent computing iterations", ["model"], registry=r)
         self.pool_pages = Gauge("rose_kv_pool_pages", "KV pool pages by owner (and free)", ["owner"],
                                 registry=r)
+        self.cached_pages = Gauge("rose_kv_cached_pages",
+                                  "KV pages only an owner's prefix cache holds (evictable)", ["owner"],
+                                  registry=r)
         self.state = Gauge("rose_executor_state", "Burst state: 0 normal, 1 burst, 2 frozen", registry=r)
         self.transitions = Counter("rose_executor_transitions", "Burst state transitions",
                                    ["from_state", "to_state"], registry=r)
