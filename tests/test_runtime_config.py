@@ -103,7 +103,7 @@ def test_cli_refuses_bad_values_before_ray_starts(override: str, key: str, monke
 def test_missing_config_file_and_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config file .*nope\.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ValueError, match=r"--resume .*: no checkpoint there"):
+    with pytest.raises(ValueError, match=r"--resume .*: no complete checkpoint there"):
         resume_checkpoint(tmp_path)
 
 

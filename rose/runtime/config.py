@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
 from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl.envs import env_options, list_envs, make_env
+from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
 from rose.traces import TRACE_NAMES
 
@@ -282,14 +284,26 @@ def _check_fits(config: Config) -> None:
            f"{-(-need // (1 << 20))} MB")
 
 
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete `step-N` checkpoint in a run's `out_dir`; torn ones (a save that
+    crashed, with no completion marker) are passed over."""
+    steps = [(int(m.group(1)), p) for p in Path(out_dir).glob("step-*")
+             if (m := re.fullmatch(r"step-(\d+)", p.name)) and is_complete(p)]
+    return max(steps)[1] if steps else None
+
+
 def resume_checkpoint(resume: str | Path | None) -> Path | None:
-    """The checkpoint to resume from: `resume` itself or its newest `step-*` directory."""
+    """The checkpoint to resume from: `resume` itself or its newest complete `step-*` directory."""
     if resume is None:
         return None
     path = Path(resume)
     if (path / "config.json").is_file():
+        if not is_complete(path):
+            raise ValueError(f"--resume {resume}: not a complete checkpoint (no {COMPLETE_FILE}: a save "
+                             "that did not finish); give the run's out_dir to take its newest complete one")
         return path
-    steps = sorted(path.glob("step-*/config.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    if not steps:
-        raise ValueError(f"--resume {resume}: no checkpoint there (expected config.json or step-N/ dirs)")
-    return steps[-1].parent
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"--resume {resume}: no complete checkpoint there (expected a checkpoint or "
+                         f"step-N/ dirs holding {COMPLETE_FILE})")
+    return latest
