@@ -42,7 +42,7 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
     config = load_config(None, [
         "train.steps=4", "train.checkpoint_every=2", "rollout.groups=2", "rollout.group_size=4",
         "rollout.max_tokens=16", "rollout.dedicated_concurrency=4", "rollout.serving_concurrency=4",
-        "serving.window_s=5", f"train.out_dir={tmp_path}"])
+        f"train.out_dir={tmp_path}"])
     seen: dict[str, Any] = {"killed": []}
     rollout = Cluster.rollout
 

@@ -228,7 +228,8 @@ class Cluster:
         with contextlib.suppress(Exception):
             ray.kill(old)
         (self.serving if wid in self.serving else self.dedicated)[wid] = new
-        await self._sync({wid: new})
+        await new.ready.remote()  # it has joined the relay group: the next publish includes it
+        await self._sync({wid: new}, revive=False)
         await self._register(wid)
         if wid in self.serving:
             await new.start_replay.remote()
