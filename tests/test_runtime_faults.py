@@ -1,5 +1,7 @@
 """Kill a dedicated rollout worker, and separately a co-serving executor, in the middle of a
-step: the step completes, every trajectory comes back whole (lost_trajectories 0)."""
+step: the step completes, every trajectory comes back whole (lost_trajectories 0). A trainer
+call that finds its actor dead restarts the trainer and is made again, once; a second death
+stops the run naming how to go on (tests/test_runtime_chaos.py kills the real actors)."""
 
 from __future__ import annotations
 
@@ -37,3 +39,41 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
         cluster.dedicated.pop(victim, None)
         cluster.serving.pop(victim, None)
         cluster.shutdown()
+
+
+class _Rank:
+    """A trainer rank stand-in: `step` answers, or fails as a dead Ray actor's call does."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+
+    async def step(self, shard: list[int]) -> dict[str, float]:
+        if self.dead:
+            raise ray.exceptions.ActorDiedError()
+        return {"version": 4.0, "sequences": float(len(shard))}
+
+
+@pytest.mark.parametrize("dies_again", [False, True])
+def test_a_dead_trainer_restarts_and_retrains_or_the_run_stops(dies_again: bool, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = Cluster(load_config(None, [f"train.out_dir={tmp_path}"]), Mode.FIXED, tmp_path)
+    cluster.trainers, cluster.version = [_Rank(dead=True)], 3
+    restarts: list[int] = []
+
+    async def restart() -> None:  # what _restart_trainers does, without Ray: new ranks
+        restarts.append(cluster.version)
+        cluster.trainers = [_Rank(dead=dies_again)]
+
+    monkeypatch.setattr(cluster, "_restart_trainers", restart)
+    call = cluster._on_trainers(lambda ranks: [r.step([1, 2, 3]) for r in ranks])
+    try:
+        if dies_again:
+            with pytest.raises(RuntimeError, match=rf"the trainer died again right after a restart "
+                                                   rf"\(ActorDiedError\); the run stops at version 3\. Go "
+                                                   rf"on with: rose train --resume {tmp_path}"):
+                cluster.loop.run_until_complete(call)
+        else:  # the same step's batch, trained on the restarted trainer
+            assert cluster.loop.run_until_complete(call) == [{"version": 4.0, "sequences": 3.0}]
+        assert restarts == [3]
+    finally:
+        cluster.loop.close()
