@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from rose.model import load_tokenizer
 from rose.rl.trainer import is_complete
 from rose.runtime.cluster import Cluster
-from rose.runtime.config import Mode, load_config
+from rose.runtime.config import Mode, load_config, resume_checkpoint
 from rose.runtime.driver import train
 
 ray = pytest.importorskip("ray")
@@ -40,7 +41,7 @@ def _kill_when_busy(cluster: Cluster, victim: str, done: threading.Event) -> Non
 
 def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(None, [
-        "train.steps=4", "train.checkpoint_every=2", "rollout.groups=2", "rollout.group_size=4",
+        "train.steps=3", "train.checkpoint_every=2", "rollout.groups=2", "rollout.group_size=4",
         "rollout.max_tokens=16", "rollout.dedicated_concurrency=4", "rollout.serving_concurrency=4",
         f"train.out_dir={tmp_path}"])
     seen: dict[str, Any] = {"killed": []}
@@ -66,15 +67,17 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
 
     assert [k[1] for k in seen["killed"]] == ["dedicated-0", "serving-0", "trainer"]
     assert all(n == 8 for _, _, n in seen["killed"])  # every trajectory came back whole
-    assert [r.step for r in result.steps] == [0, 1, 2, 3]
-    assert [r.lost_trajectories for r in result.steps] == [0, 0, 0, 0]
+    assert [r.step for r in result.steps] == [0, 1, 2]
+    assert [r.lost_trajectories for r in result.steps] == [0, 0, 0]
     assert result.summary["lost_trajectories"] == 0
-    assert [r.version for r in result.steps] == [1, 2, 3, 4]  # versions only move forward
+    assert [r.version for r in result.steps] == [1, 2, 3]  # versions only move forward
     restarts = [line for r in result.steps for line in r.restarts]
     assert any(line.startswith("dedicated-0 restarted") for line in restarts), restarts
     assert any(line.startswith("serving-0 restarted") for line in restarts), restarts
     assert f"trainer restarted from {tmp_path / 'step-2'} at version 2" in result.steps[2].restarts
     # The restarted replicas took turns in the later steps: capacity came back.
     assert all(any(kind == "dedicated" for _, _, kind in r.placements) for r in result.steps[1:])
-    assert [Path(c).name for c in result.checkpoints] == ["step-2", "step-4"]
+    assert [Path(c).name for c in result.checkpoints] == ["step-2", "step-3"]
     assert all(is_complete(c) for c in result.checkpoints)
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-3"
+    load_tokenizer(tmp_path / "step-3")  # a run can start from the checkpoint alone
