@@ -81,3 +81,29 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
     assert all(is_complete(c) for c in result.checkpoints)
     assert resume_checkpoint(tmp_path) == tmp_path / "step-3"
     load_tokenizer(tmp_path / "step-3")  # a run can start from the checkpoint alone
+
+
+def test_the_only_dedicated_worker_comes_back_within_the_step(tmp_path: Path) -> None:
+    """Fixed mode, one dedicated worker, killed mid-rollout: nothing else can take its turns, so
+    the step completes only because the cluster starts the worker again during the step."""
+    config = load_config(None, ["rollout.groups=2", "rollout.group_size=4", "rollout.max_tokens=16",
+                                "rollout.timeout_s=180", f"train.out_dir={tmp_path}"])
+    cluster = Cluster(config, Mode.FIXED, tmp_path)
+    cluster.start()
+    try:
+        old, done = cluster.dedicated["dedicated-0"], threading.Event()
+        killer = threading.Thread(target=_kill_when_busy, args=(cluster, "dedicated-0", done))
+        killer.start()
+        try:
+            report = cluster.rollout(0)
+        finally:
+            done.set()
+            killer.join()
+        assert report.lost_trajectories == 0 and len(report.trajectories) == 8
+        assert any(p.outcome == "lost" for p in report.placements)  # it died with turns in flight
+        assert cluster.dedicated["dedicated-0"] is not old
+        assert cluster.restarts == ["dedicated-0 restarted at version 0"]
+        assert cluster.train(report.trajectories)["sequences"] > 0
+        cluster.sync_weights()  # the new worker takes the next version like any other
+    finally:
+        cluster.shutdown()
