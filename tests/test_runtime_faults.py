@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +78,27 @@ def test_a_dead_trainer_restarts_and_retrains_or_the_run_stops(dies_again: bool,
         assert restarts == [3]
     finally:
         cluster.loop.close()
+
+
+class _DeadHandle:
+    """An actor handle whose every call fails as a dead actor's does."""
+
+    def __getattr__(self, method: str) -> Any:
+        async def fail() -> None:
+            raise ray.exceptions.ActorDiedError()
+
+        return type("Method", (), {"remote": staticmethod(fail)})
+
+
+def test_an_elastic_device_that_died_is_released_without_failing_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = Cluster(load_config(None, [f"train.out_dir={tmp_path}"]), Mode.ELASTIC, tmp_path)
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", killed.append)
+    dead = _DeadHandle()
+    cluster.dedicated["elastic-0"] = dead
+    try:
+        cluster.loop.run_until_complete(cluster._release_elastic())
+    finally:
+        cluster.loop.close()
+    assert killed == [dead] and "elastic-0" not in cluster.dedicated

@@ -320,10 +320,9 @@ class Cluster:
         for wid in [w for w in self.dedicated if w.startswith("elastic-")]:
             handle = self.dedicated.pop(wid)
             self.registry.remove(wid)
-            try:
+            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead one has left already
                 await handle.leave.remote()
-            finally:
-                ray.kill(handle)
+            ray.kill(handle)
 
     def train(self, trajectories: list) -> dict[str, float]:
         shards = shard_by_group(trajectories, len(self.trainers))
