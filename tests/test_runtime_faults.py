@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rose.runtime.cluster import Cluster
-from rose.runtime.config import Mode, load_config
+from rose.runtime.config import Mode, ServingConfig, load_config
 
 ray = pytest.importorskip("ray")
 
@@ -102,3 +102,30 @@ def test_an_elastic_device_that_died_is_released_without_failing_the_step(
     finally:
         cluster.loop.close()
     assert killed == [dead] and "elastic-0" not in cluster.dedicated
+
+
+def test_the_serving_replay_lives_through_windows_without_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serving.window_s=2` at the default load: the trace's first windows hold under two
+    requests; the replay waits them out (it used to die, leaving the serving side idle)."""
+    import asyncio
+
+    import rose.runtime.actors as actors
+
+    device = actors.ServingDeviceActor.__new__(actors.ServingDeviceActor)
+    device.spec, device.url, device.results = ServingConfig(window_s=2.0), "http://unused", []
+    device._stop = threading.Event()
+    waited: list[float] = []
+    sent: list[int] = []
+
+    async def wait(seconds: float) -> None:
+        waited.append(seconds)
+
+    async def replay(url: str, trace: Any, max_context: int, max_output: int) -> list[Any]:
+        sent.append(len(trace.arrival_s))
+        device._stop.set()
+        return []
+
+    monkeypatch.setattr(actors.asyncio, "sleep", wait)
+    monkeypatch.setattr(actors, "replay", replay)
+    asyncio.run(device._replay_windows())
+    assert waited == [2.0] * 4 and sent and sent[0] >= 2

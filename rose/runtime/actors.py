@@ -223,7 +223,12 @@ class ServingDeviceActor(_Replica):
     async def _replay_windows(self) -> None:
         s, offset = self.spec, 0.0
         while not self._stop.is_set():
-            trace = build_trace(s.trace, s.window_s, s.load, offset, s.prompt_scale, s.output_scale)
+            try:
+                trace = build_trace(s.trace, s.window_s, s.load, offset, s.prompt_scale, s.output_scale)
+            except ValueError:  # under two arrivals in this window (a short one, a low load): none sent
+                await asyncio.sleep(s.window_s)
+                offset += s.window_s
+                continue
             start = time.time()
             for result in await replay(self.url, trace, s.max_context, s.max_output):
                 self.results.append((start + result.scheduled_s, result))
