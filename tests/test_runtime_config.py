@@ -38,6 +38,8 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["rollout.max_context_tokens=4096"],
      r"rollout\.max_context_tokens \(4096\) exceeds the model's context \(2048 tokens"),
     (["serving.max_context=4096"], r"serving\.max_context \(4096\) exceeds the serving model's context"),
+    (["rollout.max_tokens=2000"],
+     r"rollout\.max_tokens \(2000\) must be below rollout\.max_context_tokens \(1536\)"),
     (["rollout.temperature=nan"], r"rollout\.temperature must be a finite number, got nan"),
     (["rollout.temperature=-0.5"], r"rollout\.temperature must be >= 0, got -0\.5"),
     (["rollout.timeout_s=inf"], r"rollout\.timeout_s must be a finite number, got inf"),

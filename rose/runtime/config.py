@@ -273,6 +273,9 @@ def _check_fits(config: Config) -> None:
     _check(s.max_context <= serving.max_position_embeddings,
            f"serving.max_context ({s.max_context}) exceeds the serving model's context "
            f"({serving.max_position_embeddings} tokens)")
+    _check(r.max_tokens < r.max_context_tokens,
+           f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_context_tokens "
+           f"({r.max_context_tokens}): a turn's prompt needs at least one token")
     need = _pages(policy, r.max_context_tokens)
     _check(r.kv_cache_mb << 20 >= need,
            f"rollout.kv_cache_mb ({r.kv_cache_mb}) cannot hold one sequence of rollout.max_context_tokens "
