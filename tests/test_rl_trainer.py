@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import load_model
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn, shard_by_group
+from rose.runtime.config import resume_checkpoint
 
 
 def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> list[Trajectory]:
@@ -187,6 +188,54 @@ def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(p, _params(resumed)[name])
     with pytest.raises(ValueError, match=r"no trainer_state\.pt"):
         resumed.load_state(tmp_path)
+
+
+def _crash_midway(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next weight file written gets half its bytes, then the process "dies"."""
+    import rose.model.checkpoint
+
+    def torn(tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str]) -> None:
+        Path(filename).write_bytes(b"\0" * 1000)
+        raise OSError("disk gone midway")
+
+    monkeypatch.setattr(rose.model.checkpoint, "save_file", torn)
+
+
+def test_a_save_that_crashes_midway_keeps_the_previous_checkpoint(
+        tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
+    trainer.step(_batch())
+    trainer.save(tmp_path / "step-1")
+    saved = _params(trainer)
+    trainer.step(_batch(seed=1))
+    with monkeypatch.context() as m:
+        _crash_midway(m)
+        for step in ("step-1", "step-2"):  # over the previous checkpoint, and a new one
+            with pytest.raises(OSError, match="disk gone midway"):
+                trainer.save(tmp_path / step)
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-1"
+    resumed = Trainer(tmp_path / "step-1")
+    resumed.load_state(tmp_path / "step-1")
+    assert resumed.version == 1
+    for name, p in _params(resumed).items():
+        torch.testing.assert_close(p, saved[name], rtol=0, atol=0)
+    trainer.save(tmp_path / "step-2")  # and nothing of the crashed saves is left behind
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-2"]
+
+
+def test_resume_passes_over_torn_checkpoints(tiny_qwen3: Path, tmp_path: Path) -> None:
+    trainer = Trainer(tiny_qwen3)
+    trainer.save(tmp_path / "step-2", assets=[tiny_qwen3 / "tokenizer.json"])
+    assert (tmp_path / "step-2" / "tokenizer.json").is_file()
+    # What a crash left under the old save: config.json written, the weights not yet.
+    (tmp_path / "step-10").mkdir()
+    (tmp_path / "step-10" / "config.json").write_text((tiny_qwen3 / "config.json").read_text())
+    (tmp_path / "step-x").mkdir()
+    assert resume_checkpoint(tmp_path) == tmp_path / "step-2"
+    assert resume_checkpoint(tmp_path / "step-2") == tmp_path / "step-2"
+    with pytest.raises(ValueError, match=r"step-10: not a complete checkpoint"):
+        resume_checkpoint(tmp_path / "step-10")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

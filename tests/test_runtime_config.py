@@ -3,6 +3,7 @@ was expected; YAML files and dotted overrides compose."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,34 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["train.stepz=3"], r"config: train\.stepz: Key 'stepz' not in 'TrainConfig'"),
     (["train.steps=many"], r"config: train\.steps: Value 'many' of type 'str' could not be converted"),
     (["train.steps"], r"override 'train\.steps' is not key=value"),
-    (["train.steps=0"], r"train\.steps and train\.checkpoint_every must be >= 1"),
+    (["train.steps=0"], r"train\.steps must be >= 1, got 0"),
+    (["train.checkpoint_every=0"], r"train\.checkpoint_every must be >= 1, got 0"),
+    (["no.such.key=1"], r"config: no\.such\.key: Key 'no' not in 'Config'"),
+    (["rollout.kv_cache_mb=0"], r"rollout\.kv_cache_mb must be >= 1, got 0"),
+    (["model.preset=small", "rollout.kv_cache_mb=1"],
+     r"rollout\.kv_cache_mb \(1\) cannot hold one sequence of rollout\.max_context_tokens \(1536\); it "
+     r"needs at least 24 MB"),
+    (["serving.pool_mb=0"], r"serving\.pool_mb must be >= 1, got 0"),
+    (["serving.preset=small", "serving.pool_mb=1"],
+     r"serving\.pool_mb \(1\) cannot hold one serving request"),
+    (["rollout.max_context_tokens=4096"],
+     r"rollout\.max_context_tokens \(4096\) exceeds the model's context \(2048 tokens"),
+    (["serving.max_context=4096"], r"serving\.max_context \(4096\) exceeds the serving model's context"),
+    (["rollout.max_tokens=2000"],
+     r"rollout\.max_tokens \(2000\) must be below rollout\.max_context_tokens \(1536\)"),
+    (["rollout.temperature=nan"], r"rollout\.temperature must be a finite number, got nan"),
+    (["rollout.temperature=-0.5"], r"rollout\.temperature must be >= 0, got -0\.5"),
+    (["rollout.timeout_s=inf"], r"rollout\.timeout_s must be a finite number, got inf"),
+    (["rollout.stall_timeout_s=0"], r"rollout\.stall_timeout_s must be > 0, got 0"),
+    (["train.lr=-inf"], r"train\.lr must be a finite number, got -inf"),
+    (["train.micro_batch_size=0"], r"train\.micro_batch_size must be >= 1, got 0"),
+    (["serving.load=nan"], r"serving\.load must be a finite number, got nan"),
+    (["serving.window_s=-1"], r"serving\.window_s must be > 0, got -1"),
+    (["serving.trace=nope"], r"serving\.trace must be one of .*azure-conv.*got 'nope'"),
+    (["serving.max_output=600"], r"serving\.max_context must exceed serving\.max_output \+ 1"),
+    (["devices.provision_delay_s=-1"], r"devices\.provision_delay_s must be >= 0, got -1"),
+    (["env.options.bogus=1"], r"env\.options\.bogus: frozenlake has no option 'bogus'; it accepts size, "),
+    (["env.options.size=5"], r"env\.options: frozenlake: size 5 has no standard map"),
     (["train.data_parallel=0"], r"train\.data_parallel must be >= 1, got 0"),
     (["train.objective=ppo"], r"train\.objective must be grpo or dapo, got 'ppo'"),
     (["train.lr_schedule=linear"], r"train\.lr_schedule must be constant or cosine, got 'linear'"),
@@ -41,10 +69,43 @@ def test_bad_config_is_one_clear_error(overrides: list[str], message: str) -> No
         load_config(None, overrides)
 
 
+def test_unknown_yaml_key_names_its_full_path(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("rollout:\n  groups: 2\n  sampling:\n    top_q: 3\n")
+    with pytest.raises(ValueError, match=r"config: rollout\.sampling\.top_q: Key 'sampling' not in"):
+        load_config(path)
+
+
+def test_model_path_context_comes_from_its_config_json(tiny_qwen3: Path) -> None:
+    limit = json.loads((tiny_qwen3 / "config.json").read_text())["max_position_embeddings"]
+    load_config(None, [f"model.path={tiny_qwen3}", f"rollout.max_context_tokens={limit}"])
+    with pytest.raises(ValueError, match=rf"rollout\.max_context_tokens \({limit + 1}\) exceeds the model's "
+                                         rf"context \({limit} tokens"):
+        load_config(None, [f"model.path={tiny_qwen3}", f"rollout.max_context_tokens={limit + 1}"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.kv_cache_mb=0", "rollout.kv_cache_mb"), ("serving.pool_mb=0", "serving.pool_mb"),
+    ("rollout.max_context_tokens=100000", "rollout.max_context_tokens"),
+    ("rollout.temperature=nan", "rollout.temperature"), ("rollout.temperature=-1", "rollout.temperature"),
+    ("env.options.bogus=1", "env.options.bogus"), ("no.such.key=1", "no.such.key"),
+])
+def test_cli_refuses_bad_values_before_ray_starts(override: str, key: str, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import rose.runtime.driver
+
+    def never(*_: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(rose.runtime.driver, "train", never)
+    assert main(["train", override, "train.steps=1"]) != 0
+    assert f"config: {key}" in capsys.readouterr().err
+
+
 def test_missing_config_file_and_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config file .*nope\.yaml does not exist"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ValueError, match=r"--resume .*: no checkpoint there"):
+    with pytest.raises(ValueError, match=r"--resume .*: no complete checkpoint there"):
         resume_checkpoint(tmp_path)
 
 

@@ -1,15 +1,18 @@
 """Kill a dedicated rollout worker, and separately a co-serving executor, in the middle of a
-step: the step completes, every trajectory comes back whole (lost_trajectories 0)."""
+step: the step completes, every trajectory comes back whole (lost_trajectories 0). A trainer
+call that finds its actor dead restarts the trainer and is made again, once; a second death
+stops the run naming how to go on (tests/test_runtime_chaos.py kills the real actors)."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rose.runtime.cluster import Cluster
-from rose.runtime.config import Mode, load_config
+from rose.runtime.config import Mode, ServingConfig, load_config
 
 ray = pytest.importorskip("ray")
 
@@ -37,3 +40,92 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
         cluster.dedicated.pop(victim, None)
         cluster.serving.pop(victim, None)
         cluster.shutdown()
+
+
+class _Rank:
+    """A trainer rank stand-in: `step` answers, or fails as a dead Ray actor's call does."""
+
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+
+    async def step(self, shard: list[int]) -> dict[str, float]:
+        if self.dead:
+            raise ray.exceptions.ActorDiedError()
+        return {"version": 4.0, "sequences": float(len(shard))}
+
+
+@pytest.mark.parametrize("dies_again", [False, True])
+def test_a_dead_trainer_restarts_and_retrains_or_the_run_stops(dies_again: bool, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = Cluster(load_config(None, [f"train.out_dir={tmp_path}"]), Mode.FIXED, tmp_path)
+    cluster.trainers, cluster.version = [_Rank(dead=True)], 3
+    restarts: list[int] = []
+
+    async def restart() -> None:  # what _restart_trainers does, without Ray: new ranks
+        restarts.append(cluster.version)
+        cluster.trainers = [_Rank(dead=dies_again)]
+
+    monkeypatch.setattr(cluster, "_restart_trainers", restart)
+    call = cluster._on_trainers(lambda ranks: [r.step([1, 2, 3]) for r in ranks])
+    try:
+        if dies_again:
+            with pytest.raises(RuntimeError, match=rf"the trainer died again right after a restart "
+                                                   rf"\(ActorDiedError\); the run stops at version 3\. Go "
+                                                   rf"on with: rose train --resume {tmp_path}"):
+                cluster.loop.run_until_complete(call)
+        else:  # the same step's batch, trained on the restarted trainer
+            assert cluster.loop.run_until_complete(call) == [{"version": 4.0, "sequences": 3.0}]
+        assert restarts == [3]
+    finally:
+        cluster.loop.close()
+
+
+class _DeadHandle:
+    """An actor handle whose every call fails as a dead actor's does."""
+
+    def __getattr__(self, method: str) -> Any:
+        async def fail() -> None:
+            raise ray.exceptions.ActorDiedError()
+
+        return type("Method", (), {"remote": staticmethod(fail)})
+
+
+def test_an_elastic_device_that_died_is_released_without_failing_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = Cluster(load_config(None, [f"train.out_dir={tmp_path}"]), Mode.ELASTIC, tmp_path)
+    killed: list[Any] = []
+    monkeypatch.setattr(ray, "kill", killed.append)
+    dead = _DeadHandle()
+    cluster.dedicated["elastic-0"] = dead
+    try:
+        cluster.loop.run_until_complete(cluster._release_elastic())
+    finally:
+        cluster.loop.close()
+    assert killed == [dead] and "elastic-0" not in cluster.dedicated
+
+
+def test_the_serving_replay_lives_through_windows_without_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serving.window_s=2` at the default load: the trace's first windows hold under two
+    requests; the replay waits them out (it used to die, leaving the serving side idle)."""
+    import asyncio
+
+    import rose.runtime.actors as actors
+
+    device = actors.ServingDeviceActor.__new__(actors.ServingDeviceActor)
+    device.spec, device.url, device.results = ServingConfig(window_s=2.0), "http://unused", []
+    device._stop = threading.Event()
+    waited: list[float] = []
+    sent: list[int] = []
+
+    async def wait(seconds: float) -> None:
+        waited.append(seconds)
+
+    async def replay(url: str, trace: Any, max_context: int, max_output: int) -> list[Any]:
+        sent.append(len(trace.arrival_s))
+        device._stop.set()
+        return []
+
+    monkeypatch.setattr(actors.asyncio, "sleep", wait)
+    monkeypatch.setattr(actors, "replay", replay)
+    asyncio.run(device._replay_windows())
+    assert waited == [2.0] * 4 and sent and sent[0] >= 2

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,14 +76,41 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     return model.eval()
 
 
+def fsync_file(path: Path) -> None:
+    """Flush a written file to the disk (a crash after this keeps its bytes)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (renames into it survive a crash)."""
+    fsync_file(path)
+
+
+def _write(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a sibling temporary name, flush, then rename over `path`: readers see the
+    old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+
+
 def save_model(model: QwenForCausalLM, path: str | Path,
                max_shard_bytes: int = 2 * 1024**3) -> None:
-    """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`)."""
+    """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`).
+
+    Each file replaces its old version whole, and stale shards go only once the new ones are
+    in place, so an interrupted save never leaves `path` without weights. A checkpoint that must
+    change as one (weights, optimizer state) is written to a fresh directory and renamed
+    (`Trainer.save`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.checkpoint_state_dict().items()}
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(model.config.to_hf(dtype), indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
@@ -91,17 +120,21 @@ def save_model(model: QwenForCausalLM, path: str | Path,
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    for stale in [*path.glob("*.safetensors"), path / INDEX_FILE]:
-        stale.unlink(missing_ok=True)
     metadata = {"format": "pt"}
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    for fname, shard in zip(names, shards, strict=True):
+        _write(path / fname, lambda tmp, shard=shard: save_file(shard, str(tmp), metadata=metadata))
+    if len(shards) > 1:
+        weight_map = {name: fname for fname, shard in zip(names, shards, strict=True) for name in shard}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        _write(path / INDEX_FILE, lambda tmp: tmp.write_text(index))
+    config = json.dumps(model.config.to_hf(dtype), indent=2) + "\n"
+    _write(path / "config.json", lambda tmp: tmp.write_text(config))
+    stale = [f for f in path.glob("*.safetensors") if f.name not in names]
     if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=metadata)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        stale.append(path / INDEX_FILE)
+    for f in stale:
+        f.unlink(missing_ok=True)
+    fsync_dir(path)

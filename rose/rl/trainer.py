@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
-from collections.abc import Iterator, Sequence
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,17 @@ import torch
 import torch.distributed as dist
 
 from rose.model import QwenForCausalLM, load_model, save_model
+from rose.model.checkpoint import fsync_dir, fsync_file
 from rose.rl.objective import Objective
 from rose.rl.trajectory import TokenSequence, Trajectory
 
 STATE_FILE = "trainer_state.pt"
+COMPLETE_FILE = "checkpoint_complete.json"  # written last: its presence vouches for the rest
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether `path` is a whole checkpoint written by `Trainer.save`."""
+    return (Path(path) / COMPLETE_FILE).is_file()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +265,34 @@ class Trainer:
         for name, p in self.model.named_parameters():
             yield name, p.detach().to(dtype, copy=True)
 
-    def save(self, path: str | Path) -> Path:
-        """An HF-format checkpoint of the fp32 weights plus the optimizer state and version."""
+    def save(self, path: str | Path, assets: Iterable[str | Path] = ()) -> Path:
+        """An HF-format checkpoint of the fp32 weights plus the optimizer state and version, with
+        copies of `assets` (e.g. the tokenizer's files).
+
+        Written whole into a sibling temporary directory, flushed, marked complete and renamed
+        into place: a crash at any point leaves the previous checkpoint at `path` (or none), never
+        a torn one, and `is_complete` tells the two apart."""
         path = Path(path)
-        save_model(self.model, path)
-        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, path / STATE_FILE)
+        tmp, old = path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died saving
+        try:
+            save_model(self.model, tmp)
+            torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, tmp / STATE_FILE)
+            for asset in map(Path, assets):
+                shutil.copyfile(asset, tmp / asset.name)
+            (tmp / COMPLETE_FILE).write_text(json.dumps({"version": self.version}) + "\n")
+            for file in tmp.iterdir():
+                fsync_file(file)
+            fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)  # a directory cannot be renamed over a non-empty one
+        tmp.rename(path)
+        fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
         return path
 
     def load_state(self, path: str | Path) -> None:

@@ -36,6 +36,9 @@ from rose.runtime.config import ServingConfig
 from rose.runtime.devices import pin
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
 
+# What a checkpoint directory needs beside the weights for a run to start from it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
 
 class TrainerActor:
     """One data-parallel rank of the trainer (gloo between ranks); rank 0 publishes the weights and
@@ -58,6 +61,7 @@ class TrainerActor:
         if world > 1:
             torch.distributed.init_process_group("gloo", init_method=master, rank=rank, world_size=world)
         make = Objective.dapo if objective == "dapo" else Objective.grpo
+        self.model_path = Path(model_path)
         self.trainer = Trainer(model_path, make(**objective_options), TrainerConfig(**config))
         if resume:
             self.trainer.load_state(model_path)
@@ -81,8 +85,15 @@ class TrainerActor:
         """Send the current version to every replica (again, for one that just joined)."""
         return dataclasses.asdict(self.sender.publish(self.trainer.version))
 
+    def set_version(self, version: int) -> None:
+        """Go on counting from `version` (a restart from an older checkpoint: versions only move
+        forward, and the learning-rate schedule follows the run's steps)."""
+        self.trainer.version = version
+
     def save(self, path: str) -> str:
-        return str(self.trainer.save(path))
+        """A complete checkpoint, with the tokenizer's files: `--resume` starts from it alone."""
+        assets = [self.model_path / name for name in TOKENIZER_FILES if (self.model_path / name).is_file()]
+        return str(self.trainer.save(path, assets))
 
 
 class _Replica:
@@ -208,6 +219,9 @@ class ServingDeviceActor(_Replica):
     def address(self) -> str:
         return self.url
 
+    def ready(self) -> bool:
+        return True
+
     def sync_weights(self, timeout: float) -> dict[str, Any]:
         return self._synced(timeout)
 
@@ -218,7 +232,12 @@ class ServingDeviceActor(_Replica):
     async def _replay_windows(self) -> None:
         s, offset = self.spec, 0.0
         while not self._stop.is_set():
-            trace = build_trace(s.trace, s.window_s, s.load, offset, s.prompt_scale, s.output_scale)
+            try:
+                trace = build_trace(s.trace, s.window_s, s.load, offset, s.prompt_scale, s.output_scale)
+            except ValueError:  # under two arrivals in this window (a short one, a low load): none sent
+                await asyncio.sleep(s.window_s)
+                offset += s.window_s
+                continue
             start = time.time()
             for result in await replay(self.url, trace, s.max_context, s.max_output):
                 self.results.append((start + result.scheduled_s, result))

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
                       f"rollout {r.rollout_s:.1f}s train {r.train_s:.1f}s step {r.step_s:.1f}s | "
                       f"on serving {r.turns_on_serving:.0%} resumed {r.resumed_turns} | "
                       f"sync {r.sync_bytes / 1e6:.2f} MB {r.sync_s:.2f}s{serving}")
+        for restart in r.restarts:
+            console.print(f"  [yellow]{restart}[/]")
 
     console.print(f"rose train: mode {mode.value}, {config.train.steps} steps, out {config.train.out_dir}")
     result = train(config, mode, resume, show)

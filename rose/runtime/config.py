@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from rose.model.presets import ARCHS, PRESETS
-from rose.rl.envs import list_envs
+from rose.engine.kv_pool import KVSpec
+from rose.model.config import CheckpointError
+from rose.model.config import ModelConfig as ModelShape
+from rose.model.presets import ARCHS, PRESETS, preset_config
+from rose.rl.envs import env_options, list_envs, make_env
+from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
+from rose.traces import TRACE_NAMES
 
 
 class Mode(enum.Enum):
@@ -113,77 +120,193 @@ class Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """The embedded default, then the YAML file, then `key=value` overrides; validated."""
+    conf = OmegaConf.structured(Config)
+    if path is not None:
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path} does not exist")
+        conf = _merge(conf, OmegaConf.load(path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"override {bad[0]!r} is not key=value")
+    conf = _merge(conf, OmegaConf.from_dotlist(list(overrides)))
     try:
-        conf = OmegaConf.structured(Config)
-        if path is not None:
-            if not Path(path).is_file():
-                raise ValueError(f"config file {path} does not exist")
-            conf = OmegaConf.merge(conf, OmegaConf.load(path))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ValueError(f"override {bad[0]!r} is not key=value")
-        conf = OmegaConf.merge(conf, OmegaConf.from_dotlist(list(overrides)))
         config: Config = OmegaConf.to_object(conf)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        message = str(getattr(exc, "msg", exc)).splitlines()[0]
-        raise ValueError(f"config: {key + ': ' if key else ''}{message}") from None
+        raise _config_error(exc, {}) from None
     validate(config)
     return config
 
 
-def validate(config: Config, mode: Mode | None = None) -> None:
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise ValueError(f"config: {message}")
+def _merge(conf: Any, layer: Any) -> Any:
+    try:
+        return OmegaConf.merge(conf, layer)
+    except OmegaConfBaseException as exc:
+        raise _config_error(exc, OmegaConf.to_container(layer)) from None
 
-    m, r, t, d, s = config.model, config.rollout, config.train, config.devices, config.serving
+
+def _config_error(exc: OmegaConfBaseException, source: Any) -> ValueError:
+    """One line naming the full dotted key: OmegaConf names only the first level it does not
+    know (`no` for `no.such.key=1`), so an unknown key is followed down `source` to its leaf."""
+    key = getattr(exc, "full_key", None) or ""
+    if isinstance(exc, ConfigKeyError):
+        node = source
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        while isinstance(node, dict) and node:
+            first = next(iter(node))
+            key, node = f"{key}.{first}", node[first]
+    message = str(getattr(exc, "msg", exc)).splitlines()[0]
+    return ValueError(f"config: {key + ': ' if key else ''}{message}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"config: {message}")
+
+
+def validate(config: Config, mode: Mode | None = None) -> None:
+    m, t, d, s = config.model, config.train, config.devices, config.serving
+    _check_numbers(config)
     for name, arch, preset in (("model", m.arch, m.preset), ("serving", s.arch, s.preset)):
-        check(arch in ARCHS, f"{name}.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-        check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-    check(m.path is None or (Path(m.path) / "config.json").is_file(),
-          f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
-    check(config.env.name in list_envs(), f"env.name must be one of {', '.join(list_envs())}, "
-                                          f"got {config.env.name!r}")
-    for name in ("groups", "group_size", "max_tokens", "dedicated_concurrency", "serving_concurrency"):
-        check(getattr(r, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(r, name)}")
-    check(r.stall_timeout_s > 0 and r.timeout_s > 0, "rollout.stall_timeout_s and timeout_s must be > 0")
-    check(t.steps >= 1 and t.checkpoint_every >= 1, "train.steps and train.checkpoint_every must be >= 1")
-    check(t.data_parallel >= 1, f"train.data_parallel must be >= 1, got {t.data_parallel}")
-    check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
-    check(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    check(t.lr_schedule in ("constant", "cosine"),
-          f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
-    check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    check(t.step_advantage_weight >= 0,
-          f"train.step_advantage_weight must be >= 0, got {t.step_advantage_weight}")
-    check(0 <= t.discount <= 1, f"train.discount must be in [0, 1], got {t.discount}")
-    check(d.provision_delay_s >= 0, "devices.provision_delay_s must be >= 0")
-    check(bool(d.dedicated), "devices.dedicated needs at least one device")
+        _check(arch in ARCHS, f"{name}.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        _check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    _check(m.path is None or (Path(m.path) / "config.json").is_file(),
+           f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
+    _check_env(config.env)
+    _check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
+    _check(t.lr_schedule in ("constant", "cosine"),
+           f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
+    _check(s.trace in TRACE_NAMES or Path(s.trace).is_file(),
+           f"serving.trace must be one of {', '.join(TRACE_NAMES)} or a trace file, got {s.trace!r}")
+    _check(s.max_context >= s.max_output + 2, f"serving.max_context must exceed serving.max_output + 1 "
+                                              f"(a prompt of at least one token), got {s.max_context} "
+                                              f"and {s.max_output}")
+    _check_fits(config)
+    _check(bool(d.dedicated), "devices.dedicated needs at least one device")
     cores = available_cores()
     for name, devices in (("trainer", [d.trainer]), ("dedicated", d.dedicated), ("serving", d.serving),
                           ("elastic", d.elastic)):
         for device in devices:
-            check(bool(device), f"devices.{name}: a device needs at least one core")
+            _check(bool(device), f"devices.{name}: a device needs at least one core")
             missing = sorted(set(device) - cores)
-            check(not missing, f"devices.{name} uses core(s) {missing}, but this machine has only "
-                               f"{sorted(cores)}; give fewer devices or cores")
-    check(s.slo_ttft_ms > 0 and s.slo_tpot_ms > 0 and s.load > 0 and s.window_s > 0,
-          "serving.slo_ttft_ms, slo_tpot_ms, load and window_s must be > 0")
+            _check(not missing, f"devices.{name} uses core(s) {missing}, but this machine has only "
+                                f"{sorted(cores)}; give fewer devices or cores")
     if mode is Mode.ROSE:
-        check(bool(d.serving), "mode rose needs at least one serving device (devices.serving)")
+        _check(bool(d.serving), "mode rose needs at least one serving device (devices.serving)")
     if mode is Mode.ELASTIC:
-        check(bool(d.elastic), "mode elastic needs at least one device to add (devices.elastic)")
+        _check(bool(d.elastic), "mode elastic needs at least one device to add (devices.elastic)")
+
+
+# The numeric fields' ranges: (low, high, low inclusive); every float must also be finite.
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    **{f"rollout.{k}": (1, math.inf, True) for k in (
+        "groups", "group_size", "max_tokens", "dedicated_concurrency", "serving_concurrency",
+        "max_context_tokens", "kv_cache_mb")},
+    "rollout.temperature": (0, math.inf, True),  # 0: greedy
+    "rollout.stall_timeout_s": (0, math.inf, False),
+    "rollout.timeout_s": (0, math.inf, False),
+    **{f"train.{k}": (1, math.inf, True) for k in (
+        "steps", "checkpoint_every", "micro_batch_size", "data_parallel", "mini_batches")},
+    "train.lr": (0, math.inf, False),
+    "train.min_lr_ratio": (0, 1, True),
+    "train.step_advantage_weight": (0, math.inf, True),
+    "train.discount": (0, 1, True),
+    "devices.provision_delay_s": (0, math.inf, True),
+    **{f"serving.{k}": (0, math.inf, False) for k in (
+        "load", "prompt_scale", "output_scale", "window_s", "slo_ttft_ms", "slo_tpot_ms")},
+    **{f"serving.{k}": (1, math.inf, True) for k in ("max_context", "max_output", "pool_mb")},
+}
+
+
+def _check_numbers(config: Config) -> None:
+    for section in dataclasses.fields(config):
+        value = getattr(config, section.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for field in dataclasses.fields(value):
+            key, number = f"{section.name}.{field.name}", getattr(value, field.name)
+            if isinstance(number, float):
+                _check(math.isfinite(number), f"{key} must be a finite number, got {number}")
+            if key in _RANGES:
+                low, high, inclusive = _RANGES[key]
+                ok = (number >= low if inclusive else number > low) and number <= high
+                bounds = (f"in [{low:g}, {high:g}]" if high < math.inf
+                          else f"{'>=' if inclusive else '>'} {low:g}")
+                _check(ok, f"{key} must be {bounds}, got {number}")
+
+
+def _check_env(env: EnvConfig) -> None:
+    """The options against the environment's constructor, then one environment built with them."""
+    _check(env.name in list_envs(), f"env.name must be one of {', '.join(list_envs())}, got {env.name!r}")
+    accepted = env_options(env.name)
+    if accepted is not None:
+        for key in env.options:
+            _check(key in accepted, f"env.options.{key}: {env.name} has no option {key!r}; it accepts "
+                                    f"{', '.join(accepted)}")
+    try:
+        make_env(env.name, **env.options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config: env.options: {exc}") from None
+
+
+def _context(arch: str, preset: str, path: str | None) -> ModelShape:
+    """The model's configuration: its checkpoint's config.json, else the preset's."""
+    try:
+        return ModelShape.from_dir(path) if path is not None else preset_config(arch, preset)
+    except CheckpointError as exc:
+        raise ValueError(f"config: model.path: {exc}") from None
+
+
+def _pages(config: ModelShape, tokens: int) -> int:
+    spec = KVSpec.of(config)  # the engines run in float32
+    return -(-tokens // spec.block_size) * spec.block_bytes
+
+
+def _check_fits(config: Config) -> None:
+    """Contexts within the models' and one longest sequence within each KV cache: anything else
+    fails only when a turn or request gets that long, or never finishes."""
+    m, r, s = config.model, config.rollout, config.serving
+    policy, serving = _context(m.arch, m.preset, m.path), _context(s.arch, s.preset, None)
+    _check(r.max_context_tokens <= policy.max_position_embeddings,
+           f"rollout.max_context_tokens ({r.max_context_tokens}) exceeds the model's context "
+           f"({policy.max_position_embeddings} tokens, max_position_embeddings)")
+    _check(s.max_context <= serving.max_position_embeddings,
+           f"serving.max_context ({s.max_context}) exceeds the serving model's context "
+           f"({serving.max_position_embeddings} tokens)")
+    _check(r.max_tokens < r.max_context_tokens,
+           f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_context_tokens "
+           f"({r.max_context_tokens}): a turn's prompt needs at least one token")
+    need = _pages(policy, r.max_context_tokens)
+    _check(r.kv_cache_mb << 20 >= need,
+           f"rollout.kv_cache_mb ({r.kv_cache_mb}) cannot hold one sequence of rollout.max_context_tokens "
+           f"({r.max_context_tokens}); it needs at least {-(-need // (1 << 20))} MB")
+    need += _pages(serving, s.max_context)
+    _check(s.pool_mb << 20 >= need,
+           f"serving.pool_mb ({s.pool_mb}) cannot hold one serving request of serving.max_context "
+           f"({s.max_context}) beside one rollout turn of rollout.max_context_tokens; it needs at least "
+           f"{-(-need // (1 << 20))} MB")
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete `step-N` checkpoint in a run's `out_dir`; torn ones (a save that
+    crashed, with no completion marker) are passed over."""
+    steps = [(int(m.group(1)), p) for p in Path(out_dir).glob("step-*")
+             if (m := re.fullmatch(r"step-(\d+)", p.name)) and is_complete(p)]
+    return max(steps)[1] if steps else None
 
 
 def resume_checkpoint(resume: str | Path | None) -> Path | None:
-    """The checkpoint to resume from: `resume` itself or its newest `step-*` directory."""
+    """The checkpoint to resume from: `resume` itself or its newest complete `step-*` directory."""
     if resume is None:
         return None
     path = Path(resume)
     if (path / "config.json").is_file():
+        if not is_complete(path):
+            raise ValueError(f"--resume {resume}: not a complete checkpoint (no {COMPLETE_FILE}: a save "
+                             "that did not finish); give the run's out_dir to take its newest complete one")
         return path
-    steps = sorted(path.glob("step-*/config.json"), key=lambda p: int(p.parent.name.split("-")[1]))
-    if not steps:
-        raise ValueError(f"--resume {resume}: no checkpoint there (expected config.json or step-N/ dirs)")
-    return steps[-1].parent
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"--resume {resume}: no complete checkpoint there (expected a checkpoint or "
+                         f"step-N/ dirs holding {COMPLETE_FILE})")
+    return latest

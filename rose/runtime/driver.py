@@ -36,7 +36,7 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
     t_start = time.time()
     try:
         for step in range(first, config.train.steps):
-            t0, wall0 = time.perf_counter(), time.time()
+            t0, wall0, restarts = time.perf_counter(), time.time(), len(cluster.restarts)
             # 1. rollouts: every episode, turn by turn, across dedicated (and borrowed) devices
             rollout = cluster.rollout(step)
             t_rollout = time.perf_counter() - t0
@@ -58,7 +58,8 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
                 placements=[(p.start_s + (wall0 - t_start), p.end_s + (wall0 - t_start), p.kind)
                             for p in rollout.placements],
                 serving=serving_summary(served, config.serving) if cluster.serving else {},
-                loss=metrics["loss"], elastic_devices=len(cluster.elastic_alloc_s))
+                loss=metrics["loss"], elastic_devices=len(cluster.elastic_alloc_s),
+                restarts=cluster.restarts[restarts:])
             records.append(record)
             if on_step is not None:
                 on_step(record)

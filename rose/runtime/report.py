@@ -31,6 +31,7 @@ class StepRecord:
     serving: dict[str, Any]
     loss: float
     elastic_devices: int
+    restarts: list[str] = dataclasses.field(default_factory=list)  # actors that died and came back
 
 
 def serving_summary(results: list[RequestResult], s: ServingConfig) -> dict[str, Any]:
@@ -57,6 +58,7 @@ def summarize(records: list[StepRecord], serving: dict[str, Any]) -> dict[str, A
         "weight_sync_bytes": sum(r.sync_bytes for r in records) // n,
         "lost_trajectories": sum(r.lost_trajectories for r in records),
         "failed_trajectories": sum(r.failed_trajectories for r in records),
+        "restarts": sum(len(r.restarts) for r in records),
     }
 
 

@@ -26,6 +26,14 @@ def list_envs() -> list[str]:
     return sorted(_FACTORIES)
 
 
+def env_options(name: str) -> list[str] | None:
+    """The keyword options `make_env(name, ...)` accepts (None: any, the factory takes **kwargs)."""
+    params = inspect.signature(_FACTORIES[name]).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def make_env(name: str, **kwargs: Any) -> TextEnv:
     factory = _FACTORIES.get(name)
     if factory is None:
