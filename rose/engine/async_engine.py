@@ -196,10 +196,9 @@ class EngineLoop:
                     low, high = STALLED_WAIT_S
                     self._wait(min(high, low * 2 ** min(stalled, 16)))
                     stalled += 1
-        except BaseException as exc:
+        except BaseException as exc:  # reported to every caller, now and later
             reason = f"{self.name} died: {exc!r}"
             log.exception("%s: the engine loop died", self.name)
-            raise
         finally:
             self._close(reason)
 
