@@ -4,7 +4,6 @@ pool, and a lease turn with an out-of-range field is a 400 that leaves the execu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
