@@ -57,9 +57,8 @@ def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> N
             break
     assert aborted and ex.burst.state.name == "BURST"
     assert ex.capacity().free_slots == 0
-    for out in aborted:  # nothing lost: partial tokens with their logprobs and versions
-        assert len(out.token_ids) >= before[out.request_id] > 0
-        assert len(out.logprobs) == len(out.versions) == len(out.token_ids)
+    for out in aborted:  # nothing lost: the partial tokens were streamed; the abort counts them
+        assert out.num_output_tokens >= before[out.request_id] > 0 and out.token_ids == []
         assert out.request_id not in ex._turns
     budget = ex.pool.budget("rollout")
     while ex.serving.has_unfinished():

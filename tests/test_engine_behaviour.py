@@ -112,7 +112,7 @@ def test_serving_priority_displaces_rollouts(ckpt: Path) -> None:
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    assert all(len(done[r].token_ids) == 20 for r in [*rollouts, serving])  # nothing lost
+    assert all(done[r].num_output_tokens == 20 for r in [*rollouts, serving])  # nothing lost
 
 
 # -- sampling -----------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_bad_requests_are_refused_and_others_keep_running(ckpt: Path, prompt: li
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
-    assert outs[-1].request_id == good and len(outs[-1].token_ids) == 6
+    assert outs[-1].request_id == good and outs[-1].num_output_tokens == 6
 
 
 def test_abort_returns_partial_output_and_frees_pages(ckpt: Path) -> None:
@@ -198,8 +198,8 @@ def test_abort_returns_partial_output_and_frees_pages(ckpt: Path) -> None:
         engine.step()
     partial = engine.abort(rid)
     assert partial is not None and partial.finish_reason == "abort" and partial.finished
-    # The first step prefills and samples, so five steps made five tokens.
-    assert len(partial.token_ids) == len(partial.logprobs) == len(partial.versions) == 5
+    # The first step prefills and samples, so five steps made five tokens (streamed already).
+    assert partial.num_output_tokens == 5 and partial.token_ids == []
     assert engine.blocks.num_active_pages == 0 and not engine.has_unfinished()
     assert engine.abort(rid) is None
 
@@ -213,15 +213,16 @@ def test_async_engine_streams_aborts_and_swaps_weights(ckpt: Path) -> None:
 
     async def main() -> None:
         streamed = [o async for o in front.generate(_prompt(10), params)]
-        assert [len(o.new_token_ids) for o in streamed] == [1] * 8 and streamed[-1].finished
+        assert [len(o.token_ids) for o in streamed] == [1] * 8 and streamed[-1].finished
+        assert [o.num_output_tokens for o in streamed] == list(range(1, 9))
         offline = await front.call(lambda: engine.generate([_prompt(10)], params))
-        assert streamed[-1].token_ids == offline[0].token_ids
+        assert [t for o in streamed for t in o.token_ids] == offline[0].token_ids
 
-        async def take(n: int) -> list[int]:
+        async def take(n: int) -> None:
             async for o in front.generate(_prompt(12), SamplingParams(max_tokens=500, ignore_eos=True),
                                           request_id="long"):
-                if len(o.token_ids) == n:
-                    return o.token_ids
+                if o.num_output_tokens == n:
+                    return
             raise AssertionError("stream ended early")
 
         await take(3)  # leaving the stream early aborts the request

@@ -119,17 +119,18 @@ def test_load_weights_between_iterations(ckpt: Path, ckpt2: Path, hf_models: dic
     prompts = _prompts(2, [20, 33], seed=5)
     engine.generate(prompts, GREEDY)  # fills the prefix cache with old-weight KV
     rid = engine.add_request(prompts[0], GREEDY)
-    for _ in range(3):
-        engine.step()
+    outs = [o for _ in range(3) for o in engine.step()]
     new = load_model(ckpt2)
     engine.load_weights(new.named_parameters(), version=7, in_flight=in_flight)
-    rest = {}
     while engine.has_unfinished():
-        rest.update({o.request_id: o for o in engine.step()})
-    versions = rest[rid].versions
+        outs += engine.step()
+    out, *later = [o for o in outs if o.request_id == rid]
+    for o in later:
+        out.merge(o)
+    versions = out.versions
     if in_flight is InFlight.FINISH_OLD:
         assert set(versions) == {0}  # it finished under the old weights; then they swapped
-        assert_matches_hf(_hf(hf_models, ckpt), prompts[0], rest[rid].token_ids, rest[rid].logprobs)
+        assert_matches_hf(_hf(hf_models, ckpt), prompts[0], out.token_ids, out.logprobs)
     else:
         assert versions[0] == 0 and versions[-1] == 7 and sorted(versions) == versions
     assert engine.policy_version == 7

@@ -218,7 +218,7 @@ class CoServingExecutor:
             self.metrics.busy.labels(name).inc(load.seconds)
         for out in outputs:
             if name == ROLLOUT:
-                self.metrics.rollout_tokens.inc(len(out.new_token_ids))
+                self.metrics.rollout_tokens.inc(len(out.token_ids))
                 if out.finished:
                     self._turns.pop(out.request_id, None)
             elif out.finished:
@@ -229,7 +229,7 @@ class CoServingExecutor:
         if out.first_token_time is None:
             return  # aborted before its first token
         ttft = out.first_token_time - out.arrival_time
-        n = len(out.token_ids)
+        n = out.num_output_tokens
         tpot = (out.last_token_time - out.first_token_time) / (n - 1) if n > 1 else 0.0
         self.metrics.ttft.observe(ttft)
         self.metrics.tpot.observe(tpot)

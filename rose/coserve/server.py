@@ -30,7 +30,8 @@ from safetensors.torch import load as load_safetensors
 from rose.coserve.executor import CoServingExecutor, Turn
 from rose.coserve.protocol import ChatCompletionRequest, CompletionRequest, TurnRequest
 from rose.engine import InFlight, RequestOutput
-from rose.engine.async_engine import EngineLoop
+from rose.engine.async_engine import EngineDeadError, EngineLoop, RequestFailed
+from rose.engine.detokenize import IncrementalDetokenizer
 from rose.model import Tokenizer
 
 
@@ -98,33 +99,27 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
         the delta still goes out with its token ids, so that the client sees every token when
         it is produced, as vLLM streams)."""
         body_max = max_tokens or body.max_tokens
-        default = max(1, executor.serving.max_model_len - len(prompt_ids) - 1)
+        # By default a request may grow to what the model's context and the KV pool hold.
+        default = max(1, executor.serving.max_request_tokens - len(prompt_ids))
         # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
         params = body.model_copy(update={"max_tokens": body_max}).sampling(default, body.stop_token_ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stops = body.stop_strings
-        sent = ids_sent = 0  # characters and tokens already yielded
+        text = IncrementalDetokenizer(tokenizer.decode, body.stop_strings)
         try:
             stream = _loop().stream(rid, lambda: executor.add_serving(prompt_ids, params, rid))
             async for out in stream:
-                text = tokenizer.decode(out.token_ids)
-                finish = out.finish_reason if out.finished else None
-                cut = min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                elif not out.finished:
-                    hold = max((len(s) - 1 for s in stops), default=0)
-                    text = text[:len(text) - hold] if hold else text
-                    # An incomplete character's later bytes come with later tokens; a random
-                    # model can emit dozens of such tokens in a row.
-                    text = text.rstrip("\ufffd")
-                yield _Delta(text[sent:], out.token_ids[ids_sent:], out.logprobs[ids_sent:], finish)
-                sent, ids_sent = max(sent, len(text)), len(out.token_ids)
-                if cut >= 0:
+                delta = text.push(out.token_ids, out.finished)
+                finish = "stop" if text.stopped else out.finish_reason if out.finished else None
+                yield _Delta(delta, out.token_ids, out.logprobs, finish)
+                if text.stopped:
                     await stream.aclose()  # aborts the request in the engine
                     return
         except ValueError as exc:  # the engine refused the request: bad input
             raise APIError(400, str(exc)) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), kind="server_error") from None
+        except RequestFailed as exc:
+            raise APIError(500, str(exc), kind="server_error") from None
 
     def _usage(prompt: int, completion: int) -> dict[str, int]:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -210,12 +205,10 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
     # -- the lease API ---------------------------------------------------------------------------
 
     def _turn_event(out: RequestOutput) -> dict[str, Any]:
-        n = len(out.new_token_ids)
-        return {"turn_id": out.request_id, "token_ids": out.new_token_ids,
-                "logprobs": out.logprobs[len(out.logprobs) - n:],
-                "versions": out.versions[len(out.versions) - n:],
-                "finished": out.finished, "finish_reason": out.finish_reason,
-                "num_tokens": len(out.token_ids)}
+        """A turn's new tokens (an abort's event has none: its tokens were streamed)."""
+        return {"turn_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
+                "versions": out.versions, "finished": out.finished,
+                "finish_reason": out.finish_reason, "num_tokens": out.num_output_tokens}
 
     @app.post("/v1/lease/turns")
     async def submit_turn(body: TurnRequest) -> Response:
@@ -242,8 +235,7 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
         out = await _loop().abort(turn_id)
         if out is None:
             raise APIError(404, f"no running turn {turn_id!r}", "turn_id", "not_found_error")
-        return {**_turn_event(out), "token_ids": out.token_ids, "logprobs": out.logprobs,
-                "versions": out.versions}
+        return _turn_event(out)
 
     async def _capacity() -> dict[str, Any]:
         try:

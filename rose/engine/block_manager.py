@@ -44,6 +44,15 @@ class BlockManager:
         return len(self._evictable)
 
     @property
+    def max_pages(self) -> int:
+        """The most pages one sequence could hold now: the pool, or this owner's budget in it
+        (which the co-serving executor moves at run time)."""
+        return min(self.pool.num_pages, self.pool.budget(self.owner))
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 

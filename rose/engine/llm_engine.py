@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import itertools
 import json
+import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,11 +16,13 @@ import torch
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import ModelRunner
-from rose.engine.sampling import SamplingParams, sample
-from rose.engine.scheduler import Scheduler, SchedulerConfig
+from rose.engine.sampling import SamplingParams, sample, unsampleable_rows
+from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from rose.engine.sequence import RequestOutput, Sequence, Status
 from rose.model import ModelConfig, load_model
 from rose.model.qwen import QwenForCausalLM
+
+log = logging.getLogger(__name__)
 
 
 class InFlight(enum.Enum):
@@ -122,6 +125,7 @@ class LLMEngine:
             params.validate()
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+        self._check_fits(where, len(prompt_token_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seeds))
         seq = Sequence(request_id, prompt_token_ids, params, priority,
@@ -130,14 +134,39 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and output) one request may reach: the model's context, or
+        what the KV pool holds (the last token needs no KV). A budget that the co-serving
+        executor lowers at run time may hold less: a request that outgrows it is aborted."""
+        return min(self.max_model_len, self.pool.num_pages * self.blocks.block_size + 1)
+
+    def _check_fits(self, where: str, prompt: int, max_tokens: int) -> None:
+        """Refuse what could never finish: it would wait forever and block the queue behind it."""
+        total = prompt + min(max_tokens, self.max_model_len - prompt)
+        if total > self.max_request_tokens:
+            pages = self.blocks.pages_for(total - 1)
+            raise ValueError(
+                f"{where}: the prompt ({prompt} tokens) and max_tokens ({max_tokens}) need KV for "
+                f"{total - 1} tokens, {pages} pages of {self.blocks.block_size}; the KV pool holds "
+                f"{self.pool.num_pages} pages, so a request may reach {self.max_request_tokens} "
+                f"tokens (the model's context is {self.max_model_len})")
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request; returns what it produced so far (None if unknown or finished)."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return None
+        """Stop a request; its final output (no new tokens; None if unknown or finished)."""
+        seq = self._seqs.get(request_id)
+        return None if seq is None else self._finish(seq, "abort")
+
+    def _retire(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Take a finished request out; its pages go back."""
+        del self._seqs[seq.request_id]
         self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        return RequestOutput.of(seq, 0)
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        """Retire a request that produced nothing more; its last output."""
+        self._retire(seq, reason, error)
+        return RequestOutput.of(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -149,43 +178,65 @@ class LLMEngine:
 
     def step(self, token_budget: int | None = None) -> list[RequestOutput]:
         """Run one iteration (at most `token_budget` tokens if given); return the requests that
-        produced a token (or finished)."""
+        produced a token or finished. A request whose computation raises, or whose logits hold
+        NaN, finishes with finish_reason 'error'; the others go on."""
         start = time.perf_counter()
         if not self.scheduler.running:
             self._apply_staged_weights()  # FINISH_OLD, when preemption emptied the running set
         # While new weights wait (FINISH_OLD), nothing new starts under the old ones.
         batch = self.scheduler.schedule(token_budget, admit=self._staged_weights is None)
         self.num_preemptions += len(batch.preempted)
+        outputs = [self._finish(seq, "abort", f"its {len(seq.token_ids)} tokens need "
+                                f"{self.blocks.pages_for(len(seq.token_ids))} KV pages; {self.name!r} "
+                                f"may now hold {self.blocks.max_pages}")
+                   for seq in batch.unfit]
         if not batch.seqs:
             self.last_load = StepLoad()
-            return []
+            return outputs
         decodes = [s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if n == 1]
         prefill = sum(batch.num_tokens) - len(decodes)
         context = sum(s.num_computed_tokens + 1 for s in decodes)
-        sampling, logits = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
-        outputs = []
-        if sampling:
-            outputs = self._sample(sampling, logits)
+        try:
+            outputs += self._execute(batch)
+        except Exception:  # find the requests it concerns: fail only those
+            log.exception("engine %r: an iteration of %d requests failed; retrying each alone",
+                          self.name, len(batch.seqs))
+            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+                outputs += self._execute_or_fail(Batch([seq], [n], []))
         if not self.scheduler.running:
             self._apply_staged_weights()  # FINISH_OLD: the old weights' last sequence is done
         self.last_load = StepLoad(prefill, len(decodes), context, time.perf_counter() - start)
         return outputs
 
-    def _sample(self, sampling: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
-        tokens, logprobs = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+    def _execute_or_fail(self, batch: Batch) -> list[RequestOutput]:
+        try:
+            return self._execute(batch)
+        except Exception as exc:  # this request's own failure
+            seq = batch.seqs[0]
+            log.exception("engine %r: request %r failed", self.name, seq.request_id)
+            return [self._finish(seq, "error", f"the engine failed on this request: {exc!r}")]
+
+    def _execute(self, batch: Batch) -> list[RequestOutput]:
+        """Compute and sample one batch. Whatever raises leaves every sequence as it was (the
+        KV it wrote is written again by the retry)."""
+        sampling, logits = self.runner.run(batch)
+        bad = set(unsampleable_rows(logits)) if sampling else set()
+        good = [i for i in range(len(sampling)) if i not in bad]
+        tokens, logprobs = sample(logits[good], [sampling[i].params for i in good],
+                                  [sampling[i].generator for i in good]) if good else ([], [])
+        outputs = [self._finish(sampling[i], "error", "the model's logits hold NaN or +inf; "
+                                "refusing to sample from them") for i in sorted(bad)]
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.status is not Status.FINISHED:  # a failed one's KV is not worth sharing
+                seq.num_computed_tokens += n
+                self.blocks.commit(seq)
         now = time.monotonic()
-        outputs = []
-        for seq, token, logprob in zip(sampling, tokens, logprobs, strict=True):
-            seq.append(token, logprob, self.policy_version, now)
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason:
-                seq.status = Status.FINISHED
-                self.scheduler.remove(seq)
-                del self._seqs[seq.request_id]
-            outputs.append(RequestOutput.of(seq, 1))
+        for i, token, logprob in zip(good, tokens, logprobs, strict=True):
+            seq = sampling[i]
+            seq.append(token, now)
+            if reason := self._finish_reason(seq, token):
+                self._retire(seq, reason)
+            outputs.append(RequestOutput.of(seq, [token], [logprob], [self.policy_version]))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -198,15 +249,17 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Offline generation: one finished output per prompt, in order."""
+        """Offline generation: one finished output per prompt (all its tokens), in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
+        merged: dict[str, RequestOutput] = {}
+        while not all(i in merged and merged[i].finished for i in ids):
             for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-        return [done[i] for i in ids]
+                if out.request_id in merged:
+                    merged[out.request_id].merge(out)
+                else:
+                    merged[out.request_id] = out
+        return [merged[i] for i in ids]
 
     # -- weights and state ---------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """Continuous batching: which sequences run this iteration, and how many tokens each.
 
 Every iteration: running sequences first (in priority order: decodes take one token, unfinished
-prefills a chunk), then waiting ones while the token budget, the sequence cap and the pages
-allow. When pages run out the lowest-priority, latest-arrived running sequence is preempted by
-recomputation: its pages are freed and it waits again with every token it has.
+prefills a chunk), then waiting ones in order while the token budget, the sequence cap and the
+pages allow. When pages run out the lowest-priority, latest-arrived running sequence is preempted
+by recomputation: its pages are freed and it waits again with every token it has. A waiting
+sequence that needs more pages than its owner may hold at all (its budget shrank after it was
+admitted) is dropped from the queue and returned as `unfit` rather than blocking the queue.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Batch:
     seqs: list[Sequence]
     num_tokens: list[int]
     preempted: list[Sequence]
+    unfit: list[Sequence] = dataclasses.field(default_factory=list)  # taken out of the queue
 
 
 class Scheduler:
@@ -105,8 +108,12 @@ class Scheduler:
                 self.preempt(seq)
                 preempted.append(seq)
 
+        unfit: list[Sequence] = []
         while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.blocks.pages_for(len(seq.token_ids)) > self.blocks.max_pages:
+                unfit.append(self.waiting.pop(0))  # could only wait forever and block the rest
+                continue
             self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, self.config.chunk_size, budget)
             # A waiting sequence may only displace running ones of a lower priority class.
@@ -119,4 +126,4 @@ class Scheduler:
             chosen[seq] = n
             budget -= n
 
-        return Batch(list(chosen), list(chosen.values()), preempted)
+        return Batch(list(chosen), list(chosen.values()), preempted, unfit)

@@ -41,9 +41,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (last admission)
         self.num_preemptions = 0
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []  # policy version that produced each output token
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the engine failed or dropped it
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -58,35 +57,52 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    def append(self, token: int, logprob: float, version: int, now: float) -> None:
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append(self, token: int, now: float) -> None:
         self.first_token_time = self.first_token_time or now
         self.last_token_time = now
         self.token_ids.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(version)
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """What a request produced so far; `new_token_ids` are this step's additions."""
+    """A request's progress. `token_ids`, `logprobs` and `versions` (the policy version that
+    produced each token) are the output tokens this output carries: an output of `step()` carries
+    only that iteration's new tokens (none for an abort), so streaming costs O(1) per token;
+    `merge` concatenates them (`LLMEngine.generate` returns each request's merged output)."""
 
     request_id: str
-    prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int  # produced so far in all
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # 'stop', 'length', 'abort', 'error' (see `error`)
     num_cached_tokens: int
     arrival_time: float  # time.monotonic() of add_request
     first_token_time: float | None
     last_token_time: float | None
+    error: str | None = None
 
     @classmethod
-    def of(cls, seq: Sequence, num_new: int) -> RequestOutput:
-        out = seq.output_token_ids
-        return cls(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], out, list(seq.logprobs),
-                   list(seq.versions), out[len(out) - num_new:], seq.status is Status.FINISHED,
+    def of(cls, seq: Sequence, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
+           versions: list[int] | None = None) -> RequestOutput:
+        return cls(seq.request_id, token_ids or [], logprobs or [], versions or [],
+                   seq.num_prompt_tokens, seq.num_output_tokens, seq.status is Status.FINISHED,
                    seq.finish_reason, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
-                   seq.last_token_time)
+                   seq.last_token_time, seq.error)
+
+    def merge(self, later: RequestOutput) -> None:
+        """Append a later output of the same request (its tokens and its state)."""
+        if later.request_id != self.request_id:
+            raise ValueError(f"cannot merge request {later.request_id!r} into {self.request_id!r}")
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.versions += later.versions
+        for field in ("num_output_tokens", "finished", "finish_reason", "num_cached_tokens",
+                      "first_token_time", "last_token_time", "error"):
+            setattr(self, field, getattr(later, field))

@@ -84,8 +84,10 @@ class EngineWorker:
 
     kind = WorkerKind.DEDICATED
 
-    def __init__(self, worker_id: str, engine: AsyncLLMEngine, max_concurrency: int) -> None:
+    def __init__(self, worker_id: str, engine: AsyncLLMEngine, max_concurrency: int,
+                 ping_timeout_s: float = 10.0) -> None:
         self.worker_id, self.engine, self.max_concurrency = worker_id, engine, max_concurrency
+        self.ping_timeout_s = ping_timeout_s
 
     async def stream(self, turn_id: str, token_ids: list[int], params: SamplingParams,
                      policy_version: int | None) -> AsyncIterator[TurnResult]:
@@ -94,9 +96,7 @@ class EngineWorker:
             raise ValueError(f"turn {turn_id!r}: expects policy version {policy_version}, this worker "
                              f"has {self.engine.engine.policy_version}")
         async for out in self.engine.generate(token_ids, params, request_id=turn_id):
-            n = len(out.new_token_ids)
-            yield TurnResult(list(out.new_token_ids), out.logprobs[len(out.logprobs) - n:],
-                             out.versions[len(out.versions) - n:], out.finish_reason)
+            yield TurnResult(out.token_ids, out.logprobs, out.versions, out.finish_reason)
 
     async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
                        policy_version: int | None, result: TurnResult) -> TurnResult:
@@ -105,6 +105,9 @@ class EngineWorker:
         return result
 
     async def heartbeat(self) -> Heartbeat:
+        """Answered through the engine's thread: a dead or stuck loop raises EngineDeadError
+        (no heartbeat, so the worker is replaced) instead of reporting a healthy worker."""
+        await self.engine.ping(self.ping_timeout_s)
         return Heartbeat(self.engine.engine.policy_version)
 
     async def abort(self, turn_id: str) -> None:
