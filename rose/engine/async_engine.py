@@ -25,6 +25,10 @@ from rose.engine.sequence import RequestOutput
 T = TypeVar("T")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop's thread is dead or does not answer."""
+
+
 class Steppable(Protocol):
     def step(self) -> list[RequestOutput]: ...
 
@@ -60,6 +64,16 @@ class EngineLoop:
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between two iterations and return its result."""
         return await asyncio.wrap_future(self.submit(fn))
+
+    async def ping(self, timeout_s: float) -> None:
+        """Raise EngineDeadError unless the engine thread runs a no-op within `timeout_s`.
+        (Temporary version from the server branch; the engine helper's replaces it.)"""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has died")
+        try:
+            await asyncio.wait_for(asyncio.shield(self.call(lambda: None)), timeout_s)
+        except TimeoutError:
+            raise EngineDeadError(f"the engine thread did not answer within {timeout_s} s") from None
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
