@@ -430,7 +430,8 @@ def test_lease_slots_are_enforced(guarded: tuple[str, CoServingExecutor]) -> Non
     url, executor = guarded
     body = {**TURN, "turn_id": "long", "max_tokens": 1500, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
-        assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream, which aborts the turn
+        assert r.status_code == 200 and next(lines).startswith("data: ")
         full = httpx.post(f"{url}/v1/lease/turns", json={**TURN, "turn_id": "more"}, headers=LEASE)
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["code"] == "lease_slots_full"
@@ -442,7 +443,8 @@ def test_waiting_queues_are_bounded_and_have_a_deadline(guarded: tuple[str, CoSe
     # One running sequence per engine: a streaming request holds it, so the next one waits.
     long = {**COMPLETION, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=long, headers=API) as r:
-        assert next(r.iter_lines()).startswith("data: ")
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=COMPLETION, headers=API,
                                   timeout=30)
@@ -453,7 +455,7 @@ def test_waiting_queues_are_bounded_and_have_a_deadline(guarded: tuple[str, CoSe
             late = waiting.result()
         assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
         assert _wait(lambda: len(executor.serving._seqs) == 1)  # the late one was aborted
-    assert _wait(lambda: not executor.has_unfinished() and executor.pool.used("serving") == 0)
+    assert _wait(lambda: not executor.has_unfinished() and executor.serving.blocks.num_active_pages == 0)
 
 
 def test_a_non_streaming_client_that_leaves_has_its_request_aborted(
@@ -468,7 +470,7 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(
         time.sleep(0.3)
     # 2,000 tokens at 10 ms an iteration would take 20 s.
     assert _wait(lambda: not executor.serving.has_unfinished(), timeout_s=10)
-    assert _wait(lambda: executor.pool.used("serving") == 0)
+    assert _wait(lambda: executor.serving.blocks.num_active_pages == 0)
     _still_serving(url, API)
 
 
