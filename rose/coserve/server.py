@@ -239,6 +239,21 @@ def _stop_loop(loop: EngineLoop, timeout_s: float) -> None:
     stopper.join(timeout_s)
 
 
+def _describe_model(app: FastAPI, model_name: str) -> None:
+    """Say in the OpenAPI schema that `model` takes the one served name (clients and fuzzers
+    read it from there)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for body in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][body]["properties"]["model"]["enum"] = [model_name]
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 # The weights endpoint reads its body raw: the schema says so, for clients and fuzzers.
 _BINARY_BODY = {"requestBody": {"required": True, "content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
@@ -259,6 +274,7 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
 
     app = FastAPI(title="ROSE co-serving executor", lifespan=lifespan)
     app.add_middleware(_Guard, limits=limits)
+    _describe_model(app, model_name)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
