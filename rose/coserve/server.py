@@ -281,9 +281,12 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
         errors = exc.errors()
         # In a union (a prompt is text or token ids) the branch of the wrong type says least.
         first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
-        loc = [p for p in first.get("loc", ())[1:] if isinstance(p, int) or str(p).isidentifier()]
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         kind = first.get("type")
+        # After "body"/"query"/"path": field names and list indices, not union branch tags (nor
+        # the character offset of a JSON syntax error).
+        loc = [] if kind == "json_invalid" else [
+            p for p in first.get("loc", ())[1:] if isinstance(p, int) or str(p).isidentifier()]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
         message = ("malformed JSON body" if kind == "json_invalid" else
                    "unknown parameter: this server does not implement it" if kind == "extra_forbidden"
                    else first.get("msg"))
@@ -298,6 +301,10 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind,
                       headers=dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def crashed(_: Request, exc: Exception) -> JSONResponse:  # a bug: still an OpenAI-shaped body
+        return _error(500, f"internal error: {type(exc).__name__}", kind="server_error")
 
     @app.exception_handler(_ClientGone)
     async def gone(_: Request, __: _ClientGone) -> Response:
