@@ -4,50 +4,73 @@ streaming, bad requests, disconnects, the lease API and metrics."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import torch
 import uvicorn
+from fastapi import FastAPI
 from safetensors.torch import save
 
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
-from rose.coserve.server import build_app
+from rose.coserve.server import ServerLimits, build_app
+from rose.engine import SamplingParams
 from rose.model import Tokenizer, init_model, load_tokenizer, random_model
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, CoServingExecutor]]:
-    root = tmp_path_factory.mktemp("serve")
-    serving = init_model("qwen2", "tiny", root / "serving", seed=1)
-    rollout = init_model("qwen3", "tiny", root / "rollout", seed=2)
-    executor = CoServingExecutor.from_pretrained(serving, rollout, ExecutorConfig(pool_bytes=8 * 1024**2))
-    executor.profile()
-    app = build_app(executor, load_tokenizer(serving), "tiny-serving")
+@contextlib.contextmanager
+def running(app: FastAPI) -> Iterator[str]:
+    """Serve `app` on a free local port from a thread; yield its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                        timeout_graceful_shutdown=2))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
+    for _ in range(200):
         try:
             if httpx.get(f"{url}/health").status_code == 200:
                 break
         except httpx.TransportError:
             time.sleep(0.05)
-    yield url, executor
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield url
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    return (init_model("qwen2", "tiny", root / "serving", seed=1),
+            init_model("qwen3", "tiny", root / "rollout", seed=2))
+
+
+def executor_of(checkpoints: tuple[Path, Path], **config: Any) -> CoServingExecutor:
+    return CoServingExecutor.from_pretrained(*checkpoints, ExecutorConfig(pool_bytes=8 * 1024**2, **config))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints: tuple[Path, Path]) -> Iterator[tuple[str, CoServingExecutor]]:
+    executor = executor_of(checkpoints)
+    executor.profile()
+    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving")) as url:
+        yield url, executor
 
 
 @pytest.fixture
@@ -202,3 +225,293 @@ def test_loadgen_replays_a_real_trace_window(server: tuple[str, CoServingExecuto
     assert all(r.tpot_s is None or r.tpot_s > 0 for r in results)
     with pytest.raises(ValueError, match="duration and load must be positive"):
         build_trace("azure-conv", duration_s=0, load=1.0)
+
+
+# -- bad input, limits, keys and faults (issue 16) ---------------------------------------------
+
+
+def _still_serving(url: str, headers: dict[str, str] | None = None) -> None:
+    """A normal completion still completes and /health says ok (a short timeout: a dead
+    engine loop makes both hang)."""
+    ok = httpx.post(f"{url}/v1/completions", json={"model": "tiny-serving", "prompt": "x", "max_tokens": 2},
+                    headers=headers, timeout=30)
+    assert ok.status_code == 200, ok.text
+    assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
+
+
+TURN = {"trajectory_id": "traj", "token_ids": [1, 2, 3], "max_tokens": 2}
+COMPLETION = {"model": "tiny-serving", "prompt": "x", "max_tokens": 2}
+JSON = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        # Found by fuzzing on main: this top_k overflowed in the sampler and killed the engine thread.
+        ("/v1/lease/turns", {**TURN, "turn_id": "k", "top_k": 1661748626853370527744}, "top_k"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "s", "seed": 2**64}, "seed"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "s", "seed": -(2**63) - 1}, "seed"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "m", "max_tokens": 2**70}, "max_tokens"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "v", "policy_version": -5}, "policy_version"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "v", "policy_version": 2**63}, "policy_version"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "i", "token_ids": [1, 2**40]}, "token_ids"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "i", "token_ids": [-1]}, "token_ids"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "e", "stop_token_ids": [2**70]}, "stop_token_ids"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "e", "extra": 1}, "extra"),
+        ("/v1/completions", {**COMPLETION, "top_k": 2**31}, "top_k"),
+        ("/v1/completions", {**COMPLETION, "temperature": float("nan")}, "temperature"),
+        ("/v1/completions", {**COMPLETION, "top_p": float("inf")}, "top_p"),
+        ("/v1/completions", {**COMPLETION, "seed": 2**64}, "seed"),
+        ("/v1/completions", {**COMPLETION, "prompt": [3, 2**63]}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny-serving", "messages": [{"role": "user", "content": "x"}],
+                                  "max_completion_tokens": 2**64}, "max_completion_tokens"),
+    ],
+)
+def test_out_of_range_numbers_are_refused_at_the_edge(server: tuple[str, CoServingExecutor], path: str,
+                                                      body: dict, param: str) -> None:
+    url = server[0]
+    # json.dumps writes NaN and Infinity, which Python's JSON parser (and the server's) reads.
+    r = httpx.post(f"{url}{path}", content=json.dumps(body), timeout=30, headers=JSON)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+    _still_serving(url)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        ({"stop": ""}, "stop", "at least 1 character"),
+        ({"stop": ["a", ""]}, "stop", "at least 1 character"),
+        ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16 items"),
+        ({"logit_bias": {"5": 10}}, "logit_bias", "does not implement logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "does not implement"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not implement"),
+        ({"n": 2}, "n", "Input should be 1"),
+        ({"best_of": 3}, "best_of", "does not implement"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "does not implement"),
+        ({"frequency_penalty": -1}, "frequency_penalty", "does not implement"),
+        ({"logprobs": 2}, "logprobs", "less than or equal to 1"),
+        ({"suffix": "tail"}, "suffix", "does not implement suffix"),
+        ({"guided_json": {}}, "guided_json", "unknown parameter"),
+    ],
+)
+def test_unimplemented_parameters_are_refused_by_name(server: tuple[str, CoServingExecutor], extra: dict,
+                                                      param: str, message: str) -> None:
+    r = httpx.post(f"{server[0]}/v1/completions", json={**COMPLETION, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
+def test_neutral_values_of_unimplemented_parameters_pass(client: openai.OpenAI) -> None:
+    done = client.completions.create(model="tiny-serving", prompt="x", max_tokens=2, n=1, presence_penalty=0,
+                                     frequency_penalty=0, logit_bias={}, best_of=1, user="u", stop=["zz"])
+    assert done.usage.completion_tokens <= 2
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny-serving", max_tokens=2, logprobs=True, top_logprobs=3,
+                                       messages=[{"role": "user", "content": "x"}])
+
+
+def test_every_client_error_has_the_openai_shape(server: tuple[str, CoServingExecutor]) -> None:
+    url = server[0]
+    replies = [httpx.get(f"{url}/v1/nowhere"), httpx.get(f"{url}/v1/completions"),
+               httpx.post(f"{url}/v1/completions", content=b"[1,", headers=JSON),
+               httpx.post(f"{url}/v1/completions", json=["not", "an", "object"]),
+               httpx.post(f"{url}/v1/lease/weights", params={"version": "x"}, content=b"")]
+    assert [r.status_code for r in replies] == [404, 405, 400, 400, 400]
+    for r in replies:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    assert replies[1].headers["allow"] == "POST"
+
+
+@pytest.fixture(scope="module")
+def guarded(checkpoints: tuple[Path, Path]) -> Iterator[tuple[str, CoServingExecutor]]:
+    """A server with both keys and small caps: one turn slot, one waiting request per model,
+    a 1 s queue deadline, one running sequence per engine (so that a second one waits), and
+    iterations slowed to 10 ms so that a long request is still running when a test looks."""
+    executor = executor_of(checkpoints, max_rollout_turns=1, max_num_seqs=1)
+    step = executor.step
+    executor.step = lambda: (time.sleep(0.01), step())[1]
+    limits = ServerLimits(api_key="api-secret", lease_key="lease-secret", max_body_bytes=4096,
+                          max_weights_bytes=64 * 1024, max_waiting_per_model=1, queue_timeout_s=1.0)
+    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+        yield url, executor
+
+
+API = {"Authorization": "Bearer api-secret"}
+LEASE = {"Authorization": "Bearer lease-secret"}
+
+
+def test_keys_guard_the_openai_and_lease_apis(guarded: tuple[str, CoServingExecutor]) -> None:
+    url, _ = guarded
+    for headers in ({}, {"Authorization": "Bearer wrong"}, LEASE, {"Authorization": "api-secret"}):
+        r = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(f"{url}/v1/models", headers=headers).status_code == 401
+    for headers in ({}, API):
+        assert httpx.get(f"{url}/v1/lease/capacity", headers=headers).status_code == 401
+        assert httpx.post(f"{url}/v1/lease/weights", params={"version": 9}, content=b"x",
+                          headers=headers).status_code == 401
+    assert httpx.get(f"{url}/v1/lease/capacity", headers=LEASE).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+    _still_serving(url, API)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="api-secret", max_retries=0)
+    assert [m.id for m in keyed.models.list().data] == ["tiny-serving"]
+
+    async def lease() -> None:
+        client = LeaseClient(url, key="lease-secret")
+        try:
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            done = await client.run_turn("keyed", "traj", [1, 2], params)
+            assert len(done.token_ids) == 3
+            assert (await client.heartbeat())["capacity"]["free_slots"] == 1
+        finally:
+            await client.aclose()
+
+    asyncio.run(lease())
+
+
+def test_body_caps_from_content_length_and_while_streaming(guarded: tuple[str, CoServingExecutor]) -> None:
+    url, _ = guarded
+    big = {**COMPLETION, "prompt": "y" * 5000}
+    r = httpx.post(f"{url}/v1/completions", json=big, headers=API)
+    assert r.status_code == 413 and "at most 4096 bytes" in r.json()["error"]["message"]
+    # No Content-Length: the body comes chunked and is cut once past the cap.
+    chunks = (json.dumps(big)[i:i + 1000].encode() for i in range(0, 6000, 1000))
+    r = httpx.post(f"{url}/v1/completions", content=chunks, headers={**API, **JSON})
+    assert r.status_code == 413 and "streamed" in r.json()["error"]["message"]
+    # The weights take their own, larger cap.
+    r = httpx.post(f"{url}/v1/lease/weights", params={"version": 1}, content=b"z" * 10_000, headers=LEASE)
+    assert r.status_code == 400 and "safetensors" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/lease/weights", params={"version": 1}, content=b"z" * 70_000, headers=LEASE)
+    assert r.status_code == 413
+    _still_serving(url, API)
+
+
+def test_weight_versions_only_move_forward(server: tuple[str, CoServingExecutor]) -> None:
+    url, executor = server
+    weights = save({n: p.detach().contiguous() for n, p in executor.rollout.model.named_parameters()})
+    current = httpx.get(f"{url}/v1/lease/capacity").json()["policy_version"]
+    assert httpx.post(f"{url}/v1/lease/weights", params={"version": current + 1},
+                      content=weights).status_code == 200
+    for version in (current + 1, current, 0):
+        r = httpx.post(f"{url}/v1/lease/weights", params={"version": version}, content=weights)
+        assert r.status_code == 409 and "only move forward" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/v1/lease/weights", params={"version": -5}, content=weights)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "version"
+    assert httpx.get(f"{url}/v1/lease/capacity").json()["policy_version"] == current + 1
+
+
+def _wait(condition: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_lease_api_cannot_abort_serving_requests(guarded: tuple[str, CoServingExecutor]) -> None:
+    url, executor = guarded
+    body = {**COMPLETION, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=API) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        (rid,) = executor.serving._seqs  # the serving request's engine id
+        assert httpx.post(f"{url}/v1/lease/turns/{rid}/abort", headers=LEASE).status_code == 404
+        assert executor.serving.has_request(rid)
+        assert json.loads(next(line for line in lines if line.startswith("data: "))[6:])["choices"]
+    assert _wait(lambda: not executor.has_unfinished())
+
+
+def test_lease_slots_are_enforced(guarded: tuple[str, CoServingExecutor]) -> None:
+    url, executor = guarded
+    body = {**TURN, "turn_id": "long", "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream, which aborts the turn
+        assert r.status_code == 200 and next(lines).startswith("data: ")
+        full = httpx.post(f"{url}/v1/lease/turns", json={**TURN, "turn_id": "more"}, headers=LEASE)
+        assert full.status_code == 429 and full.headers["retry-after"] == "1"
+        assert full.json()["error"]["code"] == "lease_slots_full"
+    assert _wait(lambda: not executor.has_unfinished())
+
+
+def test_waiting_queues_are_bounded_and_have_a_deadline(guarded: tuple[str, CoServingExecutor]) -> None:
+    url, executor = guarded
+    # One running sequence per engine: a streaming request holds it, so the next one waits.
+    long = {**COMPLETION, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=long, headers=API) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=COMPLETION, headers=API,
+                                  timeout=30)
+            assert _wait(lambda: len(executor.serving._seqs) == 2)
+            refused = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=API)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert "max_waiting_per_model 1" in refused.json()["error"]["message"]
+            late = waiting.result()
+        assert late.status_code == 503 and late.json()["error"]["code"] == "queue_timeout"
+        assert _wait(lambda: len(executor.serving._seqs) == 1)  # the late one was aborted
+    assert _wait(lambda: not executor.has_unfinished() and executor.serving.blocks.num_active_pages == 0)
+
+
+def test_a_non_streaming_client_that_leaves_has_its_request_aborted(
+        guarded: tuple[str, CoServingExecutor]) -> None:
+    url, executor = guarded
+    body = json.dumps({**COMPLETION, "max_tokens": 2000, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer api-secret\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert _wait(lambda: executor.serving.has_unfinished())
+        time.sleep(0.3)
+    # 2,000 tokens at 10 ms an iteration would take 20 s.
+    assert _wait(lambda: not executor.serving.has_unfinished(), timeout_s=10)
+    assert _wait(lambda: executor.serving.blocks.num_active_pages == 0)
+    _still_serving(url, API)
+
+
+class _Stuck:
+    """An executor step that blocks until released: an engine loop that no longer answers."""
+
+    def __init__(self, executor: CoServingExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        step = executor.step
+        monkeypatch.setattr(executor, "step", lambda: (self.release.wait(), step())[1])
+
+
+def test_health_and_heartbeat_report_a_stuck_engine_loop(checkpoints: tuple[Path, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = executor_of(checkpoints)
+    stuck = _Stuck(executor, monkeypatch)
+    limits = ServerLimits(health_timeout_s=0.5)
+    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            hung = pool.submit(httpx.post, f"{url}/v1/completions", json=COMPLETION, timeout=60)
+            assert _wait(lambda: executor.has_unfinished())
+            for r in (httpx.get(f"{url}/health", timeout=10),
+                      httpx.post(f"{url}/v1/lease/heartbeat", timeout=10)):
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+            stuck.release.set()
+            assert hung.result().status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_shutdown_is_bounded_with_a_stuck_engine_loop(checkpoints: tuple[Path, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = executor_of(checkpoints)
+    stuck = _Stuck(executor, monkeypatch)
+    limits = ServerLimits(shutdown_timeout_s=1.0)
+    start = 0.0
+    try:
+        with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+            with contextlib.suppress(httpx.TimeoutException):
+                httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=1)
+            start = time.monotonic()
+        assert time.monotonic() - start < 20  # graceful 2 s, then at most 1 s for the engine thread
+    finally:
+        stuck.release.set()

@@ -8,7 +8,7 @@ import os
 import torch
 
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy
-from rose.coserve.server import build_app
+from rose.coserve.server import ServerLimits, build_app
 from rose.model import load_tokenizer
 
 
@@ -28,6 +28,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--cores", help="pin the process to these cores, e.g. '1' or '0-1'")
     p.add_argument("--no-profile", action="store_true", help="skip the start-up latency profile")
+    d = ServerLimits()
+    p.add_argument("--api-key", default=os.environ.get("ROSE_API_KEY") or None,
+                   help="bearer key of the OpenAI API (default: $ROSE_API_KEY; none: open)")
+    p.add_argument("--lease-key", default=os.environ.get("ROSE_LEASE_KEY") or None,
+                   help="bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open)")
+    p.add_argument("--max-body-mb", type=float, default=d.max_body_bytes / 1024**2,
+                   help="largest request body, weights excepted")
+    p.add_argument("--max-weights-mb", type=float, default=d.max_weights_bytes / 1024**2,
+                   help="largest body of POST /v1/lease/weights")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting_per_model,
+                   help="requests per model waiting for their first token; more get a 429")
+    p.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,
+                   help="a request with no first token by then is dropped (503)")
+    p.add_argument("--max-rollout-turns", type=int, default=ExecutorConfig.max_rollout_turns,
+                   help="lease slots: rollout turns running at once; more get a 429")
+    p.add_argument("--limit-concurrency", type=int, default=1024,
+                   help="open connections and requests at once; more get a 503 from uvicorn")
 
 
 def _cores(spec: str) -> set[int]:
@@ -47,13 +64,18 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = ExecutorConfig(pool_bytes=int(args.pool_mb * 1024**2), headroom=args.headroom,
                             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                            policy=Policy(args.policy))
+                            policy=Policy(args.policy), max_rollout_turns=args.max_rollout_turns)
+    limits = ServerLimits(api_key=args.api_key, lease_key=args.lease_key,
+                          max_body_bytes=int(args.max_body_mb * 1024**2),
+                          max_weights_bytes=int(args.max_weights_mb * 1024**2),
+                          max_waiting_per_model=args.max_waiting, queue_timeout_s=args.queue_timeout_s)
     executor = CoServingExecutor.from_pretrained(args.model, args.rollout_model, config,
                                                  getattr(torch, args.dtype))
     if not args.no_profile:
         executor.profile()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(executor, load_tokenizer(args.model), name)
+    app = build_app(executor, load_tokenizer(args.model), name, limits)
     # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                limit_concurrency=args.limit_concurrency)
     return 0

@@ -45,6 +45,10 @@ from rose.model.qwen import QwenForCausalLM
 SERVING, ROLLOUT = "serving", "rollout"
 
 
+class TurnSlotsFull(RuntimeError):
+    """Every lease slot (`ExecutorConfig.max_rollout_turns`) holds a turn: retry later."""
+
+
 class Policy(enum.Enum):
     ROSE = "rose"
     NAIVE = "naive"
@@ -160,6 +164,9 @@ class CoServingExecutor:
         """Queue a rollout turn; its outputs come from `step()` under `turn.turn_id`."""
         rollout = self._rollout()
         self._check_free(turn.turn_id)
+        if len(self._turns) >= self.config.max_rollout_turns:
+            raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.config.max_rollout_turns} lease slots "
+                                f"of this executor hold running turns")
         if turn.policy_version is not None and turn.policy_version != rollout.policy_version:
             raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
                              f"this executor has {rollout.policy_version}")
@@ -173,6 +180,11 @@ class CoServingExecutor:
             out = self.rollout.abort(request_id)
             self._turns.pop(request_id, None)
         return out
+
+    def abort_turn(self, turn_id: str) -> RequestOutput | None:
+        """Abort a leased rollout turn (None if no such turn runs): the lease API's abort, which
+        must not reach serving requests."""
+        return self.abort(turn_id) if turn_id in self._turns else None
 
     def capacity(self) -> Capacity:
         rollout = self._rollout()

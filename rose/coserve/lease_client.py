@@ -75,9 +75,12 @@ def _append(result: TurnResult, data: str, turn_id: str, url: str) -> None:
 
 
 class LeaseClient:
-    def __init__(self, url: str, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, url: str, client: httpx.AsyncClient | None = None, key: str | None = None) -> None:
+        """`key`: the executor's lease key, sent as a bearer token (None: the executor has none)."""
         self.url = url.rstrip("/")
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(300.0))
+        if key is not None:
+            self._client.headers["Authorization"] = f"Bearer {key}"
 
     async def aclose(self) -> None:
         await self._client.aclose()

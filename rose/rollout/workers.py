@@ -122,9 +122,9 @@ class LeaseWorker:
 
     kind = WorkerKind.SERVING
 
-    def __init__(self, worker_id: str, url: str, max_concurrency: int) -> None:
+    def __init__(self, worker_id: str, url: str, max_concurrency: int, key: str | None = None) -> None:
         self.worker_id, self.url, self.max_concurrency = worker_id, url, max_concurrency
-        self.client = LeaseClient(url)
+        self.client = LeaseClient(url, key=key)
 
     async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
                        policy_version: int | None, result: TurnResult) -> TurnResult:
