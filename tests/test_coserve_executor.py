@@ -158,12 +158,13 @@ def test_rollouts_are_not_starved_by_an_overestimating_model_when_serving_is_idl
 
 
 class _StubLatency:
-    """Serving free, a rollout decode 300 ms, a rollout prefill token 10 ms."""
+    """Serving free, a rollout decode 2.6 s, a rollout prefill token 10 ms (long, so that the
+    wall time the test itself takes, under load, stays far inside the TPOT margin)."""
 
     error = 0.0
 
     def time(self, model: str, load: TokenLoad) -> float:
-        return 0.0 if model == "serving" else 0.3 * load.decode_seqs + 0.01 * load.prefill_tokens
+        return 0.0 if model == "serving" else 2.6 * load.decode_seqs + 0.01 * load.prefill_tokens
 
     def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
         return self.time("serving", serving) + self.time("rollout", rollout)
@@ -173,7 +174,7 @@ class _StubLatency:
 
 
 def test_the_token_budget_runs_only_the_admitted_rollout_decodes() -> None:
-    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1000)
+    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=10_000)
     ex.latency = _StubLatency()
     for i in range(4):
         ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(8, i), LONG))
@@ -182,7 +183,7 @@ def test_the_token_budget_runs_only_the_admitted_rollout_decodes() -> None:
     ex.step()  # serving's first token
     ex.submit_turn(Turn("t4", "traj4", _ids(40, 4), LONG))
     ex.step()
-    # Under 1 s: three decodes (0.9 s) plus 9 prefill tokens fit, a fourth decode does not; a
-    # budget of 12 tokens would run four decodes (1.2 s), so only the three go.
+    # Under 10 s: three decodes (7.8 s) plus prefill tokens fit, a fourth decode does not; a
+    # budget of that many tokens would run four decodes (10.4 s), so only the three go.
     load = ex.rollout.last_load
     assert (load.decode_seqs, load.prefill_tokens) == (3, 0)

@@ -95,13 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Keys:
-    """The keys the soak's clients present.
-
-    AUTH, the single spot to change once `rose serve` takes `--api-key`/`--lease-key` (issue 16,
-    item 3): return the flags from `server_args` and pass `key=self.lease` to `LeaseClient` in
-    `lease_client` (and change `headers` if the lease key travels otherwise than as a bearer
-    token). Until then the server runs open and ignores the headers already sent.
-    """
+    """The keys the soak's clients present: the server runs with both, so that the clients
+    sending a wrong or missing key are refused (401) rather than served."""
 
     api: str
     lease: str
@@ -111,10 +106,10 @@ class Keys:
         return cls(secrets.token_urlsafe(24), secrets.token_urlsafe(24))
 
     def server_args(self) -> list[str]:
-        return []  # AUTH: ["--api-key", self.api, "--lease-key", self.lease]
+        return ["--api-key", self.api, "--lease-key", self.lease]
 
     def lease_client(self, url: str) -> LeaseClient:
-        return LeaseClient(url, httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S))  # AUTH: key=self.lease
+        return LeaseClient(url, httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S), key=self.lease)
 
     def headers(self, api: str) -> dict[str, str]:
         """Bearer headers for the OpenAI API (`api="openai"`) or the lease API (`"lease"`)."""

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     limits = ServerLimits(api_key=args.api_key, lease_key=args.lease_key,
                           max_body_bytes=int(args.max_body_mb * 1024**2),
                           max_weights_bytes=int(args.max_weights_mb * 1024**2),
-                          max_waiting_per_model=args.max_waiting, queue_timeout_s=args.queue_timeout_s)
+                          max_waiting_per_model=args.max_waiting, queue_timeout_s=args.queue_timeout_s,
+                          max_connections=args.limit_concurrency)
     executor = CoServingExecutor.from_pretrained(args.model, args.rollout_model, config,
                                                  getattr(torch, args.dtype))
     if not args.no_profile:
@@ -77,5 +78,5 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(executor, load_tokenizer(args.model), name, limits)
     # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
-                limit_concurrency=args.limit_concurrency)
+                limit_concurrency=limits.max_connections)
     return 0

@@ -97,13 +97,15 @@ async def stream_completion(client: httpx.AsyncClient, url: str, model: str, pro
 
 async def replay(url: str, trace: Trace, max_context: int = 4096, max_output: int = 256,
                  model: str | None = None, vocab: tuple[int, int] = (10, 256),
-                 seed: int = 0) -> list[RequestResult]:
-    """Send every request of `trace` at its arrival time; return one result per request."""
+                 seed: int = 0, api_key: str | None = None) -> list[RequestResult]:
+    """Send every request of `trace` at its arrival time; return one result per request.
+    `api_key`: the server's bearer key, if it has one."""
     url = url.rstrip("/")
     rng = np.random.default_rng(seed)
     prompts, outputs = fit_lengths(trace, max_context, max_output)
     limits = httpx.Limits(max_connections=1000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as c:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as c:
         if model is None:
             model = (await c.get(f"{url}/v1/models")).json()["data"][0]["id"]
         results, tasks = [], []

@@ -61,13 +61,14 @@ class ServerLimits:
     queue_timeout_s: float = 120.0  # no first token by then: aborted, answered 503
     health_timeout_s: float = 10.0  # the engine loop must answer /health within this
     shutdown_timeout_s: float = 5.0  # waited for the engine thread to stop at exit
+    max_connections: int = 1024  # uvicorn's limit_concurrency: connections beyond it get a 503
 
     def __post_init__(self) -> None:
         for name in ("api_key", "lease_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must be a non-empty string, or None for no key")
         for name in ("max_body_bytes", "max_weights_bytes", "max_waiting_per_model", "queue_timeout_s",
-                     "health_timeout_s", "shutdown_timeout_s"):
+                     "health_timeout_s", "shutdown_timeout_s", "max_connections"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 

@@ -25,7 +25,7 @@ import torch
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, TurnRejected
 from rose.coserve.loadgen import RequestResult, build_trace, replay
-from rose.coserve.server import build_app
+from rose.coserve.server import ServerLimits, build_app
 from rose.engine import LLMEngine, SamplingParams
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.model import load_tokenizer
@@ -184,17 +184,20 @@ class ServingDeviceActor(_Replica):
     replay driving its serving side from this process."""
 
     def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
-                 config: ExecutorConfig, replay_spec: ServingConfig, relay: str, group: str) -> None:
+                 config: ExecutorConfig, replay_spec: ServingConfig, relay: str, group: str,
+                 limits: ServerLimits) -> None:
         pin(cores)
         import uvicorn
 
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
         executor.profile()
-        app = build_app(executor, load_tokenizer(serving_path), Path(serving_path).name)
+        self.limits = limits
+        app = build_app(executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    limit_concurrency=limits.max_connections))
         threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()
         while not self.server.started:
             time.sleep(0.05)
@@ -206,7 +209,7 @@ class ServingDeviceActor(_Replica):
 
     def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         async def load() -> None:
-            client = LeaseClient(self.url)
+            client = LeaseClient(self.url, key=self.limits.lease_key)
             try:
                 await client.load_weights(named, version)
             finally:
@@ -239,7 +242,8 @@ class ServingDeviceActor(_Replica):
                 offset += s.window_s
                 continue
             start = time.time()
-            for result in await replay(self.url, trace, s.max_context, s.max_output):
+            for result in await replay(self.url, trace, s.max_context, s.max_output,
+                                       api_key=self.limits.api_key):
                 self.results.append((start + result.scheduled_s, result))
             offset += s.window_s
 

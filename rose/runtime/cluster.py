@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ import httpx
 from rose.coserve.executor import ExecutorConfig
 from rose.coserve.lease_client import LeaseError
 from rose.coserve.loadgen import RequestResult
+from rose.coserve.server import ServerLimits
 from rose.engine import SamplingParams
 from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, make_env, shard_by_group
@@ -59,6 +61,10 @@ class Cluster:
         self.loop = asyncio.new_event_loop()  # one loop for every async call (HTTP clients live on it)
         self.registry = WorkerRegistry(config.rollout.stall_timeout_s)
         self.relay, self.group = f"rose-relay-{uuid.uuid4().hex[:8]}", "rollout"
+        # The serving devices' HTTP APIs are locked with keys of this run's own: only its driver
+        # leases turns and loads weights, only its trace replay sends serving requests.
+        self.server_limits = ServerLimits(api_key=secrets.token_urlsafe(32),
+                                          lease_key=secrets.token_urlsafe(32))
         self.trainers: list[Any] = []  # data-parallel ranks
         self.dedicated: dict[str, Any] = {}
         self.serving: dict[str, Any] = {}
@@ -144,7 +150,8 @@ class Cluster:
                                   slo_tpot_ms=s.slo_tpot_ms,
                                   max_rollout_turns=self.config.rollout.serving_concurrency)
         return ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
-            wid, cores, self.serving_path, self.model_path, executor, s, self.relay, self.group)
+            wid, cores, self.serving_path, self.model_path, executor, s, self.relay, self.group,
+            self.server_limits)
 
     def _replicas(self) -> dict[str, Any]:
         return {**self.dedicated, **self.serving}
@@ -153,7 +160,8 @@ class Cluster:
         """Route to replica `wid` (in place of a dead one of the same name)."""
         handle, r = self._replicas()[wid], self.config.rollout
         if wid in self.serving:
-            worker: Any = LeaseWorker(wid, await handle.address.remote(), r.serving_concurrency)
+            worker: Any = LeaseWorker(wid, await handle.address.remote(), r.serving_concurrency,
+                                      key=self.server_limits.lease_key)
         else:
             await handle.ready.remote()
             worker = ActorWorker(wid, handle, r.dedicated_concurrency)
