@@ -190,7 +190,11 @@ class Receiver:
             return 0
 
     def _report_state(self) -> None:
+        """Tell the sender our version, visibly before we return: a sender announcing after
+        `join` or `sync` returns must see it (else it leaves a new member out of the sync, or
+        sends a full copy where a delta would do)."""
         self.relay.put(member_prefix(self.group) + self.id, MemberState(self.me, self.version))
+        self.relay.flush()
 
 
 def _payloads(bucket: Bucket, parts: Any) -> list[tuple[bytes, np.ndarray]]:

@@ -32,6 +32,9 @@ class Relay(Protocol):
 
     def delete(self, prefix: str) -> None: ...
 
+    def flush(self) -> None:
+        """Return once every `put` this process made is visible to every reader."""
+
 
 def _frozen(value: Any) -> Any:
     """A private read-only copy of payload arrays, so a store never aliases a sender's live tensors."""
@@ -71,6 +74,9 @@ class LocalRelay:
         with self._changed:
             for k in [k for k in self._items if k.startswith(prefix)]:
                 del self._items[k]
+
+    def flush(self) -> None:
+        """Puts are visible when they return."""
 
 
 # Payloads at least this large go to the object store; smaller records stay in the directory.
@@ -156,6 +162,11 @@ class RayRelay:
     def delete(self, prefix: str) -> None:
         self._settle()
         self._ray.get(self._dir.delete.remote(prefix))
+
+    def flush(self) -> None:
+        """Wait until this process's registrations are in the directory: a `put` returns before
+        other processes can see it, and nothing orders it before their later reads."""
+        self._settle()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_ray": self._ray, "_dir": self._dir}   # another process: its own registrations
