@@ -267,3 +267,19 @@ def test_a_forged_bucket_fails_one_sync_and_the_next_repairs_it(forge: Callable[
     assert kinds == ["full", "failed", "full"]
     _assert_in_sync(trainer.policy, receiver)
     sender.close()
+
+
+def test_a_receiver_of_another_model_refuses_the_sync_by_its_fingerprint() -> None:
+    trainer = Trainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
+    spec, other = model_spec(trainer.model), model_spec(trainer.model, dtype=torch.float16)
+    relay = LocalRelay()
+    sender = Sender(relay, spec, trainer.policy)
+    receiver = Receiver(relay, other, ReceiverSpec("a"))
+    receiver.join()
+    with ThreadPoolExecutor(1) as pool:
+        pull = pool.submit(receiver.sync, 10)
+        sender.publish(1)
+        assert pull.result() is None
+    assert receiver.last.error == (f"sync 1 is for model {spec.fingerprint()}, "
+                                   f"this receiver holds {other.fingerprint()}")
+    sender.close()
