@@ -238,7 +238,7 @@ def _zstd_bomb(parts: list) -> list:
 
 @pytest.mark.parametrize(("forge", "message"), [
     (_zstd_bomb, r"model\.\S+ \(\(.*\)\) in bucket \S+: delta body declares 1073741824 bytes, "
-                 r"more than the tensor's \d+"),
+                 r"a delta must be smaller than the tensor's \d+"),
     (lambda parts: [parts[0], parts[1].tobytes(), *parts[2:]],
      "holds a bytes header and a bytes body, expected bytes and a flat uint8 array"),
     (lambda parts: {"parts": parts}, "holds a dict, the plan expects"),

@@ -298,7 +298,8 @@ def _check_fits(h: _Header, target: torch.Tensor) -> None:
     if h.kind == FULL and h.raw_len != nbytes:
         raise CorruptDelta(f"full payload is {h.raw_len} bytes, tensor needs {nbytes}")
     if h.kind == DELTA and h.raw_len >= nbytes:  # the encoder sends such a delta as a full copy
-        raise CorruptDelta(f"delta body declares {h.raw_len} bytes, more than the tensor's {nbytes}")
+        raise CorruptDelta(f"delta body declares {h.raw_len} bytes, a delta must be smaller than the "
+                           f"tensor's {nbytes}")
     if not h.n_escapes <= h.n_changed <= numel:
         raise CorruptDelta(f"payload declares {h.n_changed} changed elements and {h.n_escapes} escapes "
                            f"for a tensor of {numel} elements")

@@ -8,7 +8,8 @@ collective group being formed or re-formed. Two backends with one interface:
   named async actor holds the key -> object directory and wakes waiting readers.
 - `LocalRelay`: a dict behind a condition variable, for unit tests and single-process runs.
 
-`get` blocks until the key exists (or `timeout` passes: TimeoutError). Values are small
+`get` blocks until the key exists (or `timeout` passes: TimeoutError); `flush` returns once
+every process sees this one's puts (a `RayRelay.put` returns before). Values are small
 records or bucket payloads (a list of bytes / uint8 arrays); payload arrays handed to a reader
 are read-only views.
 """
