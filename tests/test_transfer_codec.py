@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import re
+import tracemalloc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -188,3 +191,53 @@ def test_forged_gaps_are_refused_before_any_write() -> None:
         with pytest.raises(CorruptDelta, match=message):
             codec.apply_into(target, _reseal(header, forged), forged)
         assert not target.any()
+
+
+def _zstd_frame(content_bytes: int, declare: bool = True) -> bytes:
+    """A zstd frame of `content_bytes` zeros (a few KiB per 64 MiB), declaring its size or not."""
+    compressor = zstandard.ZstdCompressor(write_content_size=declare)
+    co = compressor.compressobj(size=content_bytes if declare else -1)
+    zeros = bytes(1 << 20)
+    return b"".join(co.compress(zeros) for _ in range(content_bytes >> 20)) + co.flush()
+
+
+BOMB = 64 << 20
+
+
+@pytest.mark.parametrize(("frame", "raw_len", "message"), [
+    # the header agrees with the frame: both far beyond the tensor
+    (lambda: _zstd_frame(BOMB), BOMB,
+     f"delta body declares {BOMB} bytes, a delta must be smaller than the tensor's 8192"),
+    # a plausible header, a frame that declares far more (zstandard would allocate it all)
+    (lambda: _zstd_frame(BOMB), 100, f"zstd frame declares {BOMB} bytes, header says 100 bytes"),
+    (lambda: _zstd_frame(BOMB, declare=False), BOMB, "a delta must be smaller than the tensor's 8192"),
+    (lambda: _zstd_frame(BOMB, declare=False), 100, "zstd frame declares no size, header says 100 bytes"),
+    (lambda: b"\x28\xb5\x2f\xfd", 100, "zstd body has no valid frame header"),
+])
+def test_forged_zstd_sizes_are_refused_before_allocating(frame: Callable[[], bytes], raw_len: int,
+                                                         message: str) -> None:
+    """The checksum is no MAC: a forged header and frame may declare any size. Nothing near it
+    may be allocated, and the error names the numbers."""
+    target = torch.zeros(64, 64, dtype=torch.bfloat16)
+    body = np.frombuffer(frame(), np.uint8)
+    header = codec._header(codec.DELTA, target, 1, 0, raw_len, body, 0, codec.ZSTD)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptDelta, match=re.escape(message)):
+            codec.apply_into(target, header, body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20 and not target.any()
+
+
+def test_forged_counts_are_refused() -> None:
+    target = torch.zeros(100, dtype=torch.float32)
+    body = np.zeros(10, np.uint8)
+    for kind, n_changed, n_escapes, raw_len, message in (
+            (codec.DELTA, 101, 0, 10, "declares 101 changed elements and 0 escapes for a tensor of 100"),
+            (codec.DELTA, 5, 6, 10, "declares 5 changed elements and 6 escapes"),
+            (codec.FULL, 100, 0, 10, "full payload is 10 bytes, tensor needs 400")):
+        header = codec._header(kind, target, n_changed, n_escapes, raw_len, body, 0, 0)
+        with pytest.raises(CorruptDelta, match=re.escape(message)):
+            codec.apply_into(target, header, body)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from rose.model import preset_config
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, model_spec, receiver_layout
 from rose.transfer.codec import tensor_hash
 from rose.transfer.layouts import shard
+from rose.transfer.relay import _Directory
 
 ray = pytest.importorskip("ray")
 
@@ -61,3 +64,40 @@ def test_receivers_in_and_out_of_process_end_bit_exact(relay: RayRelay) -> None:
         assert r.digests() == {n: tensor_hash(t) for n, t in want.items()}
         assert r.last.kind == "delta"
     sender.close()
+
+
+def test_a_receiver_in_another_process_is_in_the_first_sync_after_its_join(relay: RayRelay) -> None:
+    """A loaded node delivers a receiver's registration late: `join` and `sync` must not return
+    before it lands, or the sender's next announcement leaves the receiver out (its first sync
+    then returns None) or sends it a full copy instead of a delta."""
+
+    class LateMembers(_Directory):
+        async def put(self, key: str, item: Any) -> None:
+            if "/members/" in key:
+                await asyncio.sleep(2.0)
+            await super().put(key, item)
+
+    class Remote(Receiver):
+        def last_kind(self) -> str:
+            return self.last.kind
+
+    name = "rose-test-late-members"
+    actor = ray.remote(num_cpus=0, max_concurrency=1000)(LateMembers)
+    directory = actor.options(name=name, namespace="rose").remote()  # held: an actor without a handle is gone
+    late = RayRelay(name=name)  # finds the directory above by its name
+    trainer = Trainer(preset_config("qwen3", "tiny"), seed=2, batch=2, seq=8, lr=1e-5)
+    spec = model_spec(trainer.model)
+    sender = Sender(late, spec, trainer.policy, group="late")
+    remote = ray.remote(Remote).options(num_cpus=0).remote(late, spec, ReceiverSpec("remote"), group="late")
+    ray.get(remote.join.remote())
+    kinds = []
+    for version in (1, 2):
+        if version > 1:
+            trainer.step()
+        pulled = remote.sync.remote(30)
+        sender.publish(version)
+        assert ray.get(pulled) == version
+        kinds.append(ray.get(remote.last_kind.remote()))
+    assert kinds == ["full", "delta"]
+    sender.close()
+    ray.kill(directory)

@@ -4,12 +4,17 @@ receiver and a leaver; at the end every receiver hash-equals the trainer."""
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+import xxhash
+import zstandard
 
 from rose.bench.transfer import Trainer
 from rose.model import QwenForCausalLM, preset_config
@@ -22,6 +27,7 @@ from rose.transfer import (
     Sender,
     SyncPolicy,
     TrainerSpec,
+    codec,
     load_into,
     model_spec,
     receiver_layout,
@@ -49,10 +55,13 @@ class Faulty:
 
     def __init__(self, relay: LocalRelay) -> None:
         self.relay, self.corrupt_next, self.crash_after = relay, False, None
+        self.forge_next: Callable[[list], Any] | None = None
 
     def get(self, key: str, timeout: float | None = None) -> Any:
         value = self.relay.get(key, timeout)
         if isinstance(value, list):  # a bucket
+            if self.forge_next is not None:
+                value, self.forge_next = self.forge_next(value), None
             if self.crash_after is not None:
                 self.crash_after -= 1
                 if self.crash_after < 0:
@@ -214,3 +223,63 @@ def test_local_relay_waits_and_times_out() -> None:
     assert relay.scan("p/") == {"p/a": 1, "p/b": 2}
     relay.delete("p/")
     assert relay.scan("p/") == {}
+
+
+def _zstd_bomb(parts: list) -> list:
+    """The bucket with its first payload forged: a valid-looking delta whose zstd body declares
+    1 GiB (a 32 KiB frame); its check recomputed, as anyone who can write to the relay could."""
+    fields = list(codec._FIXED.unpack_from(parts[0]))
+    co = zstandard.ZstdCompressor().compressobj(size=1 << 30)
+    frame = np.frombuffer(b"".join(co.compress(bytes(1 << 24)) for _ in range(64)) + co.flush(), np.uint8)
+    fields[1], fields[3], fields[7], fields[8] = codec.DELTA, codec.ZSTD, 1 << 30, frame.size
+    head = codec._FIXED.pack(*fields) + parts[0][codec._FIXED.size:-8]
+    return [head + codec._CHECK.pack(xxhash.xxh3_64(head + frame.tobytes()).intdigest()), frame, *parts[2:]]
+
+
+@pytest.mark.parametrize(("forge", "message"), [
+    (_zstd_bomb, r"model\.\S+ \(\(.*\)\) in bucket \S+: delta body declares 1073741824 bytes, "
+                 r"a delta must be smaller than the tensor's \d+"),
+    (lambda parts: [parts[0], parts[1].tobytes(), *parts[2:]],
+     "holds a bytes header and a bytes body, expected bytes and a flat uint8 array"),
+    (lambda parts: {"parts": parts}, "holds a dict, the plan expects"),
+])
+def test_a_forged_bucket_fails_one_sync_and_the_next_repairs_it(forge: Callable[[list], Any], message: str,
+                                                                 one_thread: None) -> None:
+    trainer = Trainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
+    spec = model_spec(trainer.model)
+    relay = LocalRelay()
+    sender = Sender(relay, spec, trainer.policy, bucket_bytes=16 << 10)
+    view = Faulty(relay)
+    receiver = Receiver(view, spec, ReceiverSpec("a"))
+    receiver.join()
+    kinds = []
+    with ThreadPoolExecutor(1) as pool:
+        for version in (1, 2, 3):
+            if version > 1:
+                trainer.step()
+            view.forge_next = forge if version == 2 else None
+            pull = pool.submit(receiver.sync, 10)
+            sender.publish(version)
+            assert pull.result() == (None if version == 2 else version)
+            kinds.append(receiver.last.kind)
+            if version == 2:
+                assert re.search(message, receiver.last.error), receiver.last.error
+    assert kinds == ["full", "failed", "full"]
+    _assert_in_sync(trainer.policy, receiver)
+    sender.close()
+
+
+def test_a_receiver_of_another_model_refuses_the_sync_by_its_fingerprint() -> None:
+    trainer = Trainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
+    spec, other = model_spec(trainer.model), model_spec(trainer.model, dtype=torch.float16)
+    relay = LocalRelay()
+    sender = Sender(relay, spec, trainer.policy)
+    receiver = Receiver(relay, other, ReceiverSpec("a"))
+    receiver.join()
+    with ThreadPoolExecutor(1) as pool:
+        pull = pool.submit(receiver.sync, 10)
+        sender.publish(1)
+        assert pull.result() is None
+    assert receiver.last.error == (f"sync 1 is for model {spec.fingerprint()}, "
+                                   f"this receiver holds {other.fingerprint()}")
+    sender.close()

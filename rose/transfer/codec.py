@@ -25,7 +25,9 @@ the 0.6-5% densities of RL steps nearly every gap fits a byte, and decoding is o
 `result_hash` is xxh3-64 of the resulting tensor's bytes; `check` is xxh3-64 of the header
 and, for a delta, the stored body, so corruption is caught before anything is written. A full
 body is the resulting tensor itself: `result_hash` checks it before the copy, and hashing it a
-second time (for `check`, or after the copy) would only double the cost of full syncs. The two
+second time (for `check`, or after the copy) would only double the cost of full syncs. The
+checks are no MAC, so every size a header declares (and a zstd frame's declared content size)
+is checked against the target tensor before anything is allocated for it. The two
 per-element loops (finding changed elements, scattering gap-coded ones) are compiled
 (`kernels.py`); the rest is vectorised numpy: no Python loop runs per element or per chunk.
 """
@@ -164,22 +166,13 @@ def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray) -> int:
     sender's baseline, and the caller needs a full sync.
     """
     h = _parse(header, body)
-    if h.dtype != target.dtype:
-        raise CorruptDelta(f"dtype mismatch: payload holds {h.dtype}, tensor is {target.dtype}")
-    if h.shape != tuple(target.shape):
-        raise CorruptDelta(f"shape mismatch: payload holds {h.shape}, tensor is {tuple(target.shape)}")
-    numel, itemsize = target.numel(), target.element_size()
+    _check_fits(h, target)
+    numel = target.numel()
     if h.flags & ZSTD:
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=h.raw_len)
-        except zstandard.ZstdError as exc:
-            raise CorruptDelta(f"zstd body does not decompress: {exc}") from exc
-        body = np.frombuffer(raw, np.uint8)
+        body = _decompress(body, h.raw_len)
     if body.nbytes != h.raw_len:
         raise CorruptDelta(f"body is {body.nbytes} bytes, header says {h.raw_len}")
     if h.kind == FULL:
-        if h.raw_len != numel * itemsize:
-            raise CorruptDelta(f"full payload is {h.raw_len} bytes, tensor needs {numel * itemsize}")
         if xxhash.xxh3_64(body).intdigest() != h.result_hash:
             raise CorruptDelta("payload checksum mismatch: full body corrupted in transit")
         np.copyto(_bits(target).numpy(), body.view(_np_int(target)).reshape(target.shape))
@@ -292,6 +285,41 @@ def _parse(header: bytes, body: np.ndarray) -> _Header:
         raise CorruptDelta(f"unknown kind {kind}, dtype code {code} or flags {flags}")
     shape = struct.unpack_from(f"<{ndim}Q", header, _FIXED.size)
     return _Header(kind, _BY_CODE[code], flags, n_changed, n_escapes, raw_len, result_hash, shape)
+
+
+def _check_fits(h: _Header, target: torch.Tensor) -> None:
+    """Every size the header declares must fit `target` before anything is allocated for it:
+    the checksum is no MAC, so a forged header may declare anything."""
+    if h.dtype != target.dtype:
+        raise CorruptDelta(f"dtype mismatch: payload holds {h.dtype}, tensor is {target.dtype}")
+    if h.shape != tuple(target.shape):
+        raise CorruptDelta(f"shape mismatch: payload holds {h.shape}, tensor is {tuple(target.shape)}")
+    numel, nbytes = target.numel(), target.numel() * target.element_size()
+    if h.kind == FULL and h.raw_len != nbytes:
+        raise CorruptDelta(f"full payload is {h.raw_len} bytes, tensor needs {nbytes}")
+    if h.kind == DELTA and h.raw_len >= nbytes:  # the encoder sends such a delta as a full copy
+        raise CorruptDelta(f"delta body declares {h.raw_len} bytes, a delta must be smaller than the "
+                           f"tensor's {nbytes}")
+    if not h.n_escapes <= h.n_changed <= numel:
+        raise CorruptDelta(f"payload declares {h.n_changed} changed elements and {h.n_escapes} escapes "
+                           f"for a tensor of {numel} elements")
+
+
+def _decompress(body: np.ndarray, raw_len: int) -> np.ndarray:
+    """The zstd frame in `body`, which must declare exactly `raw_len` (already checked against the
+    tensor) as its content size: zstandard allocates whatever a frame declares, whatever the cap."""
+    try:
+        declared = zstandard.frame_content_size(body)
+    except zstandard.ZstdError as exc:
+        raise CorruptDelta(f"zstd body has no valid frame header: {exc}") from exc
+    if declared != raw_len:
+        got = "no size" if declared == -1 else f"{declared} bytes"
+        raise CorruptDelta(f"zstd frame declares {got}, header says {raw_len} bytes")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(body, max_output_size=raw_len, allow_extra_data=False)
+    except zstandard.ZstdError as exc:
+        raise CorruptDelta(f"zstd body does not decompress: {exc}") from exc
+    return np.frombuffer(raw, np.uint8)
 
 
 def _delta_body(idx: np.ndarray, vals: np.ndarray, numel: int) -> tuple[np.ndarray, int]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -114,17 +115,18 @@ class Receiver:
             return self._fail(ann, "announcement does not match this receiver's version", start)
         report = ReceiveReport(ann.sync, ann.version, kind)
         changed: collections.Counter[str] = collections.Counter()
-        buckets = member_plan(self.spec, ann.trainer, ann.members, ann.bucket_bytes).for_receiver(self.id)
         try:
-            for bucket, parts in self._pull(ann.sync, kind, buckets):
-                if len(parts) != 2 * len(bucket.fragments):
-                    raise codec.CorruptDelta(f"bucket {bucket.key} holds {len(parts) // 2} payloads, "
-                                             f"the plan expects {len(bucket.fragments)}")
-                for i, frag in enumerate(bucket.fragments):
+            for bucket, parts in self._pull(ann.sync, kind, self._plan(ann)):
+                payloads = _payloads(bucket, parts)
+                for frag, (header, body) in zip(bucket.fragments, payloads, strict=True):
                     view = self.tensors[frag.param][local_slices(frag.box, self._boxes[frag.param])]
-                    changed[frag.param] += codec.apply_into(view, parts[2 * i], parts[2 * i + 1])
+                    try:
+                        changed[frag.param] += codec.apply_into(view, header, body)
+                    except codec.CorruptDelta as exc:  # name the tensor: the codec only sees a view
+                        where = f"{frag.param} {frag.box} in bucket {bucket.key}"
+                        raise codec.CorruptDelta(f"{where}: {exc}") from exc
                 report.buckets += 1
-                report.payload_bytes += sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+                report.payload_bytes += sum(len(h) + b.nbytes for h, b in payloads)
         except (codec.CorruptDelta, TimeoutError) as exc:
             return self._fail(ann, str(exc), start)
         if self.on_apply is not None:  # everything after a full sync, else what changed
@@ -159,6 +161,16 @@ class Receiver:
             for _, fut in pending:
                 fut.cancel()
 
+    def _plan(self, ann: Announcement) -> list[Bucket]:
+        """This receiver's buckets of `ann`, refusing an announcement made for another model."""
+        if ann.model != self.spec.fingerprint():
+            raise codec.CorruptDelta(f"sync {ann.sync} is for model {ann.model}, "
+                                     f"this receiver holds {self.spec.fingerprint()}")
+        try:
+            return member_plan(self.spec, ann.trainer, ann.members, ann.bucket_bytes).for_receiver(self.id)
+        except ValueError as exc:
+            raise codec.CorruptDelta(f"sync {ann.sync}: announcement has no valid plan: {exc}") from exc
+
     def _fail(self, ann: Announcement, error: str, start: float) -> None:
         # The mirror may be half-updated: only a full sync can vouch for it again.
         self.version = None
@@ -178,4 +190,23 @@ class Receiver:
             return 0
 
     def _report_state(self) -> None:
+        """Tell the sender our version, visibly before we return: a sender announcing after
+        `join` or `sync` returns must see it (else it leaves a new member out of the sync, or
+        sends a full copy where a delta would do)."""
         self.relay.put(member_prefix(self.group) + self.id, MemberState(self.me, self.version))
+        self.relay.flush()
+
+
+def _payloads(bucket: Bucket, parts: Any) -> list[tuple[bytes, np.ndarray]]:
+    """A bucket read from the relay as (header, body) pairs, one per fragment of the plan."""
+    if not isinstance(parts, list) or len(parts) != 2 * len(bucket.fragments):
+        got = f"{len(parts) // 2} payloads" if isinstance(parts, list) else f"a {type(parts).__name__}"
+        raise codec.CorruptDelta(f"bucket {bucket.key} holds {got}, the plan expects {len(bucket.fragments)}")
+    pairs = list(zip(parts[::2], parts[1::2], strict=True))
+    for header, body in pairs:
+        if not (isinstance(header, bytes) and isinstance(body, np.ndarray) and body.dtype == np.uint8
+                and body.ndim == 1):
+            what = f"{body.dtype} {body.shape}" if isinstance(body, np.ndarray) else type(body).__name__
+            raise codec.CorruptDelta(f"bucket {bucket.key} holds a {type(header).__name__} header and a "
+                                     f"{what} body, expected bytes and a flat uint8 array")
+    return pairs

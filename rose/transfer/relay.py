@@ -8,7 +8,8 @@ collective group being formed or re-formed. Two backends with one interface:
   named async actor holds the key -> object directory and wakes waiting readers.
 - `LocalRelay`: a dict behind a condition variable, for unit tests and single-process runs.
 
-`get` blocks until the key exists (or `timeout` passes: TimeoutError). Values are small
+`get` blocks until the key exists (or `timeout` passes: TimeoutError); `flush` returns once
+every process sees this one's puts (a `RayRelay.put` returns before). Values are small
 records or bucket payloads (a list of bytes / uint8 arrays); payload arrays handed to a reader
 are read-only views.
 """
@@ -31,6 +32,9 @@ class Relay(Protocol):
     def scan(self, prefix: str) -> dict[str, Any]: ...
 
     def delete(self, prefix: str) -> None: ...
+
+    def flush(self) -> None:
+        """Return once every `put` this process made is visible to every reader."""
 
 
 def _frozen(value: Any) -> Any:
@@ -71,6 +75,9 @@ class LocalRelay:
         with self._changed:
             for k in [k for k in self._items if k.startswith(prefix)]:
                 del self._items[k]
+
+    def flush(self) -> None:
+        """Puts are visible when they return."""
 
 
 # Payloads at least this large go to the object store; smaller records stay in the directory.
@@ -156,6 +163,11 @@ class RayRelay:
     def delete(self, prefix: str) -> None:
         self._settle()
         self._ray.get(self._dir.delete.remote(prefix))
+
+    def flush(self) -> None:
+        """Wait until this process's registrations are in the directory: a `put` returns before
+        other processes can see it, and nothing orders it before their later reads."""
+        self._settle()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_ray": self._ray, "_dir": self._dir}   # another process: its own registrations
