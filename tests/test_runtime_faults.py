@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rose.coserve.server import ServerLimits
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Mode, ServingConfig, load_config
 
@@ -113,6 +114,7 @@ def test_the_serving_replay_lives_through_windows_without_arrivals(monkeypatch: 
 
     device = actors.ServingDeviceActor.__new__(actors.ServingDeviceActor)
     device.spec, device.url, device.results = ServingConfig(window_s=2.0), "http://unused", []
+    device.limits = ServerLimits(api_key="k")
     device._stop = threading.Event()
     waited: list[float] = []
     sent: list[int] = []
@@ -120,7 +122,8 @@ def test_the_serving_replay_lives_through_windows_without_arrivals(monkeypatch: 
     async def wait(seconds: float) -> None:
         waited.append(seconds)
 
-    async def replay(url: str, trace: Any, max_context: int, max_output: int) -> list[Any]:
+    async def replay(url: str, trace: Any, max_context: int, max_output: int, api_key: str) -> list[Any]:
+        assert api_key == "k"  # the replay presents the device's own key
         sent.append(len(trace.arrival_s))
         device._stop.set()
         return []
