@@ -69,7 +69,7 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
     assert all(n == 8 for _, _, n in seen["killed"])  # every trajectory came back whole
     assert [r.step for r in result.steps] == [0, 1, 2]
     assert [r.lost_trajectories for r in result.steps] == [0, 0, 0]
-    assert result.summary["lost_trajectories"] == 0
+    assert result.summary["lost_trajectories"] == 0 and result.summary["failed_trajectories"] == 0
     assert [r.version for r in result.steps] == [1, 2, 3]  # versions only move forward
     restarts = [line for r in result.steps for line in r.restarts]
     assert any(line.startswith("dedicated-0 restarted") for line in restarts), restarts
@@ -89,8 +89,8 @@ def test_the_only_dedicated_worker_comes_back_within_the_step(tmp_path: Path) ->
     config = load_config(None, ["rollout.groups=2", "rollout.group_size=4", "rollout.max_tokens=16",
                                 "rollout.timeout_s=180", f"train.out_dir={tmp_path}"])
     cluster = Cluster(config, Mode.FIXED, tmp_path)
-    cluster.start()
     try:
+        cluster.start()
         old, done = cluster.dedicated["dedicated-0"], threading.Event()
         killer = threading.Thread(target=_kill_when_busy, args=(cluster, "dedicated-0", done))
         killer.start()

@@ -18,8 +18,8 @@ def test_two_trainer_ranks_step_in_lockstep(tmp_path: Path) -> None:
     config = load_config(None, ["train.data_parallel=2", "rollout.groups=4", "rollout.group_size=4",
                                 f"train.out_dir={tmp_path}"])
     cluster = Cluster(config, Mode.FIXED, tmp_path)
-    cluster.start()
     try:
+        cluster.start()
         assert len(cluster.trainers) == 2
         before = ray.get(cluster.trainers[0].digests.remote())
         for step in range(2):

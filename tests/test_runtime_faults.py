@@ -25,8 +25,8 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
                                 "rollout.dedicated_concurrency=8", "rollout.serving_concurrency=8",
                                 f"train.out_dir={tmp_path}"])
     cluster = Cluster(config, Mode.ROSE, tmp_path)
-    cluster.start()
     try:
+        cluster.start()
         handle = {**cluster.dedicated, **cluster.serving}[victim]
         killer = threading.Timer(1.0, lambda: ray.kill(handle))
         killer.start()

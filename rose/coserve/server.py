@@ -523,7 +523,8 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
 
         def swap() -> None:  # on the engine thread: no other swap can pass the check meanwhile
             current = executor.capacity().policy_version
-            if version <= current:
+            # The same version again is a re-sync (a full copy after a failed delta, a restart).
+            if version < current:
                 raise _StaleVersion(f"version {version}: the rollout model already has version {current}; "
                                     f"weight versions only move forward")
             executor.load_weights(tensors.items(), version, in_flight)

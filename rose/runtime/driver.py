@@ -29,12 +29,12 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
     """Run `config.train.steps` RL steps in `mode` (from `resume`, a checkpoint, if given)."""
     out_dir = Path(config.train.out_dir)
     cluster = Cluster(config, mode, out_dir, resume)
-    cluster.start()
     records: list[StepRecord] = []
     checkpoints: list[str] = []
-    first = cluster.version  # a resumed run goes on from its checkpoint's version
     t_start = time.time()
-    try:
+    try:  # a start that fails half-way also releases what it started (actors, pinned cores)
+        cluster.start()
+        first = cluster.version  # a resumed run goes on from its checkpoint's version
         for step in range(first, config.train.steps):
             t0, wall0, restarts = time.perf_counter(), time.time(), len(cluster.restarts)
             # 1. rollouts: every episode, turn by turn, across dedicated (and borrowed) devices
