@@ -307,6 +307,18 @@ def test_unimplemented_parameters_are_refused_by_name(server: tuple[str, CoServi
     assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
 
 
+def test_a_text_too_long_for_any_tokenization_is_refused_before_encoding(
+        server: tuple[str, CoServingExecutor]) -> None:
+    # 840,000 characters (under the 4 MB body cap): main tokenized them all (a second of the event
+    # loop and ~100 MB of the server's memory) before the engine refused the request.
+    messages = [{"role": "user", "content": "hi you " * 120_000}]
+    r = httpx.post(f"{server[0]}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny-serving", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "characters cannot fit in the" in r.json()["error"]["message"]
+    _still_serving(server[0])
+
+
 def test_neutral_values_of_unimplemented_parameters_pass(client: openai.OpenAI) -> None:
     done = client.completions.create(model="tiny-serving", prompt="x", max_tokens=2, n=1, presence_penalty=0,
                                      frequency_penalty=0, logit_bias={}, best_of=1, user="u", stop=["zz"])

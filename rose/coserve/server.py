@@ -443,17 +443,27 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def _encode(text: str, param: str) -> list[int]:
+        """Tokenize off the event loop; a text too long to fit the context in any tokenization
+        is refused before it is encoded (encoding megabytes costs seconds and memory)."""
+        tokens, per_token = executor.serving.max_request_tokens, tokenizer.max_token_chars
+        if len(text) > tokens * per_token:
+            raise APIError(400, f"{param}: {len(text)} characters cannot fit in the {tokens} tokens a "
+                                f"request may hold (a token has at most {per_token} characters)", param)
+        return await asyncio.to_thread(tokenizer.encode, text)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(body.model)
-        ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        ids = await _encode(body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
         return await _respond(request, "cmpl", ids, body, None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(body.model)
         text = tokenizer.apply_chat_template([m.model_dump(exclude={"name"}) for m in body.messages])
-        return await _respond(request, "chatcmpl", tokenizer.encode(text), body, body.max_completion_tokens)
+        ids = await _encode(text, "messages")
+        return await _respond(request, "chatcmpl", ids, body, body.max_completion_tokens)
 
     # -- the lease API ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ Qwen's ChatML special tokens. Byte-level means any text round-trips, whatever th
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: a text of n characters takes at least
+        n / max_token_chars tokens, a bound known before encoding it."""
+        return max(len(token) for token in self._tok.get_vocab(with_added_tokens=True))
 
     @property
     def stop_token_ids(self) -> list[int]:
