@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= /tmp/rose-demo
 
-.PHONY: install demo test test-slow fuzz lint clean
+.PHONY: install demo test test-slow chaos fuzz lint clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# Fault injection: a short rose train whose dedicated worker, serving executor and trainer are
+# killed mid-step (also part of `make test`).
+chaos: install
+	$(BIN)/python -m pytest -q -m chaos
 
 # API fuzzing of `rose serve` from its own OpenAPI schema (schemathesis), keys on and off: a few
 # thousand requests, no 5xx allowed (ROSE_FUZZ_EXAMPLES sets the examples per operation).

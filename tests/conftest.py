@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rose.model import init_model
+from rose.model import init_model, preset_config, random_model, save_model
 
 torch.set_num_threads(2)
 
@@ -18,3 +18,12 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("qwen2", "tiny", tmp_path_factory.mktemp("tiny_qwen2"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine tests' model: a tiny Qwen3 (seed 21, weights of std 0.15) whose end of
+    sequence is token 3."""
+    path = tmp_path_factory.mktemp("ckpt")
+    save_model(random_model(preset_config("qwen3", "tiny", eos_token_id=3), seed=21, std=0.15), path)
+    return path

@@ -15,14 +15,6 @@ from rose.engine import KVPool, KVSpec, LLMEngine, SamplingParams
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.block_manager import BlockManager
 from rose.engine.sequence import Sequence
-from rose.model import preset_config, random_model, save_model
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt")
-    save_model(random_model(preset_config("qwen3", "tiny", eos_token_id=3), seed=21, std=0.15), path)
-    return path
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

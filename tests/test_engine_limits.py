@@ -17,14 +17,7 @@ from rose.engine import KVPool, KVSpec, LLMEngine, SamplingParams
 from rose.engine.async_engine import EngineLoop
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.engine.scheduler import Batch
-from rose.model import load_model, load_tokenizer, preset_config, random_model, save_model
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt")
-    save_model(random_model(preset_config("qwen3", "tiny", eos_token_id=3), seed=21, std=0.15), path)
-    return path
+from rose.model import load_model, load_tokenizer
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -16,17 +16,9 @@ import torch
 from rose.engine import LLMEngine, SamplingParams
 from rose.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineLoop, RequestFailed
 from rose.engine.scheduler import Batch
-from rose.model import preset_config, random_model, save_model
 from rose.rollout.workers import EngineWorker
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ckpt")
-    save_model(random_model(preset_config("qwen3", "tiny", eos_token_id=3), seed=21, std=0.15), path)
-    return path
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

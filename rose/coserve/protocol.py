@@ -102,7 +102,8 @@ class _OpenAIRequest(_Sampling):
     function_call: Any = _UNSUPPORTED
     min_tokens: Any = _UNSUPPORTED
 
-    @field_validator(*(f for f in NEUTRAL if f not in ("suffix", "top_logprobs")))
+    # check_fields=False: `suffix` and `top_logprobs` belong to one subclass each.
+    @field_validator(*NEUTRAL, check_fields=False)
     @classmethod
     def _neutral(cls, value: object, info: Any) -> object:
         return _check_neutral(value, info.field_name)
@@ -118,11 +119,6 @@ class CompletionRequest(_OpenAIRequest):
     echo: Literal[False] = False
     suffix: Any = _UNSUPPORTED
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: object) -> object:
-        return _check_neutral(value, "suffix")
-
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
@@ -135,11 +131,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Any = _UNSUPPORTED
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: object) -> object:
-        return _check_neutral(value, "top_logprobs")
 
 
 class TurnRequest(_Sampling):
