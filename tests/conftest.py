@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,13 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ckpt")
     save_model(random_model(preset_config("qwen3", "tiny", eos_token_id=3), seed=21, std=0.15), path)
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_left_behind() -> Iterator[None]:
+    """A module that started Ray (a Cluster, a relay) shuts it down, so that the next module
+    starts its own, with its own options."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
