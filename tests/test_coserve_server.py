@@ -387,6 +387,11 @@ def test_keys_guard_the_openai_and_lease_apis(guarded: tuple[str, CoServingExecu
             await client.aclose()
 
     asyncio.run(lease())
+    # The trace replay (`rose loadgen`, `rose train`'s serving devices) presents its key.
+    trace = build_trace("azure-conv", duration_s=2.0, load=1.0, start_s=30.0, prompt_scale=0.05,
+                        output_scale=0.05)
+    served = asyncio.run(replay(url, trace, max_context=256, max_output=4, api_key="api-secret"))
+    assert all(r.status == 200 and r.error is None for r in served) and served
 
 
 def test_body_caps_from_content_length_and_while_streaming(guarded: tuple[str, CoServingExecutor]) -> None:

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import time
 from typing import Any
 
@@ -160,6 +161,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--model", help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("ROSE_API_KEY") or None,
+                   help="the server's bearer key (default: $ROSE_API_KEY; none: no header)")
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--json", help="write per-request results and the summary here")
@@ -169,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     trace = build_trace(args.trace, args.duration, args.load, args.start, args.prompt_scale,
                         args.output_scale)
     start = time.perf_counter()
-    results = asyncio.run(replay(args.url, trace, args.max_context, args.max_output, args.model))
+    results = asyncio.run(replay(args.url, trace, args.max_context, args.max_output, args.model,
+                                 api_key=args.api_key))
     summary = summarize(results, time.perf_counter() - start, args.slo_ttft_ms, args.slo_tpot_ms)
     write_report(args.json, summary, requests=[{**dataclasses.asdict(r), "tpot_s": r.tpot_s}
                                                for r in results])
