@@ -9,7 +9,7 @@ import torch
 
 from rose.coserve.admission import TokenLoad
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy, Turn
-from rose.coserve.latency import FittedLatencyModel, _nonnegative_lstsq
+from rose.coserve.latency import FittedLatencyModel, TailLatency, _nonnegative_lstsq
 from rose.engine import KVSpec, SamplingParams
 from rose.model import preset_config, random_model
 
@@ -90,7 +90,8 @@ def _rollout_tokens_per_iteration(ex: CoServingExecutor) -> list[int]:
 
 
 def test_admission_holds_rollouts_back_only_when_serving_slo_is_tight() -> None:
-    loose = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1e5)
+    inf = float("inf")
+    loose = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1e5, tpot_inflation=inf, ttft_inflation=inf)
     loose.profile()
     assert sum(_rollout_tokens_per_iteration(loose)) >= 6 * 30  # all prefills and decodes ran
     tight = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=0.01)  # 10 us per token: never
@@ -174,8 +175,9 @@ class _StubLatency:
 
 
 def test_the_token_budget_runs_only_the_admitted_rollout_decodes() -> None:
-    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=10_000)
-    ex.latency = _StubLatency()
+    inf = float("inf")
+    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=10_000, tpot_inflation=inf, ttft_inflation=inf)
+    ex.tail = _StubLatency()
     for i in range(4):
         ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(8, i), LONG))
     ex.step()  # serving idle: the four prefill and become ready to decode
@@ -187,3 +189,71 @@ def test_the_token_budget_runs_only_the_admitted_rollout_decodes() -> None:
     # budget of that many tokens would run four decodes (10.4 s), so only the three go.
     load = ex.rollout.last_load
     assert (load.decode_seqs, load.prefill_tokens) == (3, 0)
+
+
+def test_inflation_budget_keeps_rollouts_off_a_decoding_request_and_charges_what_it_waited() -> None:
+    # SLOs that would allow anything: only the TPOT inflation budget (0: none) holds rollouts back.
+    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1e5, tpot_inflation=0.0,
+                   ttft_inflation=float("inf"))
+    ex.profile()
+    counts = _rollout_tokens_per_iteration(ex)
+    assert counts[0] > 0                                 # beside serving's prefill: TTFT unbounded
+    assert sum(counts[1:]) == 0                          # serving decodes: rollouts wait
+    rid = next(iter(ex.serving._seqs))
+    total, before_first = ex._waited[rid]
+    # Its first token came from serving's part of the first iteration; the rollout part ran after
+    # it, so it was charged to its decode (and the budget of 0 held rollouts back from then on).
+    assert total > 0 and before_first == 0
+    assert ex.serving.abort(rid) is not None
+    ex.step()
+    ex.submit_turn(Turn("late", "traj-late", _ids(10, 99), SamplingParams(max_tokens=2)))
+    ex.step()
+    assert rid not in ex._waited                         # accounts end with their requests
+
+
+def test_feedback_guard_halves_the_share_after_an_overrun() -> None:
+    ex = _executor(pages=256, slo_ttft_ms=1e5, slo_tpot_ms=1e5)
+    ex.profile()
+    ex.tail = _StubLatency()                             # predicts a free serving side...
+    ex.add_serving(_ids(20, 50), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    ex.step()
+    for i in range(3):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(30, i), LONG))
+    ex._limit_s = 0.0
+    ex._observe_slack(1e-3)                              # ...and an iteration ran past its ceiling
+    assert ex.guard.share == 0.5 and ex.guard.overruns == 1
+    metrics = ex.metrics.expose().decode()
+    assert "rose_rollout_share 0.5" in metrics and "rose_admission_overruns_total 1.0" in metrics
+
+
+def test_bad_admission_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="admission_quantile"):
+        ExecutorConfig(admission_quantile=0.0)
+    with pytest.raises(ValueError, match="inflation"):
+        ExecutorConfig(tpot_inflation=-0.1)
+
+
+def test_tail_latency_covers_the_quantile_of_fresh_measurements() -> None:
+    rng = np.random.default_rng(1)
+    model = FittedLatencyModel(refit_every=16)
+
+    def measured(load: TokenLoad) -> float:  # decodes jitter more than prefills
+        noise = rng.lognormal(0, 0.3 if load.decode_seqs else 0.05)
+        return (0.002 + 1e-4 * load.prefill_tokens + 3e-4 * load.decode_seqs) * noise
+
+    def draw() -> TokenLoad:
+        return (TokenLoad(int(rng.integers(16, 512))) if rng.random() < 0.5
+                else TokenLoad(0, int(rng.integers(1, 32)), 1024))
+
+    for _ in range(600):
+        load = draw()
+        model.observe("rollout", load, measured(load))
+    tail, mean = TailLatency(model, 0.95), TailLatency(model, 0.5)
+    assert model.factor("rollout", TokenLoad(0, 8), 0.95) > model.factor("rollout", TokenLoad(64), 0.95)
+    fresh = [draw() for _ in range(2000)]
+    times = [measured(x) for x in fresh]
+    covered = np.mean([t <= tail.time("rollout", x) for x, t in zip(fresh, times, strict=True)])
+    half = np.mean([t <= mean.time("rollout", x) for x, t in zip(fresh, times, strict=True)])
+    assert covered >= 0.9 and 0.35 <= half <= 0.65
+    with pytest.raises(ValueError, match="quantile"):
+        TailLatency(model, 1.5)

@@ -12,6 +12,7 @@ from rose.coserve.admission import (
     BurstState,
     RolloutDemand,
     ServingState,
+    SlackGuard,
     SLOBudgets,
     TokenLoad,
     admit,
@@ -61,7 +62,7 @@ def test_time_since_last_token_eats_decode_slack():
 def test_prefill_slack_counts_the_queue_ahead():
     # Two waiting prompts of 1024 tokens; chunk 512 -> the second needs 4 iterations.
     serving = ServingState(waiting=[(0.0, 1024), (0.0, 1024)])
-    limit = iteration_limit(0.9, serving, SLO, 512)
+    limit = iteration_limit(0.9, serving, SLO, LAT, 512)
     assert limit == pytest.approx(0.1 / 4)
     a = admit(0.9, serving, RolloutDemand([10] * 100, 1000), LAT, SLO, chunk_tokens=512)
     assert a.iteration_s < 0.025
@@ -91,6 +92,73 @@ def test_bad_budgets_and_chunk_are_rejected():
         SLOBudgets(0, 1)
     with pytest.raises(ValueError, match="chunk_tokens"):
         admit(0.0, ServingState(), RolloutDemand(), LAT, SLO, chunk_tokens=0)
+
+
+INF = math.inf
+
+
+def test_banked_slack_lets_a_request_ahead_of_its_tpot_spend_it_beyond_a_reserve():
+    # 10 tokens by t=0.3 against a budget of first + 10 x 50 ms = 0.5 s: 0.2 s banked.
+    ahead = ServingState(decoding_last_token_s=[0.3], decode_context_tokens=10, decoding_first_token_s=[0.0],
+                         decoding_output_tokens=[10], decoding_rollout_s=[0.0])
+    reserve = LAT.iteration_time(TokenLoad(512, 1, 10), TokenLoad())  # one full serving iteration
+    assert iteration_limit(0.3, ahead, SLO, LAT) == pytest.approx(0.2 - reserve)
+    per_token = ServingState(decoding_last_token_s=[0.3], decode_context_tokens=10)
+    assert iteration_limit(0.3, per_token, SLO, LAT) == pytest.approx(0.05)
+    # Behind schedule: nothing banked, the per-token budget still holds.
+    behind = dataclasses.replace(ahead, decoding_last_token_s=[0.59])
+    assert iteration_limit(0.6, behind, SLO, LAT) == pytest.approx(0.04)
+
+
+def test_tpot_inflation_budget_counts_what_rollouts_already_took():
+    slo = SLOBudgets(ttft_s=INF, tpot_s=INF, tpot_inflation=0.1)
+    serving_s = LAT.iteration_time(TokenLoad(0, 1, 10), TokenLoad())
+    state = ServingState(decoding_last_token_s=[1.0], decode_context_tokens=10, decoding_first_token_s=[0.0],
+                         decoding_output_tokens=[20], decoding_rollout_s=[0.05])
+    own = 1.0 - 0.05 + serving_s           # its time not spent on rollouts, with the next iteration
+    assert iteration_limit(1.0, state, slo, LAT) == pytest.approx(serving_s + 0.1 * own - 0.05)
+    spent = dataclasses.replace(state, decoding_rollout_s=[0.2])  # over budget: rollouts wait
+    a = admit(1.0, spent, RolloutDemand([10] * 4, 100), LAT, slo)
+    assert a.rollout_tokens == 0
+    # Without accounts (the simulator), each iteration may grow by the budget's share.
+    plain = ServingState(decoding_last_token_s=[1.0], decode_context_tokens=10)
+    assert iteration_limit(1.0, plain, slo, LAT) == pytest.approx(1.1 * serving_s)
+
+
+def test_ttft_inflation_budget_of_a_waiting_request():
+    slo = SLOBudgets(ttft_s=INF, tpot_s=INF, ttft_inflation=0.1)
+    serving_s = LAT.iteration_time(TokenLoad(100), TokenLoad())
+    fresh = ServingState(waiting=[(0.0, 100)])
+    assert iteration_limit(0.1, fresh, slo, LAT) == pytest.approx(serving_s + 0.1 * (0.1 + serving_s))
+    waited = ServingState(waiting=[(0.0, 100)], waiting_rollout_s=[0.05])  # it waited for rollouts
+    assert iteration_limit(0.1, waited, slo, LAT) < serving_s
+
+
+def test_share_and_cap_scale_the_rollout_part_only():
+    serving = ServingState(decoding_last_token_s=[0.0], decode_context_tokens=10)
+    serving_s = LAT.iteration_time(serving.load(512), TokenLoad())
+    half = iteration_limit(0.0, serving, SLO, LAT, share=0.5)
+    assert half == pytest.approx(serving_s + 0.5 * (0.05 - serving_s))
+    assert iteration_limit(0.0, serving, SLO, LAT, max_rollout_s=0.001) == pytest.approx(serving_s + 0.001)
+    a = admit(0.0, ServingState(), RolloutDemand([100] * 300, 5000), LAT, SLO, max_rollout_s=0.02)
+    idle_s = LAT.iteration_time(TokenLoad(), TokenLoad())  # the model's constant
+    assert a.limit_s == pytest.approx(idle_s + 0.02) and a.iteration_s < a.limit_s and a.rollout_tokens > 0
+
+
+def test_slack_guard_halves_at_once_and_regrows_slowly():
+    guard = SlackGuard(floor=0.1, regrow=0.05)
+    assert guard.observe(0.06, INF) == 1.0 and guard.observed == 0   # no serving: nothing learnt
+    assert guard.observe(0.06, 0.05) == 0.5 and guard.overruns == 1
+    assert guard.observe(0.06, 0.05) == 0.25
+    for _ in range(3):
+        guard.observe(0.06, 0.05)
+    assert guard.share == 0.1                                         # the floor
+    assert guard.observe(0.01, 0.05) == pytest.approx(0.15)
+    for _ in range(100):
+        guard.observe(0.01, 0.05)
+    assert guard.share == 1.0 and guard.observed == 106
+    with pytest.raises(ValueError, match="floor"):
+        SlackGuard(floor=0.0)
 
 
 # Burst state machine: pool 1000 units, headroom 200, trigger when free <= 100.

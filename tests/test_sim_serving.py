@@ -60,6 +60,14 @@ def test_decode_rate_mixes_prefill_and_decode_iterations():
     assert f.kv_tokens()[0] > 0
 
 
+class _ZeroLatency:
+    def iteration_time(self, serving: object, rollout: object) -> float:
+        return 0.0
+
+
+ZERO_LATENCY = _ZeroLatency()
+
+
 def test_admission_sees_the_ttft_already_spent_and_tick_arrivals_as_arriving_now():
     # A prompt waiting since 0.1 s (no pages in the first tick) and one arriving during the tick
     # [1, 2). The first must keep its arrival: resetting it to the tick's start handed it a fresh
@@ -70,7 +78,7 @@ def test_admission_sees_the_ttft_already_spent_and_tick_arrivals_as_arriving_now
     (state,) = f.admission_states(1.0, np.array([0]))
     assert state.waiting == [(pytest.approx(0.1), 5120), (1.0, 512)]
     # 1.1 s of the first's budget left for its 10 chunks; the second's 2 s for all 11.
-    limit = iteration_limit(1.0, state, SLOBudgets(2.0, 0.2), 512)
+    limit = iteration_limit(1.0, state, SLOBudgets(2.0, 0.2), ZERO_LATENCY, 512)
     assert limit == pytest.approx(min(1.1 / 10, 2.0 / 11))
 
 

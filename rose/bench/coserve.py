@@ -10,10 +10,13 @@ fresh server, the same trace window and the same backlog:
 - `rollout_alone`: no serving traffic: the device's rollout capacity;
 - `naive_share`: rollouts take whatever pages and tokens they like, no priority;
 - `static_partition`: a fixed page split and a fixed rollout token budget per iteration;
-- `rose`: dual-SLO admission and burst control.
+- `rose`: dual-SLO admission and burst control (`rose_q<Q>` with `--sweep-quantile`: the same
+  at other admission quantiles).
 
-`harvest_ratio` = rose rollout tokens/s / (idle fraction of serving alone x rollout_alone
-tokens/s): the share of the idle capacity ROSE turned into rollout tokens.
+`harvest_ratio` = rollout tokens/s / (idle fraction of serving alone x rollout_alone tokens/s):
+the share of the idle capacity a mode turned into rollout tokens. `--runs N` repeats the whole
+measurement (a fresh serving-alone run and SLO each time) and summarises each figure as the
+median and the spread of the runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +40,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from rose.bench import write_report
+from rose.coserve.executor import ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.engine import SamplingParams
@@ -50,10 +55,26 @@ MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
 }
 
 
+# Table 1 of the paper (8B, as public reviews give it; ../shared/paper-facts.md): P99 TTFT and
+# TPOT over serving alone's, for the trade-off picture.
+PAPER_8B = {"ROSE": (338.1 / 314.8, 136.1 / 117.8), "naive sharing": (1166.1 / 314.8, 135.6 / 117.8),
+            "Prism": (973.2 / 314.8, 115.4 / 117.8)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="45 s per mode instead of 150 s")
+    e = ExecutorConfig()
+    p.add_argument("--quick", action="store_true", help="45 s per mode instead of 600 s")
     p.add_argument("--json", help="write the full report here")
-    p.add_argument("--duration", type=float, help="seconds of trace per mode")
+    p.add_argument("--duration", type=float,
+                   help="seconds of trace per mode (default 600: about 200 requests at the default rate)")
+    p.add_argument("--baseline-duration", type=float,
+                   help="seconds for rollout_alone, naive_share and static_partition (default: --duration)")
+    p.add_argument("--runs", type=int, default=1, help="repeat the measurement; figures as median and spread")
+    p.add_argument("--admission-quantile", type=float, default=e.admission_quantile)
+    p.add_argument("--tpot-inflation", type=float, default=e.tpot_inflation)
+    p.add_argument("--ttft-inflation", type=float, default=e.ttft_inflation)
+    p.add_argument("--sweep-quantile", help="comma-separated admission quantiles, one more rose mode each")
+    p.add_argument("--plot", help="write the trade-off picture (P99 inflation against harvest ratio) here")
     p.add_argument("--rate", type=float, default=0.35, help="serving requests per second (mean)")
     p.add_argument("--slo-factor", type=float, default=1.5, help="SLO = this x serving-alone P99")
     p.add_argument("--trajectories", type=int, default=16, help="concurrent rollout trajectories")
@@ -61,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None
-            ) -> Iterator[str]:
+def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None,
+            extra: tuple[str, ...] = ()) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -71,7 +92,7 @@ def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], co
            "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
     if core is not None:
         cmd += ["--cores", core]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen([*cmd, *extra])
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(1200):
@@ -145,7 +166,7 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
 async def _measure(url: str, mode: str, duration: float, args: argparse.Namespace,
                    slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
     """Run one mode for `duration` s: its figures, and the serving requests' own results."""
-    _, traffic, rollouts = MODES[mode]
+    _, traffic, rollouts = MODES[mode.split("_q")[0]]
     busy0, t0 = _busy_seconds(url), time.perf_counter()
     jobs = []
     if rollouts:
@@ -159,6 +180,8 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
     result: dict[str, Any] = {"wall_s": round(wall, 2),
                               "serving_busy_fraction": round((_busy_seconds(url) - busy0) / wall, 4),
                               "latency_model_error": round(_metric(url, "rose_latency_model_error"), 4),
+                              "admission_overruns": _metric(url, "rose_admission_overruns_total"),
+                              "rollout_share_end": _metric(url, "rose_rollout_share"),
                               "rollout_turns_cut": _metric(url, "rose_rollout_aborted_turns_total"),
                               "bursts": _metric(url, "rose_executor_transitions_total",
                                                 from_state="normal", to_state="burst")}
@@ -170,43 +193,116 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
     return result, requests
 
 
+def _rose_args(args: argparse.Namespace, quantile: float) -> tuple[str, ...]:
+    return ("--admission-quantile", str(quantile), "--tpot-inflation", str(args.tpot_inflation),
+            "--ttft-inflation", str(args.ttft_inflation))
+
+
+def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None
+             ) -> dict[str, Any]:
+    """serving_alone (which sets the SLO), then every other mode on a fresh server."""
+    duration = args.duration or (45.0 if args.quick else 600.0)
+    baseline = args.baseline_duration or duration
+    loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
+    with _server(serving, rollout, "rose", loose, core) as url:
+        alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
+    slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
+           "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
+    results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
+    print("serving_alone", alone, "slo", slo, flush=True)
+    sweep = [float(q) for q in args.sweep_quantile.split(",")] if args.sweep_quantile else []
+    modes = [("rollout_alone", "rose", baseline, ()), ("naive_share", "naive", baseline, ()),
+             ("static_partition", "static", baseline, ()),
+             ("rose", "rose", duration, _rose_args(args, args.admission_quantile)),
+             *((f"rose_q{q:g}", "rose", duration, _rose_args(args, q)) for q in sweep)]
+    for mode, policy, seconds, extra in modes:
+        with _server(serving, rollout, policy, slo, core, extra) as url:
+            results[mode], _ = asyncio.run(_measure(url, mode, seconds, args, slo))
+        print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
+
+    idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
+    capacity = results["rollout_alone"]["rollout_tokens_per_s"]
+    alone = results["serving_alone"]
+    summary: dict[str, Any] = {"slo": slo, "idle_fraction_serving_alone": round(idle, 4)}
+    for mode, r in results.items():
+        summary[mode] = {k: r.get(k) for k in ("p99_ttft_ms", "p99_tpot_ms", "slo_attainment",
+                                               "rollout_tokens_per_s", "completed")}
+        if mode not in ("serving_alone", "rollout_alone"):
+            summary[mode].update(ttft_vs_alone=round(r["p99_ttft_ms"] / alone["p99_ttft_ms"], 3),
+                                 tpot_vs_alone=round(r["p99_tpot_ms"] / alone["p99_tpot_ms"], 3),
+                                 harvest_ratio=round(r["rollout_tokens_per_s"] / (idle * capacity), 3))
+    summary["harvest_ratio"] = summary["rose"]["harvest_ratio"]
+    summary["admission_quantile"] = args.admission_quantile
+    summary["latency_model_error_rose"] = results["rose"]["latency_model_error"]
+    summary["admission_overruns_rose"] = results["rose"]["admission_overruns"]
+    return {"summary": summary, "modes": results}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values)}
+
+
+def _across_runs(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric figure of the per-run summaries as its median and spread."""
+    out: dict[str, Any] = {}
+    for key, first in summaries[0].items():
+        if isinstance(first, dict) and key != "slo":
+            out[key] = {k: _spread([s[key][k] for s in summaries]) for k, v in first.items()
+                        if isinstance(v, int | float)}
+        elif isinstance(first, int | float):
+            out[key] = _spread([s[key] for s in summaries])
+    out["slo"] = [s["slo"] for s in summaries]
+    return out
+
+
+def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
+    """P99 TPOT and TTFT over serving alone's against harvest ratio, a point per mode and run,
+    with the paper's Table 1 (8B) as reference lines (it gives no harvest ratio)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    modes = [m for m in summaries[0] if m.startswith(("rose", "naive", "static"))]
+    for ax, key, name in ((axes[0], "tpot_vs_alone", "P99 TPOT"), (axes[1], "ttft_vs_alone", "P99 TTFT")):
+        for i, mode in enumerate(modes):
+            xs = [s[mode]["harvest_ratio"] for s in summaries]
+            ys = [s[mode][key] for s in summaries]
+            ax.scatter(xs, ys, color=f"C{i}", label=mode)
+        for j, (label, (ttft, tpot)) in enumerate(PAPER_8B.items()):
+            ax.axhline(tpot if key == "tpot_vs_alone" else ttft, color=f"C{j + len(modes)}",
+                       linestyle=":", label=f"paper 8B {label}")
+        ax.axhline(summaries[0]["slo"]["tpot_ms" if key == "tpot_vs_alone" else "ttft_ms"]
+                   / summaries[0]["serving_alone"][f"p99_{key[:4]}_ms"], color="k", linestyle="--",
+                   label="SLO")
+        ax.set(xlabel="harvest ratio (rollout tokens / idle capacity)", ylabel=f"{name} / serving alone",
+               yscale="log")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> int:
-    duration = args.duration or (45.0 if args.quick else 150.0)
     cores = os.sched_getaffinity(0)
     # The server gets a core of its own; load generator and rollout driver share the other.
     server_core = str(max(cores)) if len(cores) > 1 else None
     if server_core is not None:
         os.sched_setaffinity(0, cores - {max(cores)})
-    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         serving = init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
         rollout = init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
-        loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
-        with _server(serving, rollout, "rose", loose, server_core) as url:
-            alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
-        slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
-               "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
-        results["serving_alone"] = {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}
-        print("serving_alone", alone, "slo", slo, flush=True)
-        for mode in ("rollout_alone", "naive_share", "static_partition", "rose"):
-            with _server(serving, rollout, MODES[mode][0], slo, server_core) as url:
-                results[mode], _ = asyncio.run(_measure(url, mode, duration, args, slo))
-            print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
-
-    idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
-    capacity = results["rollout_alone"]["rollout_tokens_per_s"]
-    summary: dict[str, Any] = {"slo": slo}
-    for mode, r in results.items():
-        summary[mode] = {k: r.get(k) for k in ("p99_ttft_ms", "p99_tpot_ms", "slo_attainment",
-                                               "rollout_tokens_per_s")}
-    summary["idle_fraction_serving_alone"] = round(idle, 4)
-    summary["latency_model_error_rose"] = results["rose"]["latency_model_error"]
-    summary["harvest_ratio"] = round(results["rose"]["rollout_tokens_per_s"] / (idle * capacity), 3)
-    write_report(args.json, summary, config={"duration_s": duration, "rate": args.rate,
-                                             "trajectories": args.trajectories, "start_s": args.start,
-                                             "slo_factor": args.slo_factor}, modes=results)
+        runs = [_one_run(args, serving, rollout, server_core) for _ in range(args.runs)]
+    summaries = [r["summary"] for r in runs]
+    summary = summaries[0] if len(runs) == 1 else _across_runs(summaries)
+    if args.plot:
+        plot_tradeoff(summaries, args.plot)
+    config = {k: getattr(args, k) for k in ("duration", "baseline_duration", "quick", "rate", "trajectories",
+                                            "start", "slo_factor", "runs", "admission_quantile",
+                                            "tpot_inflation", "ttft_inflation", "sweep_quantile")}
+    write_report(args.json, summary, config=config, runs=runs)
     return 0
-
-
 def _slo_kwargs(slo: dict[str, float]) -> dict[str, float]:
     return {"slo_ttft_ms": slo["ttft_ms"], "slo_tpot_ms": slo["tpot_ms"]}

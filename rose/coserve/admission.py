@@ -14,6 +14,16 @@ is positive exactly while T stays under one ceiling (`iteration_limit`); rollout
 iteration while T with them added stays under it. Rollout decode sequences are admitted before
 rollout prefill tokens: they already hold KV pages, and finishing them frees pages.
 
+Two refinements make the ceiling the SLO as it is measured (docs/coserve.md, "Admission"):
+- banked slack: TPOT is measured per request, (last - first token) / (tokens - 1), so a request
+  that has run ahead of B_TPOT may spend what it banked, minus a reserve of one full serving
+  iteration that later serving work may still need;
+- inflation budgets: rollouts may add at most `tpot_inflation` (`ttft_inflation`) of what each
+  request spent on serving work itself to its decode time (its time to first token), so that
+  serving barely notices them even where the SLOs would allow more.
+The latency model is read at a quantile of its error (`LatencyModel`), and `share` (from the
+feedback guard `SlackGuard`) scales the rollout part of the ceiling down after an overrun.
+
 Memory (`BurstController`): one page pool, serving keeps a reserved headroom H. NORMAL: the
 rollout budget follows serving usage (pool - H - serving). Burst trigger: serving usage crosses
 the high-watermark inside H (free pages fall to (1 - high_watermark) * H). Emergency cut: the
@@ -56,11 +66,18 @@ class LatencyModel(Protocol):
 class SLOBudgets:
     ttft_s: float    # B_TTFT: arrival to first token
     tpot_s: float    # B_TPOT: between consecutive tokens of one request
+    # The share of a request's own serving time that rollouts may add to its time to first
+    # token / its decode time (inf: only B_TTFT and B_TPOT bound them).
+    ttft_inflation: float = math.inf
+    tpot_inflation: float = math.inf
 
     def __post_init__(self) -> None:
         if not (self.ttft_s > 0 and self.tpot_s > 0):
             raise ValueError(f"SLO budgets must be positive, got ttft_s={self.ttft_s}, "
                              f"tpot_s={self.tpot_s}")
+        if not (self.ttft_inflation >= 0 and self.tpot_inflation >= 0):
+            raise ValueError(f"inflation budgets must be >= 0, got ttft_inflation={self.ttft_inflation}, "
+                             f"tpot_inflation={self.tpot_inflation}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +88,22 @@ class ServingState:
         prefill, in FIFO order.
     decoding_last_token_s: time each decoding request emitted its last token.
     decode_context_tokens: KV tokens of the decoding requests (attention reads them).
+    The rest are per-request accounts, parallel to `waiting` / `decoding_last_token_s`; empty
+    means none kept (no banked slack; rollouts have taken none of the request's time):
+    waiting_rollout_s: time each waiting request has spent waiting for rollout work.
+    decoding_first_token_s, decoding_output_tokens: when each decoding request emitted its first
+        token and how many it has emitted (for banked slack).
+    decoding_rollout_s: time each decoding request has spent waiting for rollout work since its
+        first token.
     """
 
     waiting: Sequence[tuple[float, int]] = ()
     decoding_last_token_s: Sequence[float] = ()
     decode_context_tokens: int = 0
+    waiting_rollout_s: Sequence[float] = ()
+    decoding_first_token_s: Sequence[float] = ()
+    decoding_output_tokens: Sequence[int] = ()
+    decoding_rollout_s: Sequence[float] = ()
 
     def load(self, chunk_tokens: int) -> TokenLoad:
         """Serving's own share of the next iteration: one prefill chunk plus every decode."""
@@ -118,12 +146,31 @@ def _prefill_terms(now: float, serving: ServingState, slo: SLOBudgets,
     return out
 
 
-def _limit(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tuple[float, int]]) -> float:
+def _ceiling(now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[float, int]],
+             serving_s: float, reserve_s: float) -> float:
+    """The largest iteration time T (serving's own `serving_s` plus rollout work) that keeps
+    every serving request within B_TPOT (per token, or within what it banked beyond
+    `reserve_s`), within B_TTFT, and within its inflation budgets."""
     limit = math.inf
-    if serving.decoding_last_token_s:
-        limit = min(serving.decoding_last_token_s) + slo.tpot_s - now
-    for left, n in terms:
+    acc = bool(serving.decoding_first_token_s)
+    for i, last in enumerate(serving.decoding_last_token_s):
+        room = last + slo.tpot_s - now
+        own, taken = serving_s, 0.0
+        if acc:
+            first, n = serving.decoding_first_token_s[i], serving.decoding_output_tokens[i]
+            # Token n + 1 keeps (last - first) / n <= B_TPOT while it comes by first + n B_TPOT.
+            room = max(room, first + n * slo.tpot_s - now - reserve_s)
+            taken = serving.decoding_rollout_s[i]
+            own += now - first - taken
+        limit = min(limit, room)
+        if math.isfinite(slo.tpot_inflation):
+            limit = min(limit, serving_s + slo.tpot_inflation * own - taken)
+    taken_w = serving.waiting_rollout_s or [0.0] * len(terms)
+    for (arrival, _), (left, n), taken in zip(serving.waiting, terms, taken_w, strict=True):
         limit = min(limit, left / n)
+        if math.isfinite(slo.ttft_inflation):
+            own = now - arrival - taken + n * serving_s
+            limit = min(limit, serving_s + (slo.ttft_inflation * own - taken) / n)
     return limit
 
 
@@ -136,11 +183,23 @@ def _slacks(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tupl
     return s_prf, s_dec
 
 
-def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, chunk_tokens: int) -> float:
-    """The largest iteration time T for which every serving slack stays non-negative:
-    min over decoding r of (t_last + B_TPOT - now), and over waiting r of
-    (t_arr + B_TTFT - now) / iterations_r. `inf` when no serving request is in flight."""
-    return _limit(serving, slo, now, _prefill_terms(now, serving, slo, chunk_tokens))
+def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyModel,
+                    chunk_tokens: int = 512, share: float = 1.0, max_rollout_s: float = math.inf) -> float:
+    """The largest iteration time T that keeps every serving request within its SLOs and
+    inflation budgets (module docstring), with the rollout part of it (T minus serving's own
+    predicted time) scaled by `share` and capped at `max_rollout_s`. `inf` when no serving
+    request is in flight and no cap is set."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    serving_s = latency.iteration_time(serving.load(chunk_tokens), TokenLoad())
+    reserve_s = latency.iteration_time(
+        TokenLoad(chunk_tokens, len(serving.decoding_last_token_s), serving.decode_context_tokens),
+        TokenLoad())
+    terms = _prefill_terms(now, serving, slo, chunk_tokens)
+    limit = _ceiling(now, serving, slo, terms, serving_s, reserve_s)
+    if limit > serving_s:
+        limit = serving_s + min(share * (limit - serving_s), max_rollout_s)
+    return limit
 
 
 def slacks(now: float, serving: ServingState, slo: SLOBudgets, chunk_tokens: int,
@@ -163,18 +222,16 @@ def _largest(lo: int, hi: int, fits) -> int:
 
 def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: LatencyModel,
           slo: SLOBudgets, chunk_tokens: int = 512, rollout_chunk_tokens: int | None = None,
-          max_iteration_s: float = math.inf) -> Admission:
+          share: float = 1.0, max_rollout_s: float = math.inf) -> Admission:
     """How many rollout decode sequences and prefill tokens may join the next iteration.
 
     Serving always runs (its chunk and all its decodes); rollout tokens are added only while
-    both slacks stay positive with them. `rollout_chunk_tokens` (default `chunk_tokens`) caps
-    rollout prefill per iteration; `max_iteration_s` caps the iteration whatever the slacks
-    (the executor keeps TTFT room for a request that may arrive while it runs)."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    the iteration stays under `iteration_limit` with them. `rollout_chunk_tokens` (default
+    `chunk_tokens`) caps rollout prefill per iteration; `share` and `max_rollout_s` scale and
+    cap the rollout part of the ceiling (the feedback guard; the executor keeps TTFT room for a
+    request that may arrive while the iteration runs)."""
+    limit = iteration_limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)
     base = serving.load(chunk_tokens)
-    terms = _prefill_terms(now, serving, slo, chunk_tokens)
-    limit = min(_limit(serving, slo, now, terms), max_iteration_s)
     prefix = [0, *itertools.accumulate(rollout.decode_context)]
 
     def time_with(d: int, p: int) -> float:
@@ -187,24 +244,52 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
         max_p = min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens)
         p = _largest(0, max_p, lambda k: time_with(d, k) < limit)
     t = time_with(d, p) if (d or p) else t0
-    s_prf, s_dec = _slacks(serving, slo, now, terms, t)
+    s_prf, s_dec = slacks(now, serving, slo, chunk_tokens, t)
     return Admission(d, p, t, limit, s_prf, s_dec)
 
 
 def rollout_capacity(now: float, serving: ServingState, rollout: RolloutDemand,
                      latency: LatencyModel, slo: SLOBudgets, typical_context: int,
-                     chunk_tokens: int = 512, limit: int = 1024) -> int:
+                     chunk_tokens: int = 512, limit: int = 1024, share: float = 1.0) -> int:
     """How many more rollout sequences of `typical_context` tokens could decode beside the ones
-    in `rollout` with every slack still positive (at most `limit`): the executor's capacity
+    in `rollout` under the same ceiling as `admit` (at most `limit`): the executor's capacity
     report to the scheduler, so that turns go where admission will actually run them."""
     base = serving.load(chunk_tokens)
-    ceiling = iteration_limit(now, serving, slo, chunk_tokens)
+    ceiling = iteration_limit(now, serving, slo, latency, chunk_tokens, share)
     d0, c0 = len(rollout.decode_context), sum(rollout.decode_context)
 
     def fits(k: int) -> bool:
         return latency.iteration_time(base, TokenLoad(0, d0 + k, c0 + k * typical_context)) < ceiling
 
     return _largest(0, limit, fits) if fits(0) else 0
+
+
+class SlackGuard:
+    """Feedback on measured serving slack, against what the latency model cannot see coming:
+    `share` scales the rollout part of the admission ceiling. An iteration that ran past the
+    ceiling it was admitted under, or within `low_s` of it, halves the share at once; each one
+    with room regrows it by `regrow`, up to 1 (additive increase, multiplicative decrease)."""
+
+    def __init__(self, floor: float = 0.05, regrow: float = 0.02, low_s: float = 0.0) -> None:
+        if not (0.0 < floor <= 1.0 and regrow > 0 and low_s >= 0):
+            raise ValueError(f"SlackGuard needs 0 < floor <= 1, regrow > 0, low_s >= 0; got "
+                             f"floor={floor}, regrow={regrow}, low_s={low_s}")
+        self.floor, self.regrow, self.low_s = floor, regrow, low_s
+        self.share = 1.0
+        self.overruns = 0     # iterations that ran past their ceiling
+        self.observed = 0     # iterations with a finite ceiling
+
+    def observe(self, measured_s: float, limit_s: float) -> float:
+        """An iteration admitted under `limit_s` took `measured_s`; returns the new share."""
+        if math.isinf(limit_s):
+            return self.share  # no serving request in flight: no slack to measure
+        self.observed += 1
+        if measured_s > limit_s - self.low_s:
+            self.overruns += measured_s > limit_s
+            self.share = max(self.floor, self.share / 2)
+        else:
+            self.share = min(1.0, self.share + self.regrow)
+        return self.share
 
 
 class BurstState(enum.IntEnum):

@@ -20,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    e = ExecutorConfig()
+    p.add_argument("--tpot-inflation", type=float, default=e.tpot_inflation,
+                   help="share of a serving request's own decode time rollouts may add (inf: SLO only)")
+    p.add_argument("--ttft-inflation", type=float, default=e.ttft_inflation,
+                   help="share of a serving request's own time to first token rollouts may add")
+    p.add_argument("--admission-quantile", type=float, default=e.admission_quantile,
+                   help="quantile of the latency model's error admission predicts at")
     p.add_argument("--pool-mb", type=float, default=256.0, help="KV page pool shared by both models")
     p.add_argument("--headroom", type=float, default=0.2, help="share of the pool reserved for serving")
     p.add_argument("--policy", choices=[p.value for p in Policy], default="rose",
@@ -64,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = ExecutorConfig(pool_bytes=int(args.pool_mb * 1024**2), headroom=args.headroom,
                             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                            policy=Policy(args.policy), max_rollout_turns=args.max_rollout_turns)
+                            tpot_inflation=args.tpot_inflation, ttft_inflation=args.ttft_inflation,
+                            admission_quantile=args.admission_quantile, policy=Policy(args.policy),
+                            max_rollout_turns=args.max_rollout_turns)
     limits = ServerLimits(api_key=args.api_key, lease_key=args.lease_key,
                           max_body_bytes=int(args.max_body_mb * 1024**2),
                           max_weights_bytes=int(args.max_weights_mb * 1024**2),

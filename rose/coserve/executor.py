@@ -5,9 +5,11 @@ Two engines draw KV pages from one pool, each with its own block tables. Every i
    from serving's usage, and on a burst aborts the rollout turns that no longer fit (they are
    handed back with their partial tokens; the scheduler reroutes them);
 2. compute: dual-SLO admission (`admission.admit`) decides how many rollout tokens may join,
-   predicted with the fitted iteration-time model;
+   predicted with the fitted iteration-time model read at a quantile of its error, under each
+   serving request's SLOs and inflation budgets, scaled by the feedback guard;
 3. serving's batch runs first, then the rollout model's with the admitted tokens;
-4. the measured times refit the latency model.
+4. the measured times refit the latency model, feed the guard, and are charged to the serving
+   requests that waited for the rollout part.
 
 Policies other than `rose` exist for the benchmark: `naive` (rollouts take whatever pages and
 tokens they like, no priority), `static` (a fixed page split and a fixed rollout token budget).
@@ -29,12 +31,13 @@ from rose.coserve.admission import (
     BurstState,
     RolloutDemand,
     ServingState,
+    SlackGuard,
     SLOBudgets,
     TokenLoad,
     admit,
     iteration_limit,
 )
-from rose.coserve.latency import FittedLatencyModel, as_token_load, profile
+from rose.coserve.latency import FittedLatencyModel, TailLatency, as_token_load, profile
 from rose.coserve.metrics import ExecutorMetrics
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
 from rose.engine.llm_engine import eos_ids
@@ -68,6 +71,15 @@ class ExecutorConfig:
     policy: Policy = Policy.ROSE
     static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
+    # "Serving never notices": rollouts may add at most this share of a serving request's own
+    # decode time to it (its TPOT), and of its own time to first token to its TTFT; a request
+    # arriving at an idle device waits at most ttft_inflation x B_TTFT for the rollout
+    # iteration in progress. inf: only the SLOs bound them.
+    tpot_inflation: float = 0.10
+    ttft_inflation: float = 0.05
+    # Admission predicts iteration times at this quantile of the latency model's measured
+    # error (1.0: its largest recent error; 0.5: about its mean).
+    admission_quantile: float = 0.95
     # TTFT room is kept for a request that may arrive while an iteration runs: it waits for
     # the iteration, then prefills this many tokens, within B_TTFT (0: no such reserve).
     arrival_reserve_tokens: int = 512
@@ -82,10 +94,16 @@ class ExecutorConfig:
                              f"tpot {self.slo_tpot_ms} ms")
         if not 0 < self.static_rollout_pages < 1:
             raise ValueError(f"static_rollout_pages must be in (0, 1), got {self.static_rollout_pages}")
+        if not 0 < self.admission_quantile <= 1:
+            raise ValueError(f"admission_quantile must be in (0, 1], got {self.admission_quantile}")
+        if not (self.tpot_inflation >= 0 and self.ttft_inflation >= 0):
+            raise ValueError(f"inflation budgets must be >= 0, got tpot_inflation={self.tpot_inflation}, "
+                             f"ttft_inflation={self.ttft_inflation}")
 
     @property
     def slo(self) -> SLOBudgets:
-        return SLOBudgets(self.slo_ttft_ms / 1e3, self.slo_tpot_ms / 1e3)
+        return SLOBudgets(self.slo_ttft_ms / 1e3, self.slo_tpot_ms / 1e3, self.ttft_inflation,
+                          self.tpot_inflation)
 
     def engine(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, chunk_size=self.chunk_tokens,
@@ -125,9 +143,15 @@ class CoServingExecutor:
         self.rollout = LLMEngine(rollout, cfg.engine(), rollout_eos, self.pool, ROLLOUT) if rollout else None
         self.burst = BurstController(self.pool.num_pages, cfg.headroom, cfg.high_watermark)
         self.latency = FittedLatencyModel()
+        self.tail = TailLatency(self.latency, cfg.admission_quantile)
+        self.guard = SlackGuard()
         self.metrics = ExecutorMetrics()
         self.slo = cfg.slo
         self._turns: dict[str, Turn] = {}
+        # Per serving request: seconds it spent waiting for rollout work, in all and up to its
+        # first token (admission's inflation budgets and banked slack read them).
+        self._waited: dict[str, list[float]] = {}
+        self._limit_s = math.inf  # the ceiling the current iteration was admitted under
         self.served = self.served_within_slo = 0
         if cfg.policy is Policy.STATIC:
             rollout_pages = int(cfg.static_rollout_pages * self.pool.num_pages)
@@ -194,8 +218,9 @@ class CoServingExecutor:
             free = 0
         now = time.monotonic()
         state = self._serving_state(now)
-        slack = iteration_limit(now, state, self.slo, self.config.chunk_tokens)
-        slack -= self.latency.time(SERVING, state.load(self.config.chunk_tokens))
+        chunk = self.config.chunk_tokens
+        slack = iteration_limit(now, state, self.slo, self.tail, chunk, self.guard.share)
+        slack -= self.tail.time(SERVING, state.load(chunk))
         return Capacity(max(0, free), slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
                         self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
 
@@ -214,12 +239,37 @@ class CoServingExecutor:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._control_memory() if self.rollout else []
+        self._limit_s = math.inf
         budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
         outputs += self._run(self.serving, SERVING, None)
+        serving_s = self.serving.last_load.seconds
         if self.rollout and budget != 0 and self.rollout.has_unfinished():
             outputs += self._run(self.rollout, ROLLOUT, budget)
+            self._charge_rollout_time(self.rollout.last_load.seconds)
+            if self.config.policy is Policy.ROSE:
+                self._observe_slack(serving_s + self.rollout.last_load.seconds)
         self._export_pool()
         return outputs
+
+    def _charge_rollout_time(self, seconds: float) -> None:
+        """Charge the rollout part of this iteration to each serving request in flight, for the
+        part of it after the request arrived."""
+        now = time.monotonic()
+        sched = self.serving.scheduler
+        live = {s.request_id: s for s in sched.running + sched.waiting}
+        for rid in self._waited.keys() - live.keys():
+            del self._waited[rid]
+        for rid, seq in live.items():
+            waited = self._waited.setdefault(rid, [0.0, 0.0])
+            waited[0] += min(seconds, now - seq.arrival_time)
+            if seq.first_token_time is None:
+                waited[1] = waited[0]
+
+    def _observe_slack(self, measured_s: float) -> None:
+        share = self.guard.observe(measured_s, self._limit_s)
+        if measured_s > self._limit_s:
+            self.metrics.admission_overruns.inc()
+        self.metrics.rollout_share.set(share)
 
     def _run(self, engine: LLMEngine, name: str, budget: int | None) -> list[RequestOutput]:
         outputs = engine.step(budget)
@@ -282,11 +332,13 @@ class CoServingExecutor:
             decode_context=[s.num_computed_tokens + 1 for s in running if s.num_uncomputed == 1],
             prefill_tokens=sum(s.num_uncomputed for s in self._rollout_seqs() if s.num_uncomputed > 1))
         reserve = self.config.arrival_reserve_tokens
-        cap = self.slo.ttft_s - self.latency.time(SERVING, TokenLoad(prefill_tokens=reserve)) if reserve \
-            else math.inf
+        cap = self.slo.ttft_s * self.slo.ttft_inflation
+        if reserve:
+            cap = min(cap, self.slo.ttft_s - self.tail.time(SERVING, TokenLoad(prefill_tokens=reserve)))
         state = self._serving_state(now)
-        decision = admit(now, state, demand, self.latency, self.slo, self.config.chunk_tokens,
-                         max_iteration_s=cap)
+        decision = admit(now, state, demand, self.tail, self.slo, self.config.chunk_tokens,
+                         share=self.guard.share, max_rollout_s=cap)
+        self._limit_s = decision.limit_s if state.waiting or state.decoding_last_token_s else math.inf
         self.metrics.latency_error.set(self.latency.error)
         if not state.waiting and not state.decoding_last_token_s:
             return max(decision.rollout_tokens, self.config.idle_min_rollout_tokens)
@@ -299,10 +351,17 @@ class CoServingExecutor:
     def _serving_state(self, now: float) -> ServingState:
         sched = self.serving.scheduler
         seqs = sorted(sched.running + sched.waiting, key=lambda s: s.arrival)
-        waiting = [(s.arrival_time, s.num_uncomputed) for s in seqs if s.last_token_time is None]
+        waiting = [s for s in seqs if s.last_token_time is None]
         decoding = [s for s in seqs if s.last_token_time is not None]
-        return ServingState(waiting, [s.last_token_time for s in decoding],
-                            sum(len(s.token_ids) for s in decoding))
+        waited = [self._waited.get(s.request_id, (0.0, 0.0)) for s in decoding]
+        return ServingState(
+            waiting=[(s.arrival_time, s.num_uncomputed) for s in waiting],
+            decoding_last_token_s=[s.last_token_time for s in decoding],
+            decode_context_tokens=sum(len(s.token_ids) for s in decoding),
+            waiting_rollout_s=[self._waited.get(s.request_id, (0.0, 0.0))[0] for s in waiting],
+            decoding_first_token_s=[s.first_token_time for s in decoding],
+            decoding_output_tokens=[s.num_output_tokens for s in decoding],
+            decoding_rollout_s=[total - before for total, before in waited])
 
     def _rollout_seqs(self) -> list[Sequence]:
         sched = self._rollout().scheduler

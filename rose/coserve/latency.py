@@ -9,11 +9,18 @@ profiled for a few seconds at start-up on the engine itself and refitted online 
 measured iteration; `error` is the relative error of the predictions made before each
 measurement was known, weighted by time (sum of |error| over sum of measured times), so that the
 long iterations admission must get right count for more than the shortest ones.
+
+Admission reads the model at a quantile of its error, not at its mean (`TailLatency`): each
+model's prediction is scaled by the q-quantile of measured/predicted over its recent iterations
+of the same shape (prefill only, decode only, mixed), an online form of split conformal
+prediction. A mean fit is under the measured time about half the time, and in co-serving every
+underprediction is a late serving token.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import torch
@@ -40,6 +47,12 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.remove(int(np.argmin(coef)))
 
 
+def _shape(load: TokenLoad) -> str:
+    if not load.decode_seqs:
+        return "prefill"
+    return "mixed" if load.prefill_tokens else "decode"
+
+
 def as_token_load(load: StepLoad) -> TokenLoad:
     return TokenLoad(load.prefill_tokens, load.decode_seqs, load.context_tokens)
 
@@ -47,11 +60,17 @@ def as_token_load(load: StepLoad) -> TokenLoad:
 class FittedLatencyModel:
     """`iteration_time(serving, rollout)` from per-model fits of measured iterations."""
 
+    # Fewer residuals than this of one shape: the model's residuals of every shape stand in.
+    min_residuals = 16
+
     def __init__(self, window: int = 512, refit_every: int = 32) -> None:
         self.window, self.refit_every = window, refit_every
         self._obs: dict[str, collections.deque[tuple[np.ndarray, float]]] = {}
         self._coef: dict[str, np.ndarray] = {}
         self._errors: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        # (model, shape) -> measured / predicted of recent iterations, predicted beforehand
+        self._ratios: dict[tuple[str, str], collections.deque[float]] = {}
+        self._factors: dict[tuple[str, str, float], float] = {}
         self._since_fit = 0
 
     def time(self, model: str, load: TokenLoad) -> float:
@@ -67,7 +86,10 @@ class FittedLatencyModel:
         if load == TokenLoad():
             return
         if model in self._coef and seconds > 0:
-            self._errors.append((abs(self.time(model, load) - seconds), seconds))
+            predicted = self.time(model, load)
+            self._errors.append((abs(predicted - seconds), seconds))
+            if predicted > 0:
+                self._ratio(model, _shape(load)).append(seconds / predicted)
         self._obs.setdefault(model, collections.deque(maxlen=self.window)).append(
             (_features(load), seconds))
         self._since_fit += 1
@@ -79,10 +101,35 @@ class FittedLatencyModel:
             x = np.stack([f for f, _ in obs])
             y = np.array([t for _, t in obs])
             self._coef[model] = _nonnegative_lstsq(x, y)
+        self._factors.clear()
         self._since_fit = 0
 
+    def _ratio(self, model: str, shape: str) -> collections.deque[float]:
+        return self._ratios.setdefault((model, shape), collections.deque(maxlen=self.window))
+
+    def factor(self, model: str, load: TokenLoad, quantile: float) -> float:
+        """The `quantile` of measured/predicted over `model`'s recent iterations of `load`'s
+        shape (of every shape while that one has too few; 1.0 while the model has too few)."""
+        key = (model, _shape(load), quantile)
+        if key not in self._factors:
+            ratios = self._ratios.get(key[:2], ())
+            if len(ratios) < self.min_residuals:
+                ratios = [r for (m, _), rs in self._ratios.items() if m == model for r in rs]
+            self._factors[key] = (float(np.quantile(ratios, quantile))
+                                  if len(ratios) >= self.min_residuals else 1.0)
+        return self._factors[key]
+
     def reset_error(self) -> None:
+        """Start the error count afresh, and seed the residuals with the fit's in-sample ones."""
         self._errors.clear()
+        self._ratios.clear()
+        for model, obs in self._obs.items():
+            for features, seconds in obs:
+                predicted = float(features @ self._coef[model])
+                if predicted > 0 and seconds > 0:
+                    load = TokenLoad(int(features[1]), int(features[3]))
+                    self._ratio(model, _shape(load)).append(seconds / predicted)
+        self._factors.clear()
 
     @property
     def error(self) -> float:
@@ -90,6 +137,26 @@ class FittedLatencyModel:
         if not self._errors:
             return float("nan")
         return sum(e for e, _ in self._errors) / sum(t for _, t in self._errors)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailLatency:
+    """`fitted` read at the `quantile` of its measured error (module docstring): the
+    `LatencyModel` admission predicts with."""
+
+    fitted: FittedLatencyModel
+    quantile: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.quantile <= 1.0:
+            raise ValueError(f"admission quantile must be in (0, 1], got {self.quantile}")
+
+    def time(self, model: str, load: TokenLoad) -> float:
+        mean = self.fitted.time(model, load)
+        return mean * self.fitted.factor(model, load, self.quantile) if mean else 0.0
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return self.time("serving", serving) + self.time("rollout", rollout)
 
 
 def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,

@@ -36,6 +36,13 @@ class ExecutorMetrics:
         self.rollout_budget = Gauge("rose_rollout_budget_pages", "Pages rollouts may hold", registry=r)
         self.latency_error = Gauge("rose_latency_model_error",
                                    "Time-weighted relative error of iteration-time predictions", registry=r)
+        self.admission_overruns = Counter(
+            "rose_admission_overruns", "Co-served iterations that ran past the ceiling they were admitted "
+            "under", registry=r)
+        self.rollout_share = Gauge(
+            "rose_rollout_share", "Feedback guard: share of the admission ceiling rollouts may use",
+            registry=r)
+        self.rollout_share.set(1.0)
         self.slo_attainment = Gauge("rose_serving_slo_attainment",
                                     "Share of finished serving requests within both SLOs", registry=r)
 

@@ -134,7 +134,8 @@ class Simulation:
         self.env = sc.rl.env_profile()
         self.rng = np.random.default_rng(sc.sim.seed)
         self.dt = sc.sim.tick_s
-        self.slo = SLOBudgets(sc.serving.slo_ttft_ms / 1e3, sc.serving.slo_tpot_ms / 1e3)
+        self.slo = SLOBudgets(sc.serving.slo_ttft_ms / 1e3, sc.serving.slo_tpot_ms / 1e3,
+                              sc.serving.ttft_inflation, sc.serving.tpot_inflation)
         # Dedicated rollout replicas: all the job's GPUs when colocated, else the rollout share.
         if system.colocated:
             ded_gpus = c.train_gpus + c.rollout_gpus

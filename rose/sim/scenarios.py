@@ -65,6 +65,9 @@ class ServingConfig:
     # 100 ms); the paper scenarios set the paper's own.
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
+    # Inflation budgets of ROSE's admission (rose.coserve.executor.ExecutorConfig's defaults).
+    tpot_inflation: float = 0.10
+    ttft_inflation: float = 0.05
     chunk_tokens: int = 512          # chunked prefill (design default)
     max_context: int = 0             # clip prompt + output to this (0: no clipping), as a replay does
     max_output: int = 0              # ... and outputs to this (used with max_context)
@@ -215,6 +218,9 @@ def validate(sc: Scenario) -> Scenario:
                        ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps),
                        ("elastic.serverless_max_run_s", sc.elastic.serverless_max_run_s)):
         need(value > 0, key, "positive", value)
+    for key, value in (("serving.tpot_inflation", s.tpot_inflation),
+                       ("serving.ttft_inflation", s.ttft_inflation)):
+        need(value >= 0, key, ">= 0 (inf: the SLOs alone)", value)
     need(r.fixed_concurrency >= 0, "rl.fixed_concurrency", ">= 0", r.fixed_concurrency)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
          "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
