@@ -63,12 +63,14 @@ PAPER_8B = {"ROSE": (338.1 / 314.8, 136.1 / 117.8), "naive sharing": (1166.1 / 3
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     e = ExecutorConfig()
-    p.add_argument("--quick", action="store_true", help="45 s per mode instead of 600 s")
+    p.add_argument("--quick", action="store_true", help="45 s per mode instead of 700 s / 200 s")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--duration", type=float,
-                   help="seconds of trace per mode (default 600: about 200 requests at the default rate)")
+                   help="seconds of trace for serving_alone and rose (default 700: 214 requests at the "
+                   "default rate and start)")
     p.add_argument("--baseline-duration", type=float,
-                   help="seconds for rollout_alone, naive_share and static_partition (default: --duration)")
+                   help="seconds for rollout_alone, naive_share and static_partition (default 200; "
+                   "--duration with --quick)")
     p.add_argument("--runs", type=int, default=1, help="repeat the measurement; figures as median and spread")
     p.add_argument("--admission-quantile", type=float, default=e.admission_quantile)
     p.add_argument("--tpot-inflation", type=float, default=e.tpot_inflation)
@@ -201,8 +203,8 @@ def _rose_args(args: argparse.Namespace, quantile: float) -> tuple[str, ...]:
 def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None
              ) -> dict[str, Any]:
     """serving_alone (which sets the SLO), then every other mode on a fresh server."""
-    duration = args.duration or (45.0 if args.quick else 600.0)
-    baseline = args.baseline_duration or duration
+    duration = args.duration or (45.0 if args.quick else 700.0)
+    baseline = args.baseline_duration or (duration if args.quick else 200.0)
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     with _server(serving, rollout, "rose", loose, core) as url:
         alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
