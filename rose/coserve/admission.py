@@ -264,6 +264,17 @@ def rollout_capacity(now: float, serving: ServingState, rollout: RolloutDemand,
     return _largest(0, limit, fits) if fits(0) else 0
 
 
+def rollout_duty(serving_s: float, with_rollout_s: float, inflation: float) -> float:
+    """The share of serving iterations that may carry rollout work (making them `with_rollout_s`
+    long instead of `serving_s`) so that rollouts add at most `inflation` of serving's own time:
+    the steady state the banked inflation budgets of `iteration_limit` reach, in closed form,
+    for the simulator's fluid model. 1.0 where serving has no work or no budget is set."""
+    extra = with_rollout_s - serving_s
+    if serving_s <= 0 or extra <= 0 or math.isinf(inflation):
+        return 1.0
+    return min(1.0, inflation * serving_s / extra)
+
+
 class SlackGuard:
     """Feedback on measured serving slack, against what the latency model cannot see coming:
     `share` scales the rollout part of the admission ceiling. An iteration that ran past the

@@ -147,7 +147,8 @@ class Cluster:
 
         s = self.config.serving
         executor = ExecutorConfig(pool_bytes=s.pool_mb << 20, slo_ttft_ms=s.slo_ttft_ms,
-                                  slo_tpot_ms=s.slo_tpot_ms,
+                                  slo_tpot_ms=s.slo_tpot_ms, admission_quantile=s.admission_quantile,
+                                  tpot_inflation=s.tpot_inflation, ttft_inflation=s.ttft_inflation,
                                   max_rollout_turns=self.config.rollout.serving_concurrency)
         return ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
             wid, cores, self.serving_path, self.model_path, executor, s, self.relay, self.group,

@@ -104,6 +104,10 @@ class ServingConfig:
     window_s: float = 10.0
     slo_ttft_ms: float = 500.0
     slo_tpot_ms: float = 100.0
+    # Co-serving admission (docs/coserve.md, "Admission"): the executor's defaults.
+    admission_quantile: float = 0.95
+    tpot_inflation: float = 0.10
+    ttft_inflation: float = 0.05
     pool_mb: int = 64
 
 
@@ -215,6 +219,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"serving.{k}": (0, math.inf, False) for k in (
         "load", "prompt_scale", "output_scale", "window_s", "slo_ttft_ms", "slo_tpot_ms")},
     **{f"serving.{k}": (1, math.inf, True) for k in ("max_context", "max_output", "pool_mb")},
+    "serving.admission_quantile": (0, 1, False),
+    "serving.tpot_inflation": (0, math.inf, True),
+    "serving.ttft_inflation": (0, math.inf, True),
 }
 
 

@@ -28,6 +28,7 @@ from rose.coserve.admission import (
     TokenLoad,
     admit,
     rollout_capacity,
+    rollout_duty,
 )
 from rose.coserve.loadgen import fit_lengths
 from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerKind, WorkerState, resume
@@ -136,6 +137,9 @@ class Simulation:
         self.dt = sc.sim.tick_s
         self.slo = SLOBudgets(sc.serving.slo_ttft_ms / 1e3, sc.serving.slo_tpot_ms / 1e3,
                               sc.serving.ttft_inflation, sc.serving.tpot_inflation)
+        # One rollout iteration is bounded by the SLOs alone; the inflation budgets bound how many
+        # serving iterations carry one (`rollout_duty`), as banked budgets do on a device.
+        self.iteration_slo = SLOBudgets(self.slo.ttft_s, self.slo.tpot_s)
         # Dedicated rollout replicas: all the job's GPUs when colocated, else the rollout share.
         if system.colocated:
             ded_gpus = c.train_gpus + c.rollout_gpus
@@ -329,8 +333,8 @@ class Simulation:
                 slots = memory
             else:
                 decode_only = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
-                slots = rollout_capacity(t, decode_only, RolloutDemand(ctxs), self.latency, self.slo,
-                                         self.typical_ctx, chunk, limit=memory)
+                slots = rollout_capacity(t, decode_only, RolloutDemand(ctxs), self.latency,
+                                         self.iteration_slo, self.typical_ctx, chunk, limit=memory)
             self.table.heartbeat(wid, t + self.dt, free_slots=slots, slack_s=1.0 if slots else 0.0)
 
     def _drop_worker(self, rnd: Round, wid: int, t: float) -> None:
@@ -492,22 +496,32 @@ class Simulation:
                    < f.first_waiting_prompt()[busy] * self.serving_model.kv_bytes_per_token).tolist()
         for i, (r, st) in enumerate(zip(busy.tolist(), states, strict=True)):
             wid = self.first_cs + r
-            demand = RolloutDemand(contexts[r], int(pending[wid]))
+            # Fluid prefill leaves fractions of a token: a fraction still needs an iteration.
+            demand = RolloutDemand(contexts[r], math.ceil(pending[wid]))
             if naive:
                 a_p, a_d, serve_pf[r] = self._naive(serving_dec[i], st.decode_context_tokens, demand,
                                                     backlog[i], chunk)
                 if blocked[i]:
                     serve_pf[r] = 0.0           # no free pages for the next serving prompt
+                duty_d = duty_p = 1.0
             else:
-                a_d = admit(t, ServingState((), st.decoding_last_token_s, st.decode_context_tokens),
-                            demand, self.latency, self.slo, chunk)
-                a_p = admit(t, st, demand, self.latency, self.slo, chunk) if st.waiting else a_d
+                decoding = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
+                a_d = admit(t, decoding, demand, self.latency, self.iteration_slo, chunk)
+                a_p = admit(t, st, demand, self.latency, self.iteration_slo, chunk) if st.waiting else a_d
+                alone_d = self.latency.iteration_time(decoding.load(chunk), TokenLoad())
+                alone_p = self.latency.iteration_time(st.load(chunk), TokenLoad()) if st.waiting else alone_d
+                duty_d = rollout_duty(alone_d, a_d.iteration_s, self.slo.tpot_inflation)
+                duty_p = rollout_duty(alone_p, a_p.iteration_s, self.slo.ttft_inflation)
+                # Iterations with rollout work and without alternate: their mean time.
+                a_d = dataclasses.replace(a_d, iteration_s=duty_d * a_d.iteration_s + (1 - duty_d) * alone_d)
+                a_p = dataclasses.replace(a_p, iteration_s=duty_p * a_p.iteration_s + (1 - duty_p) * alone_p)
             tp, td = max(a_p.iteration_s, 1e-4), max(a_d.iteration_s, 1e-4)
             t_p[r], t_d[r] = tp, td
             frac = min(1.0, backlog[i] / serve_pf[r] * tp / self.dt) if backlog[i] and serve_pf[r] else 0.0
-            plan.cap1[wid], plan.rate1[wid] = a_d.decode_seqs, (1.0 - frac) / td
-            plan.cap2[wid], plan.rate2[wid] = a_p.decode_seqs, frac / tp
-            plan.prefill_rate[wid] = (1.0 - frac) * a_d.prefill_tokens / td + frac * a_p.prefill_tokens / tp
+            plan.cap1[wid], plan.rate1[wid] = a_d.decode_seqs, (1.0 - frac) * duty_d / td
+            plan.cap2[wid], plan.rate2[wid] = a_p.decode_seqs, frac * duty_p / tp
+            plan.prefill_rate[wid] = ((1.0 - frac) * duty_d * a_d.prefill_tokens / td
+                                      + frac * duty_p * a_p.prefill_tokens / tp)
         return t_p, t_d, serve_pf
 
     def _naive(self, serving_decodes: int, serving_ctx: int, demand: RolloutDemand, backlog: float,

@@ -1,0 +1,33 @@
+"""`rose bench coserve`'s summaries across runs and its trade-off picture (the benchmark itself
+runs for an hour; docs/benchmarks.md has its figures)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rose.bench.coserve import _across_runs, plot_tradeoff
+
+
+def _summary(k: float) -> dict:
+    mode = {"p99_ttft_ms": 100.0 * k, "p99_tpot_ms": 30.0 * k, "slo_attainment": 1.0,
+            "rollout_tokens_per_s": 90.0, "completed": 214, "ttft_vs_alone": k, "tpot_vs_alone": k,
+            "harvest_ratio": 0.7 * k}
+    return {"slo": {"ttft_ms": 150.0, "tpot_ms": 45.0}, "idle_fraction_serving_alone": 0.68,
+            "serving_alone": {"p99_ttft_ms": 100.0, "p99_tpot_ms": 30.0, "slo_attainment": 1.0,
+                              "rollout_tokens_per_s": None},
+            "naive_share": {**mode, "tpot_vs_alone": 4.0 * k}, "rose": mode, "rose_q0.5": mode,
+            "harvest_ratio": 0.7 * k, "admission_quantile": 0.95}
+
+
+def test_figures_across_runs_are_median_and_spread() -> None:
+    out = _across_runs([_summary(1.0), _summary(1.2), _summary(0.9)])
+    assert out["rose"]["tpot_vs_alone"] == {"median": 1.0, "min": 0.9, "max": 1.2}
+    assert out["harvest_ratio"]["median"] == 0.7
+    assert "rollout_tokens_per_s" not in out["serving_alone"]     # None in every run: no figure
+    assert len(out["slo"]) == 3
+
+
+def test_tradeoff_picture_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "tradeoff.png"
+    plot_tradeoff([_summary(1.0), _summary(1.1)], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
