@@ -17,6 +17,7 @@ from rose.coserve.admission import (
     TokenLoad,
     admit,
     iteration_limit,
+    rollout_duty,
     slacks,
 )
 
@@ -143,6 +144,17 @@ def test_share_and_cap_scale_the_rollout_part_only():
     a = admit(0.0, ServingState(), RolloutDemand([100] * 300, 5000), LAT, SLO, max_rollout_s=0.02)
     idle_s = LAT.iteration_time(TokenLoad(), TokenLoad())  # the model's constant
     assert a.limit_s == pytest.approx(idle_s + 0.02) and a.iteration_s < a.limit_s and a.rollout_tokens > 0
+
+
+def test_rollout_duty_keeps_the_mean_inflation_within_the_budget():
+    # Serving iterations of 10 ms, 30 ms with a rollout step: one in twenty may carry one.
+    duty = rollout_duty(0.010, 0.030, 0.10)
+    assert duty == pytest.approx(0.05)
+    mean = duty * 0.030 + (1 - duty) * 0.010
+    assert mean == pytest.approx(1.10 * 0.010)
+    assert rollout_duty(0.010, 0.0105, 0.10) == 1.0      # a cheap step fits every iteration
+    assert rollout_duty(0.0, 0.030, 0.10) == 1.0         # no serving work: nothing to inflate
+    assert rollout_duty(0.010, 0.030, INF) == 1.0
 
 
 def test_slack_guard_halves_at_once_and_regrows_slowly():

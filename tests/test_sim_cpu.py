@@ -34,6 +34,7 @@ def test_cpu_bench_train_mirrors_the_benchmark_config():
     assert (sc.serving.load, sc.serving.token_scale) == (s.load, s.prompt_scale) == (s.load, s.output_scale)
     assert (sc.serving.max_context, sc.serving.max_output) == (s.max_context, s.max_output)
     assert (sc.serving.slo_ttft_ms, sc.serving.slo_tpot_ms) == (s.slo_ttft_ms, s.slo_tpot_ms)
+    assert (sc.serving.tpot_inflation, sc.serving.ttft_inflation) == (s.tpot_inflation, s.ttft_inflation)
     assert (sc.models.policy, sc.models.serving) == (f"tiny-{config.model.arch}", f"tiny-{s.arch}")
     assert config.model.preset == s.preset == "tiny"
 
