@@ -10,8 +10,8 @@ fresh server, the same trace window and the same backlog:
 - `rollout_alone`: no serving traffic: the device's rollout capacity;
 - `naive_share`: rollouts take whatever pages and tokens they like, no priority;
 - `static_partition`: a fixed page split and a fixed rollout token budget per iteration;
-- `rose`: dual-SLO admission and burst control (`rose_q<Q>` with `--sweep-quantile`: the same
-  at other admission quantiles).
+- `rose`: dual-SLO admission and burst control (`rose_q<Q>` with `--sweep-quantile`, `rose_i<E>`
+  with `--sweep-inflation`: the same at other admission quantiles or TPOT inflation budgets).
 
 `harvest_ratio` = rollout tokens/s / (idle fraction of serving alone x rollout_alone tokens/s):
 the share of the idle capacity a mode turned into rollout tokens. `--runs N` repeats the whole
@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-inflation", type=float, default=e.tpot_inflation)
     p.add_argument("--ttft-inflation", type=float, default=e.ttft_inflation)
     p.add_argument("--sweep-quantile", help="comma-separated admission quantiles, one more rose mode each")
+    p.add_argument("--sweep-inflation", help="comma-separated TPOT inflation budgets (inf: the SLO alone), "
+                   "one more rose mode each")
     p.add_argument("--plot", help="write the trade-off picture (P99 inflation against harvest ratio) here")
     p.add_argument("--rate", type=float, default=0.35, help="serving requests per second (mean)")
     p.add_argument("--slo-factor", type=float, default=1.5, help="SLO = this x serving-alone P99")
@@ -168,7 +170,7 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
 async def _measure(url: str, mode: str, duration: float, args: argparse.Namespace,
                    slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
     """Run one mode for `duration` s: its figures, and the serving requests' own results."""
-    _, traffic, rollouts = MODES[mode.split("_q")[0]]
+    _, traffic, rollouts = MODES.get(mode, MODES["rose"])  # rose_q<Q>, rose_i<E>: rose's
     busy0, t0 = _busy_seconds(url), time.perf_counter()
     jobs = []
     if rollouts:
@@ -195,9 +197,16 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
     return result, requests
 
 
-def _rose_args(args: argparse.Namespace, quantile: float) -> tuple[str, ...]:
-    return ("--admission-quantile", str(quantile), "--tpot-inflation", str(args.tpot_inflation),
+def _rose_args(args: argparse.Namespace, quantile: float | None = None, tpot_inflation: float | None = None
+               ) -> tuple[str, ...]:
+    q = args.admission_quantile if quantile is None else quantile
+    tpot = args.tpot_inflation if tpot_inflation is None else tpot_inflation
+    return ("--admission-quantile", str(q), "--tpot-inflation", str(tpot),
             "--ttft-inflation", str(args.ttft_inflation))
+
+
+def _floats(spec: str | None) -> list[float]:
+    return [float(x) for x in spec.split(",")] if spec else []
 
 
 def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None
@@ -212,11 +221,12 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
            "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
     results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
     print("serving_alone", alone, "slo", slo, flush=True)
-    sweep = [float(q) for q in args.sweep_quantile.split(",")] if args.sweep_quantile else []
     modes = [("rollout_alone", "rose", baseline, ()), ("naive_share", "naive", baseline, ()),
-             ("static_partition", "static", baseline, ()),
-             ("rose", "rose", duration, _rose_args(args, args.admission_quantile)),
-             *((f"rose_q{q:g}", "rose", duration, _rose_args(args, q)) for q in sweep)]
+             ("static_partition", "static", baseline, ()), ("rose", "rose", duration, _rose_args(args)),
+             *((f"rose_q{q:g}", "rose", duration, _rose_args(args, quantile=q))
+               for q in _floats(args.sweep_quantile)),
+             *((f"rose_i{e:g}", "rose", duration, _rose_args(args, tpot_inflation=e))
+               for e in _floats(args.sweep_inflation))]
     for mode, policy, seconds, extra in modes:
         with _server(serving, rollout, policy, slo, core, extra) as url:
             results[mode], _ = asyncio.run(_measure(url, mode, seconds, args, slo))
@@ -303,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
         plot_tradeoff(summaries, args.plot)
     config = {k: getattr(args, k) for k in ("duration", "baseline_duration", "quick", "rate", "trajectories",
                                             "start", "slo_factor", "runs", "admission_quantile",
-                                            "tpot_inflation", "ttft_inflation", "sweep_quantile")}
+                                            "tpot_inflation", "ttft_inflation", "sweep_quantile",
+                                            "sweep_inflation")}
     write_report(args.json, summary, config=config, runs=runs)
     return 0
 def _slo_kwargs(slo: dict[str, float]) -> dict[str, float]:
