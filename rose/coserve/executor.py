@@ -76,7 +76,7 @@ class ExecutorConfig:
     # arriving at an idle device waits at most ttft_inflation x B_TTFT for the rollout
     # iteration in progress. inf: only the SLOs bound them.
     tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.05
+    ttft_inflation: float = 0.03
     # Admission predicts iteration times at this quantile of the latency model's measured
     # error (1.0: its largest recent error; 0.5: about its mean).
     admission_quantile: float = 0.95

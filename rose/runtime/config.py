@@ -107,7 +107,7 @@ class ServingConfig:
     # Co-serving admission (docs/coserve.md, "Admission"): the executor's defaults.
     admission_quantile: float = 0.95
     tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.05
+    ttft_inflation: float = 0.03
     pool_mb: int = 64
 
 

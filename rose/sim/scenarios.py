@@ -68,7 +68,7 @@ class ServingConfig:
     slo_tpot_ms: float = 100.0
     # Inflation budgets of ROSE's admission (rose.coserve.executor.ExecutorConfig's defaults).
     tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.05
+    ttft_inflation: float = 0.03
     chunk_tokens: int = 512          # chunked prefill (design default)
     max_context: int = 0             # clip prompt + output to this (0: no clipping), as a replay does
     max_output: int = 0              # ... and outputs to this (used with max_context)
