@@ -127,8 +127,18 @@ def _metric(url: str, sample: str, **labels: str) -> float:
     return 0.0
 
 
-def _busy_seconds(url: str) -> float:
-    return _metric(url, "rose_busy_seconds_total", model="serving")
+def _work(url: str) -> dict[str, float]:
+    """Seconds of compute and iterations so far, per model."""
+    return {f"{kind}_{model}": _metric(url, f"rose_{kind}_total", model=model)
+            for kind in ("busy_seconds", "iterations") for model in ("serving", "rollout")}
+
+
+def _mean_ms(before: dict[str, float], after: dict[str, float], model: str) -> float | None:
+    """Mean compute time of one of `model`'s iterations between two `_work` readings: whether
+    serving's own iterations run slower beside rollouts."""
+    n = after[f"iterations_{model}"] - before[f"iterations_{model}"]
+    busy = after[f"busy_seconds_{model}"] - before[f"busy_seconds_{model}"]
+    return round(1e3 * busy / n, 3) if n else None
 
 
 async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator) -> dict[str, int]:
@@ -171,7 +181,7 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
                    slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
     """Run one mode for `duration` s: its figures, and the serving requests' own results."""
     _, traffic, rollouts = MODES.get(mode, MODES["rose"])  # rose_q<Q>, rose_i<E>: rose's
-    busy0, t0 = _busy_seconds(url), time.perf_counter()
+    work0, t0 = _work(url), time.perf_counter()
     jobs = []
     if rollouts:
         jobs.append(_backlog(url, t0 + duration, args.trajectories, np.random.default_rng(1)))
@@ -181,8 +191,12 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
         jobs.append(replay(url, trace, max_context=1024, max_output=64))
     done = await asyncio.gather(*jobs)
     wall = time.perf_counter() - t0
+    work = _work(url)
     result: dict[str, Any] = {"wall_s": round(wall, 2),
-                              "serving_busy_fraction": round((_busy_seconds(url) - busy0) / wall, 4),
+                              "serving_busy_fraction": round(
+                                  (work["busy_seconds_serving"] - work0["busy_seconds_serving"]) / wall, 4),
+                              "serving_iteration_ms": _mean_ms(work0, work, "serving"),
+                              "rollout_iteration_ms": _mean_ms(work0, work, "rollout"),
                               "latency_model_error": round(_metric(url, "rose_latency_model_error"), 4),
                               "admission_overruns": _metric(url, "rose_admission_overruns_total"),
                               "rollout_share_end": _metric(url, "rose_rollout_share"),
