@@ -235,7 +235,9 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
            "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
     results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
     print("serving_alone", alone, "slo", slo, flush=True)
-    modes = [("rollout_alone", "rose", baseline, ()), ("naive_share", "naive", baseline, ()),
+    # rollout_alone runs under the same admission settings as rose: its capacity is what rose
+    # could harvest from an idle device (the idle cap bounds each step).
+    modes = [("rollout_alone", "rose", baseline, _rose_args(args)), ("naive_share", "naive", baseline, ()),
              ("static_partition", "static", baseline, ()), ("rose", "rose", duration, _rose_args(args)),
              *((f"rose_q{q:g}", "rose", duration, _rose_args(args, quantile=q))
                for q in _floats(args.sweep_quantile)),

@@ -266,10 +266,9 @@ class CoServingExecutor:
                 waited[1] = waited[0]
 
     def _observe_slack(self, measured_s: float) -> None:
-        share = self.guard.observe(measured_s, self._limit_s)
-        if measured_s > self._limit_s:
-            self.metrics.admission_overruns.inc()
-        self.metrics.rollout_share.set(share)
+        overruns = self.guard.overruns
+        self.metrics.rollout_share.set(self.guard.observe(measured_s, self._limit_s))
+        self.metrics.admission_overruns.inc(self.guard.overruns - overruns)
 
     def _run(self, engine: LLMEngine, name: str, budget: int | None) -> list[RequestOutput]:
         outputs = engine.step(budget)
