@@ -251,3 +251,24 @@ def test_tail_latency_covers_the_quantile_of_fresh_measurements() -> None:
     assert covered >= 0.9 and 0.35 <= half <= 0.65
     with pytest.raises(ValueError, match="quantile"):
         TailLatency(model, 1.5)
+
+
+def _turn_tokens(ex: CoServingExecutor, steps: int) -> list[int]:
+    ex.submit_turn(Turn("t", "traj", _ids(30, 4), SamplingParams(max_tokens=6, temperature=0,
+                                                                 ignore_eos=True)))
+    tokens = []
+    for _ in range(steps):
+        tokens += [t for out in ex.step() if out.request_id == "t" for t in out.token_ids]
+    return tokens
+
+
+@pytest.mark.parametrize("policy", [Policy.ROSE, Policy.NAIVE])
+def test_a_serving_arrival_interrupts_the_rollout_iteration_under_rose_only(policy: Policy) -> None:
+    clean = _turn_tokens(_executor(policy=policy), steps=12)
+    ex = _executor(policy=policy)
+    arrivals = iter([False, True, False, True])  # before each rollout layer: cut at the 2nd and 4th
+    ex.serving_arrived = lambda: next(arrivals, False)
+    assert _turn_tokens(ex, steps=14) == clean
+    interrupted = ex.metrics.rollout_interrupted._value.get()
+    assert interrupted == (2 if policy is Policy.ROSE else 0)
+    assert ex.rollout.num_interrupted == interrupted

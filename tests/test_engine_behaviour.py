@@ -127,6 +127,34 @@ def test_seeds_reproduce_whatever_the_batch(ckpt: Path) -> None:
     assert top1 == greedy
 
 
+def test_an_interrupted_iteration_changes_nothing(ckpt: Path) -> None:
+    """Iterations given up between layers (at the first layer or part way) leave every
+    sequence as it was: the same tokens come out, seeded sampling included, and no page leaks."""
+    engine = LLMEngine.from_pretrained(ckpt)
+    prompts = [_prompt(40), _prompt(40)[:33] + _prompt(7, 1), _prompt(5, 2)]  # a shared prefix
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    clean = [o.token_ids for o in engine.generate(prompts, params)]
+    engine.blocks.reset_prefix_cache()
+    calls = 0
+
+    def every_third_layer() -> bool:
+        nonlocal calls
+        calls += 1
+        return calls % 3 == 0
+
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step(token_budget=16, interrupt=every_third_layer):
+            got[out.request_id] += out.token_ids
+        if engine.last_load.interrupted:
+            assert engine.last_load.decode_seqs == engine.last_load.prefill_tokens == 0
+    assert [got[i] for i in ids] == clean
+    assert engine.num_interrupted > 3 and engine.blocks.num_active_pages == 0
+
+
 def test_top_p_keeps_only_the_nucleus(ckpt: Path) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
     prompt = _prompt(7, 3)

@@ -161,8 +161,8 @@ def test_nan_logits_fail_their_request_instead_of_sampling(ckpt: Path,
     clean = engine.generate([_prompt(6)], params)[0].token_ids
     run = engine.runner.run
 
-    def nan_for_poison(batch: Batch) -> tuple:
-        sampling, logits = run(batch)
+    def nan_for_poison(batch: Batch, interrupt: object = None) -> tuple:
+        sampling, logits = run(batch, interrupt)
         logits = logits.clone()
         for i, seq in enumerate(sampling):
             if seq.request_id == "poison":

@@ -93,10 +93,10 @@ def _raise_for(engine: LLMEngine, bad: str, monkeypatch: pytest.MonkeyPatch) -> 
     """Make the model runner raise whenever request `bad` is in its batch."""
     run = engine.runner.run
 
-    def failing(batch: Batch) -> tuple:
+    def failing(batch: Batch, interrupt: object = None) -> tuple:
         if any(s.request_id == bad for s in batch.seqs):
             raise RuntimeError("injected fault")
-        return run(batch)
+        return run(batch, interrupt)
 
     monkeypatch.setattr(engine.runner, "run", failing)
 
@@ -280,3 +280,47 @@ def test_shutdown_ends_everything_even_while_an_iteration_is_stuck(ckpt: Path) -
     finally:
         release.set()
         loop.shutdown()
+
+
+def test_an_urgent_command_is_seen_while_an_iteration_runs_and_cleared_when_it_runs(ckpt: Path) -> None:
+    """`urgent_waiting` is how an iteration learns that an urgent command (a serving request)
+    waits for it; it counts queued urgent commands only, whether they run, are cancelled or fail."""
+    engine = LLMEngine.from_pretrained(ckpt)
+    loop = EngineLoop(engine)
+    in_step, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step(*args: object) -> list:
+        if engine.has_request("held"):
+            in_step.set()
+            release.wait(30)
+        return step()
+
+    engine.step = held_step  # type: ignore[method-assign]
+
+    async def main() -> None:
+        reader = asyncio.ensure_future(_tokens(loop.stream(
+            "held", lambda: engine.add_request(_prompt(8), GREEDY, "held"))))
+        await asyncio.to_thread(in_step.wait, 30)
+        assert not loop.urgent_waiting()
+        plain = loop.submit(lambda: 1)
+        assert not loop.urgent_waiting()
+        urgent = loop.submit(lambda: 2, urgent=True)
+        failing = loop.submit(lambda: 1 / 0, urgent=True)
+        cancelled = loop.submit(lambda: 3, urgent=True)
+        cancelled.cancel()
+        assert loop.urgent_waiting()
+        release.set()
+        assert await asyncio.wrap_future(urgent) == 2 and await asyncio.wrap_future(plain) == 1
+        with pytest.raises(ZeroDivisionError):
+            await asyncio.wrap_future(failing)
+        await loop.call(lambda: None)
+        assert not loop.urgent_waiting()
+        await asyncio.wait_for(reader, 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        loop.shutdown()
+    assert not loop.urgent_waiting()

@@ -200,6 +200,7 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
                               "latency_model_error": round(_metric(url, "rose_latency_model_error"), 4),
                               "admission_overruns": _metric(url, "rose_admission_overruns_total"),
                               "rollout_share_end": _metric(url, "rose_rollout_share"),
+                              "rollout_interrupted": _metric(url, "rose_rollout_interrupted_total"),
                               "rollout_turns_cut": _metric(url, "rose_rollout_aborted_turns_total"),
                               "bursts": _metric(url, "rose_executor_transitions_total",
                                                 from_state="normal", to_state="burst")}

@@ -21,7 +21,7 @@ import dataclasses
 import enum
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -152,6 +152,10 @@ class CoServingExecutor:
         # first token (admission's inflation budgets and banked slack read them).
         self._waited: dict[str, list[float]] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
+        # Whether a serving request waits to be added (its server's engine loop sets this): a
+        # rollout iteration under `rose` is given up for it between two layers, so a request
+        # never waits out a whole rollout iteration.
+        self.serving_arrived: Callable[[], bool] = lambda: False
         self.served = self.served_within_slo = 0
         if cfg.policy is Policy.STATIC:
             rollout_pages = int(cfg.static_rollout_pages * self.pool.num_pages)
@@ -244,9 +248,10 @@ class CoServingExecutor:
         outputs += self._run(self.serving, SERVING, None)
         serving_s = self.serving.last_load.seconds
         if self.rollout and budget != 0 and self.rollout.has_unfinished():
-            outputs += self._run(self.rollout, ROLLOUT, budget)
+            outputs += self._run(self.rollout, ROLLOUT, budget,
+                                 self.serving_arrived if self.config.policy is Policy.ROSE else None)
             self._charge_rollout_time(self.rollout.last_load.seconds)
-            if self.config.policy is Policy.ROSE:
+            if self.config.policy is Policy.ROSE and not self.rollout.last_load.interrupted:
                 self._observe_slack(serving_s + self.rollout.last_load.seconds)
         self._export_pool()
         return outputs
@@ -270,9 +275,12 @@ class CoServingExecutor:
         self.metrics.rollout_share.set(self.guard.observe(measured_s, self._limit_s))
         self.metrics.admission_overruns.inc(self.guard.overruns - overruns)
 
-    def _run(self, engine: LLMEngine, name: str, budget: int | None) -> list[RequestOutput]:
-        outputs = engine.step(budget)
+    def _run(self, engine: LLMEngine, name: str, budget: int | None,
+             interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        outputs = engine.step(budget, interrupt)
         load = engine.last_load
+        if load.interrupted:
+            self.metrics.rollout_interrupted.inc()
         self.latency.observe(name, as_token_load(load), load.seconds)
         if load.seconds:
             self.metrics.iterations.labels(name).inc()

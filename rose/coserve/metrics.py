@@ -39,6 +39,9 @@ class ExecutorMetrics:
         self.admission_overruns = Counter(
             "rose_admission_overruns", "Co-served iterations that ran past the ceiling they were admitted "
             "under", registry=r)
+        self.rollout_interrupted = Counter(
+            "rose_rollout_interrupted", "Rollout iterations given up part way for a serving request "
+            "that arrived while they ran", registry=r)
         self.rollout_share = Gauge(
             "rose_rollout_share", "Feedback guard: share of the admission ceiling rollouts may use",
             registry=r)

@@ -271,6 +271,7 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         nonlocal loop
         loop = EngineLoop(executor, name="rose-executor")
+        executor.serving_arrived = loop.urgent_waiting
         yield
         _stop_loop(loop, limits.shutdown_timeout_s)
 
@@ -353,7 +354,8 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
         rid = f"cmpl-{uuid.uuid4().hex}"
         text = IncrementalDetokenizer(tokenizer.decode, body.stop_strings)
         try:
-            stream = _loop().stream(rid, lambda: executor.add_serving(prompt_ids, params, rid))
+            stream = _loop().stream(rid, lambda: executor.add_serving(prompt_ids, params, rid),
+                                    urgent=True)
             async for out in stream:
                 delta = text.push(out.token_ids, out.finished)
                 finish = "stop" if text.stopped else out.finish_reason if out.finished else None

@@ -8,14 +8,14 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
-from rose.engine.model_runner import ModelRunner
+from rose.engine.model_runner import IterationInterrupted, ModelRunner
 from rose.engine.sampling import SamplingParams, sample, unsampleable_rows
 from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from rose.engine.sequence import RequestOutput, Sequence, Status
@@ -47,6 +47,7 @@ class StepLoad:
     decode_seqs: int = 0  # sequences with one token
     context_tokens: int = 0  # KV tokens the decodes attend to
     seconds: float = 0.0
+    interrupted: bool = False  # given up part way: the seconds were spent, no token came of them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,7 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size
         self.policy_version = 0
         self.num_preemptions = 0
+        self.num_interrupted = 0  # iterations given up part way (`step(interrupt=...)`)
         self.last_load = StepLoad()
         self._staged_weights: tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None = None
         self._seqs: dict[str, Sequence] = {}
@@ -176,10 +178,13 @@ class LLMEngine:
 
     # -- one iteration -------------------------------------------------------------------------
 
-    def step(self, token_budget: int | None = None) -> list[RequestOutput]:
+    def step(self, token_budget: int | None = None,
+             interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """Run one iteration (at most `token_budget` tokens if given); return the requests that
         produced a token or finished. A request whose computation raises, or whose logits hold
-        NaN, finishes with finish_reason 'error'; the others go on."""
+        NaN, finishes with finish_reason 'error'; the others go on. When `interrupt()` turns
+        true between two layers the iteration is given up: no sequence advances, and the next
+        step computes the same tokens again."""
         start = time.perf_counter()
         if not self.scheduler.running:
             self._apply_staged_weights()  # FINISH_OLD, when preemption emptied the running set
@@ -197,7 +202,11 @@ class LLMEngine:
         prefill = sum(batch.num_tokens) - len(decodes)
         context = sum(s.num_computed_tokens + 1 for s in decodes)
         try:
-            outputs += self._execute(batch)
+            outputs += self._execute(batch, interrupt)
+        except IterationInterrupted:
+            self.num_interrupted += 1
+            self.last_load = StepLoad(seconds=time.perf_counter() - start, interrupted=True)
+            return outputs
         except Exception:  # find the requests it concerns: fail only those
             log.exception("engine %r: an iteration of %d requests failed; retrying each alone",
                           self.name, len(batch.seqs))
@@ -216,10 +225,10 @@ class LLMEngine:
             log.exception("engine %r: request %r failed", self.name, seq.request_id)
             return [self._finish(seq, "error", f"the engine failed on this request: {exc!r}")]
 
-    def _execute(self, batch: Batch) -> list[RequestOutput]:
+    def _execute(self, batch: Batch, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """Compute and sample one batch. Whatever raises leaves every sequence as it was (the
         KV it wrote is written again by the retry)."""
-        sampling, logits = self.runner.run(batch)
+        sampling, logits = self.runner.run(batch, interrupt)
         bad = set(unsampleable_rows(logits)) if sampling else set()
         good = [i for i in range(len(sampling)) if i not in bad]
         tokens, logprobs = sample(logits[good], [sampling[i].params for i in good],
@@ -306,4 +315,5 @@ class LLMEngine:
             "kv_pages_total": self.pool.num_pages,
             "prefix_cache_hit_rate": self.blocks.hit_rate,
             "num_preemptions": self.num_preemptions,
+            "num_interrupted": self.num_interrupted,
         }

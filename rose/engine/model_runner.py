@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rose.engine.attention import PagedAttention
@@ -10,15 +12,21 @@ from rose.engine.sequence import Sequence
 from rose.model.qwen import QwenForCausalLM
 
 
+class IterationInterrupted(Exception):
+    """The forward was given up between two layers; nothing about any sequence changed."""
+
+
 class ModelRunner:
     def __init__(self, model: QwenForCausalLM, kv: torch.Tensor) -> None:
         self.model = model
         self.attention = PagedAttention(kv, model.config.num_attention_heads)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> tuple[list[Sequence], torch.Tensor]:
+    def run(self, batch: Batch, interrupt: Callable[[], bool] | None = None
+            ) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the batch's tokens; return the sequences that reached their last token (and
-        so sample next) with their logits `[S, vocab]` in float32."""
+        so sample next) with their logits `[S, vocab]` in float32. Raises IterationInterrupted
+        when `interrupt()` turns true before a layer."""
         # Decodes first, longest context first: the attention batches them in length groups.
         work = sorted(zip(batch.seqs, batch.num_tokens, strict=True),
                       key=lambda w: (w[1] != 1, -w[0].num_computed_tokens))
@@ -35,6 +43,11 @@ class ModelRunner:
                 sampling.append(seq)
         self.attention.prepare([s.block_table for s, _ in work],
                                [s.num_computed_tokens for s, _ in work], [n for _, n in work])
-        hidden = self.model.model(torch.tensor([ids]), torch.tensor([positions]), self.attention)[0]
+        def between_layers() -> None:
+            if interrupt is not None and interrupt():
+                raise IterationInterrupted
+
+        hidden = self.model.model(torch.tensor([ids]), torch.tensor([positions]), self.attention,
+                                  between_layers)[0]
         logits = self.model.lm_head(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         return sampling, logits.float()

@@ -8,6 +8,7 @@ attention core is pluggable: with no `attn` argument a layer runs causal SDPA ov
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -140,13 +141,17 @@ class QwenModel(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn: AttentionBackend | None = None) -> torch.Tensor:
-        """Final hidden states `[B, T, hidden]`; positions default to `0..T-1` per row."""
+                attn: AttentionBackend | None = None,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+        """Final hidden states `[B, T, hidden]`; positions default to `0..T-1` per row.
+        `between_layers` runs before each layer (it may raise to give up the forward)."""
         x = self.embed_tokens(input_ids)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
+            if between_layers is not None:
+                between_layers()
             if self.gradient_checkpointing and self.training and attn is None:
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
