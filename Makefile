@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/rose train train.steps=5 train.out_dir=$(DEMO_DIR) --json $(DEMO_DIR)/summary.json
 
+# The layers contract (pyproject.toml, [tool.importlinter]) first: a few seconds.
 test: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-slow: install

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from rose.coserve.admission import TokenLoad
+from rose.contracts import TokenLoad
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy, Turn
 from rose.coserve.latency import FittedLatencyModel, TailLatency, _nonnegative_lstsq
 from rose.engine import KVSpec, SamplingParams
@@ -105,11 +105,11 @@ def test_static_and_naive_policies() -> None:
     assert (static.pool.budget("rollout"), static.pool.budget("serving")) == (30, 70)
     static.submit_turn(Turn("t", "traj", _ids(40), LONG))
     static.step()
-    assert static.rollout.last_load.prefill_tokens == 8
+    assert static.rollout.last_step.load.prefill_tokens == 8
     naive = _executor(pages=100, policy=Policy.NAIVE)
     naive.submit_turn(Turn("t", "traj", _ids(40), LONG))
     naive.step()
-    assert naive.rollout.last_load.prefill_tokens == 40 and naive.pool.budget("rollout") == 100
+    assert naive.rollout.last_step.load.prefill_tokens == 40 and naive.pool.budget("rollout") == 100
 
 
 def test_lease_refuses_bad_turns() -> None:
@@ -153,7 +153,7 @@ def test_rollouts_are_not_starved_by_an_overestimating_model_when_serving_is_idl
         ex.latency.observe("serving", load, 10.0)
     ex.submit_turn(Turn("t", "traj", _ids(100), SamplingParams(max_tokens=3, ignore_eos=True)))
     ex.step()
-    assert ex.rollout.last_load.prefill_tokens == ex.config.idle_min_rollout_tokens
+    assert ex.rollout.last_step.load.prefill_tokens == ex.config.idle_min_rollout_tokens
     while ex.has_unfinished():
         ex.step()  # it finishes, a floor's worth of tokens per iteration
 
@@ -187,7 +187,7 @@ def test_the_token_budget_runs_only_the_admitted_rollout_decodes() -> None:
     ex.step()
     # Under 10 s: three decodes (7.8 s) plus prefill tokens fit, a fourth decode does not; a
     # budget of that many tokens would run four decodes (10.4 s), so only the three go.
-    load = ex.rollout.last_load
+    load = ex.rollout.last_step.load
     assert (load.decode_seqs, load.prefill_tokens) == (3, 0)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rose.contracts import TokenLoad
 from rose.engine import KVPool, KVSpec, LLMEngine, SamplingParams
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.block_manager import BlockManager
@@ -149,8 +150,8 @@ def test_an_interrupted_iteration_changes_nothing(ckpt: Path) -> None:
     while engine.has_unfinished():
         for out in engine.step(token_budget=16, interrupt=every_third_layer):
             got[out.request_id] += out.token_ids
-        if engine.last_load.interrupted:
-            assert engine.last_load.decode_seqs == engine.last_load.prefill_tokens == 0
+        if engine.last_step.interrupted:
+            assert engine.last_step.load == TokenLoad()
     assert [got[i] for i in ids] == clean
     assert engine.num_interrupted > 3 and engine.blocks.num_active_pages == 0
 

@@ -65,14 +65,6 @@ def test_transport_failures_and_garbled_streams_are_the_workers() -> None:
     assert classify(ConnectionError("gone")) is Failure.WORKER and classify(TimeoutError()) is Failure.WORKER
 
 
-def test_capacity_errors_carry_their_status() -> None:
-    client = LeaseClient(URL, client=httpx.AsyncClient(transport=httpx.MockTransport(
-        lambda request: httpx.Response(503, text="engine loop stuck"))))
-    with pytest.raises(LeaseError, match="HTTP 503") as info:
-        asyncio.run(client.capacity())
-    assert info.value.status == 503
-
-
 class _Method:
     def __init__(self, call: Callable[..., Any]) -> None:
         self.remote = call

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rose.sim.calibrate import bench_config
+from rose.bench.calibrate import bench_config
 from rose.sim.devices import DRIVER_CHUNK_S
 from rose.sim.engine import COSERVE, DEDICATED, Simulation
 from rose.sim.report import run_scenario

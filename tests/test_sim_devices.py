@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rose.coserve.admission import TokenLoad
+from rose.contracts import TokenLoad
 from rose.sim.devices import (
     DEVICES,
     MODELS,

@@ -39,12 +39,12 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from rose.bench import write_report
 from rose.coserve.executor import ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
+from rose.reporting import write_report
 
 MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
     "serving_alone": ("rose", True, False),

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rose.bench import write_report
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model
+from rose.reporting import write_report
 from rose.traces import load_trace
 
 HF_BATCH = 16

@@ -64,11 +64,11 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from rose.bench import write_report
 from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
 from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, stream_completion, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
+from rose.reporting import write_report
 from rose.traces import Trace, load_trace
 
 POOL_MB = 8  # small enough that prefix caches fill it and allocations evict

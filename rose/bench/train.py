@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from rose.bench import write_report
+from rose.reporting import write_report
 from rose.runtime.config import Mode, load_config, validate
 
 WORKLOAD = ["rollout.max_tokens=24", "serving.slo_ttft_ms=1000", "serving.slo_tpot_ms=200"]

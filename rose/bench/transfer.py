@@ -28,8 +28,8 @@ from typing import TypeVar
 
 import torch
 
-from rose.bench import write_report
 from rose.model import ModelConfig, preset_config, random_model
+from rose.reporting import write_report
 from rose.runtime.devices import init_ray
 from rose.transfer import codec
 from rose.transfer.layouts import (

@@ -42,15 +42,7 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
-
-@dataclasses.dataclass(frozen=True)
-class TokenLoad:
-    """One model's share of one iteration."""
-
-    prefill_tokens: int = 0      # prompt tokens computed this iteration (chunked prefill)
-    decode_seqs: int = 0         # sequences producing one token each
-    context_tokens: int = 0      # KV tokens attention reads (sum over the decode sequences)
-
+from rose.contracts import TokenLoad
 
 
 class LatencyModel(Protocol):
@@ -202,12 +194,6 @@ def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency:
     return limit
 
 
-def slacks(now: float, serving: ServingState, slo: SLOBudgets, chunk_tokens: int,
-           iteration_s: float) -> tuple[float, float]:
-    """(min S_prf, min S_dec) if the next iteration takes `iteration_s`; inf where none."""
-    return _slacks(serving, slo, now, _prefill_terms(now, serving, slo, chunk_tokens), iteration_s)
-
-
 def _largest(lo: int, hi: int, fits) -> int:
     """Largest k in [lo, hi] with fits(k), given fits is monotone (true then false) and fits(lo).
     Tries hi first: admission usually has room for everything offered."""
@@ -244,7 +230,7 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
         max_p = min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens)
         p = _largest(0, max_p, lambda k: time_with(d, k) < limit)
     t = time_with(d, p) if (d or p) else t0
-    s_prf, s_dec = slacks(now, serving, slo, chunk_tokens, t)
+    s_prf, s_dec = _slacks(serving, slo, now, _prefill_terms(now, serving, slo, chunk_tokens), t)
     return Admission(d, p, t, limit, s_prf, s_dec)
 
 
@@ -363,10 +349,6 @@ class BurstController:
             held -= units
         self.aborted += len(victims)
         return MemoryDecision(self.state, self.budget, tuple(victims), cut=True)
-
-    def can_grant(self, rollout_used: int, units: int) -> bool:
-        """Whether rollout may take `units` more on top of `rollout_used` now."""
-        return rollout_used + units <= self.budget
 
     def new_rl_step(self) -> None:
         """A new RL step began: the rollout budget may grow again."""

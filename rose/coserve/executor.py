@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from rose.contracts import TokenLoad
 from rose.coserve.admission import (
     BurstController,
     BurstState,
@@ -33,11 +34,10 @@ from rose.coserve.admission import (
     ServingState,
     SlackGuard,
     SLOBudgets,
-    TokenLoad,
     admit,
     iteration_limit,
 )
-from rose.coserve.latency import FittedLatencyModel, TailLatency, as_token_load, profile
+from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
 from rose.engine.llm_engine import eos_ids
@@ -246,13 +246,13 @@ class CoServingExecutor:
         self._limit_s = math.inf
         budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
         outputs += self._run(self.serving, SERVING, None)
-        serving_s = self.serving.last_load.seconds
+        serving_s = self.serving.last_step.seconds
         if self.rollout and budget != 0 and self.rollout.has_unfinished():
             outputs += self._run(self.rollout, ROLLOUT, budget,
                                  self.serving_arrived if self.config.policy is Policy.ROSE else None)
-            self._charge_rollout_time(self.rollout.last_load.seconds)
-            if self.config.policy is Policy.ROSE and not self.rollout.last_load.interrupted:
-                self._observe_slack(serving_s + self.rollout.last_load.seconds)
+            self._charge_rollout_time(self.rollout.last_step.seconds)
+            if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
+                self._observe_slack(serving_s + self.rollout.last_step.seconds)
         self._export_pool()
         return outputs
 
@@ -278,13 +278,13 @@ class CoServingExecutor:
     def _run(self, engine: LLMEngine, name: str, budget: int | None,
              interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         outputs = engine.step(budget, interrupt)
-        load = engine.last_load
-        if load.interrupted:
+        step = engine.last_step
+        if step.interrupted:
             self.metrics.rollout_interrupted.inc()
-        self.latency.observe(name, as_token_load(load), load.seconds)
-        if load.seconds:
+        self.latency.observe(name, step.load, step.seconds)
+        if step.seconds:
             self.metrics.iterations.labels(name).inc()
-            self.metrics.busy.labels(name).inc(load.seconds)
+            self.metrics.busy.labels(name).inc(step.seconds)
         for out in outputs:
             if name == ROLLOUT:
                 self.metrics.rollout_tokens.inc(len(out.token_ids))

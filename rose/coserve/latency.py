@@ -25,9 +25,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from rose.coserve.admission import TokenLoad
+from rose.contracts import TokenLoad
 from rose.engine import LLMEngine, SamplingParams
-from rose.engine.llm_engine import StepLoad
 
 
 def _features(load: TokenLoad) -> np.ndarray:
@@ -51,10 +50,6 @@ def _shape(load: TokenLoad) -> str:
     if not load.decode_seqs:
         return "prefill"
     return "mixed" if load.prefill_tokens else "decode"
-
-
-def as_token_load(load: StepLoad) -> TokenLoad:
-    return TokenLoad(load.prefill_tokens, load.decode_seqs, load.context_tokens)
 
 
 class FittedLatencyModel:
@@ -176,7 +171,7 @@ def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,
                                              generator=gen).tolist(), params)
         while engine.has_unfinished():
             engine.step()
-            latency.observe(model, as_token_load(engine.last_load), engine.last_load.seconds)
+            latency.observe(model, engine.last_step.load, engine.last_step.seconds)
     engine.blocks.reset_prefix_cache()
     latency.fit()
     latency.reset_error()

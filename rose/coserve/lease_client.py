@@ -116,15 +116,6 @@ class LeaseClient:
             raise LeaseError(f"turn {turn_id!r} on {self.url}: {exc}") from exc
         return result
 
-    async def capacity(self) -> dict[str, Any]:
-        try:
-            r = await self._client.get(f"{self.url}/v1/lease/capacity")
-        except httpx.HTTPError as exc:
-            raise LeaseError(f"{self.url}: {exc}") from exc
-        if r.status_code != 200:
-            raise _error(f"{self.url}/v1/lease/capacity: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
-        return r.json()
-
     async def heartbeat(self) -> dict[str, Any]:
         return await self._post("/v1/lease/heartbeat")
 

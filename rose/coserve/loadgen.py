@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from rose.bench import write_report
+from rose.reporting import write_report
 from rose.traces import TRACE_NAMES, Trace, gamma_trace, load_trace
 
 

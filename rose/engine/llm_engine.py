@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rose.contracts import TokenLoad
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import IterationInterrupted, ModelRunner
@@ -40,12 +41,10 @@ class InFlight(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepLoad:
+class EngineStep:
     """What one iteration computed, and how long it took (the latency model learns from it)."""
 
-    prefill_tokens: int = 0  # tokens of sequences with more than one token this iteration
-    decode_seqs: int = 0  # sequences with one token
-    context_tokens: int = 0  # KV tokens the decodes attend to
+    load: TokenLoad = dataclasses.field(default_factory=TokenLoad)
     seconds: float = 0.0
     interrupted: bool = False  # given up part way: the seconds were spent, no token came of them
 
@@ -93,7 +92,7 @@ class LLMEngine:
         self.policy_version = 0
         self.num_preemptions = 0
         self.num_interrupted = 0  # iterations given up part way (`step(interrupt=...)`)
-        self.last_load = StepLoad()
+        self.last_step = EngineStep()
         self._staged_weights: tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._seeds = torch.Generator().manual_seed(0)
@@ -196,7 +195,7 @@ class LLMEngine:
                                 f"may now hold {self.blocks.max_pages}")
                    for seq in batch.unfit]
         if not batch.seqs:
-            self.last_load = StepLoad()
+            self.last_step = EngineStep()
             return outputs
         decodes = [s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if n == 1]
         prefill = sum(batch.num_tokens) - len(decodes)
@@ -205,7 +204,7 @@ class LLMEngine:
             outputs += self._execute(batch, interrupt)
         except IterationInterrupted:
             self.num_interrupted += 1
-            self.last_load = StepLoad(seconds=time.perf_counter() - start, interrupted=True)
+            self.last_step = EngineStep(seconds=time.perf_counter() - start, interrupted=True)
             return outputs
         except Exception:  # find the requests it concerns: fail only those
             log.exception("engine %r: an iteration of %d requests failed; retrying each alone",
@@ -214,7 +213,7 @@ class LLMEngine:
                 outputs += self._execute_or_fail(Batch([seq], [n], []))
         if not self.scheduler.running:
             self._apply_staged_weights()  # FINISH_OLD: the old weights' last sequence is done
-        self.last_load = StepLoad(prefill, len(decodes), context, time.perf_counter() - start)
+        self.last_step = EngineStep(TokenLoad(prefill, len(decodes), context), time.perf_counter() - start)
         return outputs
 
     def _execute_or_fail(self, batch: Batch) -> list[RequestOutput]:

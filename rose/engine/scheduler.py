@@ -59,9 +59,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.free(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rose.bench import write_report
+from rose.reporting import write_report
 from rose.runtime.config import Mode, load_config, resume_checkpoint, validate
 
 

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from rose.coserve.admission import TokenLoad
+from rose.contracts import TokenLoad
 
 GB = 1e9
 
@@ -48,7 +48,7 @@ DEVICES: dict[str, Device] = {
     # at 32-37 tokens/s (ARCHITECTURE.md reference figures), about 5 GB/s. Memory: the 64 MB KV
     # budgets `rose train` gives its engines are far from binding for the tiny models.
     "cpu": Device("cpu", 134e9, 5 * GB, 1 * GB, 5 * GB, 2 * GB,
-                  "one core of this machine: AVX-512 peak; engines measured (rose.sim.calibrate)"),
+                  "one core of this machine: AVX-512 peak; engines measured (rose.bench.calibrate)"),
 }
 
 
@@ -81,7 +81,7 @@ class Efficiency:
 
 
 # The CPU device. Its engines' iteration times are measured (MEASURED_COSTS); what is left here
-# is the trainer: `python -m rose.sim.calibrate` measured the tiny Qwen3's GRPO step over
+# is the trainer: `python -m rose.bench.calibrate` measured the tiny Qwen3's GRPO step over
 # `rose bench train`'s trajectories at TRAIN_FLOPS_CPU achieved (6 + 2 x 2 FLOPs per parameter
 # and token), a fraction TRAIN_FLOPS_CPU / 134e9 of one core's peak. The other factors only
 # matter for roofline models on the CPU (`small`): the design's reference figures.
@@ -187,7 +187,7 @@ class ForwardCost:
 
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads
-# 1), `python -m rose.sim.calibrate`: a linear model of each engine's per-iteration minima
+# 1), `python -m rose.bench.calibrate`: a linear model of each engine's per-iteration minima
 # (fixed + per token + per cached token read). Every sampled sequence also streams its token to
 # the rollout manager: CHUNK_S, one Ray streaming-generator chunk, measured by the same script
 # (16 turns in flight); serving streams over HTTP, assumed to cost the same.

@@ -19,13 +19,13 @@ import time
 
 import numpy as np
 
+from rose.contracts import TokenLoad
 from rose.coserve.admission import (
     Admission,
     BurstController,
     RolloutDemand,
     ServingState,
     SLOBudgets,
-    TokenLoad,
     admit,
     rollout_capacity,
     rollout_duty,

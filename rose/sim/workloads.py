@@ -44,7 +44,7 @@ ENVS: dict[str, EnvProfile] = {
                            response_sigma=0.6, max_response=1024, end_prob=0.07, max_turns=30,
                            env_step_s=0.3,
                            note="long turns: growing context to ~10k tokens, up to 30 steps"),
-    # `rose bench train`'s rollout, measured (`python -m rose.sim.calibrate`): the tiny random
+    # `rose bench train`'s rollout, measured (`python -m rose.bench.calibrate`): the tiny random
     # policy on FrozenLake 4x4 with the embedded default's options rarely names a valid move, so
     # nearly every episode runs its 8 turns (5% end earlier: end_prob 0.0073 gives that with the
     # cap); replies take their 24-token cap (median 24, a few stop early); the chat-templated

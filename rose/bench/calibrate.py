@@ -1,6 +1,7 @@
 """Measure the constants of the simulator's `cpu` device on this machine (one core, one torch thread).
 
-`python -m rose.sim.calibrate` prints what `devices.py` and `workloads.py` hold for `cpu`:
+`python -m rose.bench.calibrate` prints what `rose/sim/devices.py` and `rose/sim/workloads.py`
+hold for `cpu`:
 - each tiny engine's iteration time as a linear model (fixed + per token + per cached token),
   fitted to the per-iteration minima of three identical runs (the minimum drops the time other
   processes on the shared machine took);
@@ -45,17 +46,18 @@ def engine_fit(path: Path) -> np.ndarray:
     runs = []
     for _ in range(REPEATS):
         engine = LLMEngine.from_pretrained(path, kv_cache_bytes=64 << 20)
-        loads = []
+        steps = []
         for b, p in batches:
             prompts = [np.random.default_rng(b * p).integers(10, 500, p).tolist() for _ in range(b)]
             for i, prompt in enumerate(prompts):
                 engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True, seed=i))
             while engine.has_unfinished():
                 engine.step()
-                loads.append(engine.last_load)
-        runs.append(loads)
-    x = np.array([[1.0, ld.prefill_tokens + ld.decode_seqs, ld.context_tokens] for ld in runs[0]])
-    y = np.min([[ld.seconds for ld in loads] for loads in runs], axis=0)
+                steps.append(engine.last_step)
+        runs.append(steps)
+    x = np.array([[1.0, st.load.prefill_tokens + st.load.decode_seqs, st.load.context_tokens]
+                  for st in runs[0]])
+    y = np.min([[st.seconds for st in steps] for steps in runs], axis=0)
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     return coef
 

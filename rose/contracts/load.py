@@ -1,0 +1,15 @@
+"""The load of one model in one engine iteration: what the engine reports it computed and what
+admission and the simulator's cost models predict a time for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLoad:
+    """One model's share of one iteration."""
+
+    prefill_tokens: int = 0      # prompt tokens computed this iteration (chunked prefill)
+    decode_seqs: int = 0         # sequences producing one token each
+    context_tokens: int = 0      # KV tokens attention reads (sum over the decode sequences)
