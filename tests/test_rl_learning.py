@@ -81,5 +81,5 @@ def test_rose_train_embedded_default_learns_frozenlake(tmp_path: Path) -> None:
     to_target = startup + at["wall_start_s"] + at["step_s"]
     print(f"rose train: success {rates[0]:.2f} -> 0.8 at step {reached}, {to_target:.0f} s after the "
           f"command started; {rates[-1]:.2f} at step {len(rates)}, {elapsed:.0f} s in all")
-    assert summary["lost_trajectories"] == 0 and summary["turns_on_serving_fraction"] > 0, summary
+    assert summary["lost_trajectories"] == 0 and summary["serving_token_share"] > 0, summary
     assert to_target < 600, to_target

@@ -159,7 +159,7 @@ def test_all_turns_complete_on_dedicated_workers(tokenizer) -> None:
     report, registry = run(workers, eps)
     check_complete(report, eps)
     assert {p.worker_id for p in report.placements} == {"a", "b"} and report.resumed_turns == 0
-    assert report.serving_fraction == 0.0
+    assert report.serving_token_share == 0.0
     assert all(w.active == 0 for w in registry.table.workers.values()) and not registry.table.queue
 
 
@@ -177,7 +177,7 @@ def test_aborted_turn_resumes_elsewhere_with_its_tokens(tokenizer) -> None:
     assert any(not turn_id.endswith(":0") for turn_id, _, _ in calls)
     for turn_id, ids, budget in calls:
         assert ids == first[turn_id.rsplit(":", 1)[0]] + [TOKEN] * (6 - budget)
-    assert 0 < report.serving_fraction < 1
+    assert 0 < report.serving_token_share < 1
 
 
 def test_a_worker_that_dies_mid_turn_loses_nothing(tokenizer) -> None:

@@ -45,7 +45,7 @@ def test_missing_scenario(capsys):
 
 def test_sweep_plot_from_summaries(tmp_path):
     from rose.sim.plots import plot_sweep
-    from rose.sim.report import SweepResult
+    from rose.sim.runner import SweepResult
     from rose.sim.scenarios import SWEEPS
 
     sweep = SWEEPS["sweep-load"]

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from rose.bench.calibrate import bench_config
-from rose.sim.devices import DRIVER_CHUNK_S
+from rose.sim.costs import DRIVER_CHUNK_S
 from rose.sim.engine import COSERVE, DEDICATED, Simulation
-from rose.sim.report import run_scenario
-from rose.sim.rollout import Plan
+from rose.sim.rollout import TickRates
+from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
 
@@ -53,7 +53,7 @@ def test_the_manager_charges_the_dedicated_device_for_every_worker_s_tokens():
     sim = Simulation(load_scenario("cpu-bench-train"), SYSTEMS["rose"])
     assert sim.workers.kind.tolist() == [DEDICATED, COSERVE]
     iter_s, dec = np.array([0.010, 0.008]), np.array([16.0, 8.0])
-    plan = Plan(prefill_rate=np.array([1e4, 5e3]), cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
+    plan = TickRates(prefill_rate=np.array([1e4, 5e3]), cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
                 cap2=np.array([0.0, 4.0]), rate2=np.array([0.0, 20.0]))
     sim._charge_manager(plan, iter_s, dec)
     serving_tokens_per_s = 6 * 125.0 + 4 * 20.0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rose.sim.engine import COSERVE, Simulation
-from rose.sim.report import run_scenario
+from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
 

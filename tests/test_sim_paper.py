@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from rose.sim.report import run_scenario
+from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
 
 

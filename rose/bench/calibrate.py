@@ -1,6 +1,6 @@
 """Measure the constants of the simulator's `cpu` device on this machine (one core, one torch thread).
 
-`python -m rose.bench.calibrate` prints what `rose/sim/devices.py` and `rose/sim/workloads.py`
+`python -m rose.bench.calibrate` prints what `rose/sim/costs.py` and `rose/sim/workloads.py`
 hold for `cpu`:
 - each tiny engine's iteration time as a linear model (fixed + per token + per cached token),
   fitted to the per-iteration minima of three identical runs (the minimum drops the time other
@@ -30,7 +30,7 @@ from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
 from rose.runtime.config import Config, load_config
 from rose.runtime.devices import init_ray
-from rose.sim.devices import MODELS
+from rose.sim.costs import MODELS
 
 REPEATS = 3
 

@@ -83,7 +83,7 @@ class RolloutReport:
         return sum(p.tokens for p in self.placements if p.kind == kind.value)
 
     @property
-    def serving_fraction(self) -> float:
+    def serving_token_share(self) -> float:
         """Share of the generated tokens that serving executors produced."""
         total = sum(p.tokens for p in self.placements)
         return self.tokens_on(WorkerKind.SERVING) / total if total else 0.0
@@ -247,7 +247,7 @@ class RolloutManager:
         except Exception as exc:
             error, outcome = exc, classify(exc).value
             if outcome == Failure.WORKER.value:
-                self.registry.suspect(wid)
+                self.table.suspect(wid)
         extend(t.out, got)
         end, produced = self._elapsed(), len(got.token_ids)
         self._placements.append(Placement(req.trajectory_id, req.turn, req.attempt, wid, worker.kind.value,

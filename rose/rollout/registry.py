@@ -46,11 +46,6 @@ class WorkerRegistry:
     def alive(self) -> list[str]:
         return list(self.table.workers)
 
-    def suspect(self, worker_id: str) -> None:
-        """A call to the worker failed: route nothing more to it until it answers a heartbeat."""
-        if worker_id in self.table.workers:
-            self.table.workers[worker_id].last_heartbeat_s = -float("inf")
-
     async def poll(self) -> None:
         """Heartbeat every known worker concurrently; an answer within the stall timeout counts."""
         workers = list(self.workers.values())

@@ -210,6 +210,11 @@ class RoutingTable:
         if policy_version is not None:
             w.policy_version = policy_version
 
+    def suspect(self, worker_id: Hashable) -> None:
+        """A call to the worker failed: route nothing more to it until its next heartbeat."""
+        if worker_id in self.workers:
+            self.workers[worker_id].last_heartbeat_s = -float("inf")
+
     def measure(self, worker_id: Hashable, tokens_per_s: float) -> None:
         """A measured decode rate of one sequence on the worker (tokens/s), smoothed."""
         w = self.workers[worker_id]
@@ -258,8 +263,18 @@ class RoutingTable:
         return placed
 
     def complete(self, worker_id: Hashable, trajectory_id: Hashable) -> TurnRequest:
-        """The turn finished (or was aborted) on `worker_id`; its slot frees (with `hold_slots`,
-        the trajectory keeps it until its next turn is routed)."""
+        """The turn finished on `worker_id`; its slot frees (with `hold_slots`, the trajectory
+        keeps it until its next turn is routed). A serving executor's free slots grow back by
+        one, as its next capacity report will say, so that the trajectory's next turn may return
+        to its cached prefix before that report comes."""
+        turn = self._take(worker_id, trajectory_id)
+        w = self.workers[worker_id]
+        if w.kind is WorkerKind.SERVING:
+            w.free_slots += 1
+        return turn
+
+    def _take(self, worker_id: Hashable, trajectory_id: Hashable) -> TurnRequest:
+        """Take the turn off `worker_id` (finished, aborted, moved or cancelled)."""
         turn = self.in_flight[worker_id].pop(trajectory_id)
         w = self.workers[worker_id]
         w.active -= 1
@@ -276,7 +291,7 @@ class RoutingTable:
     def abort(self, worker_id: Hashable, trajectory_id: Hashable, produced: int, now: float) -> Route:
         """An executor aborted the turn (emergency cut): resume it elsewhere with its tokens.
         The aborting executor loses the trajectory's affinity (its KV is gone)."""
-        turn = self.complete(worker_id, trajectory_id)
+        turn = self._take(worker_id, trajectory_id)
         self.affinity.pop(trajectory_id, None)
         return self.route(resume(turn, produced), now)
 
@@ -308,7 +323,7 @@ class RoutingTable:
 
     def move(self, trajectory_id: Hashable, src: Hashable, dst: Hashable, produced: int) -> Route:
         """Carry out one `rebalance` move: the turn resumes on `dst` with `produced` tokens."""
-        turn = self.complete(src, trajectory_id)
+        turn = self._take(src, trajectory_id)
         self._release(trajectory_id)
         self.affinity.pop(trajectory_id, None)
         route = Route(dst, RouteReason.LEAST_LOADED)
@@ -331,7 +346,7 @@ class RoutingTable:
         turn = None
         for wid, turns in self.in_flight.items():
             if trajectory_id in turns:
-                turn = self.complete(wid, trajectory_id)
+                turn = self._take(wid, trajectory_id)
                 break
         queued = [q for q in self.queue if q.trajectory_id == trajectory_id]
         for q in queued:

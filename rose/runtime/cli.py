@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rose.runtime.driver import train
-    from rose.runtime.report import StepRecord
+    from rose.runtime.report import TrainStep
 
     # A lone key=value given where the config file goes is an override.
     path, overrides = args.config, list(args.overrides)
@@ -38,14 +38,14 @@ def run(args: argparse.Namespace) -> int:
     resume = resume_checkpoint(args.resume)
     console = Console()
 
-    def show(r: StepRecord) -> None:
+    def show(r: TrainStep) -> None:
         s = r.serving
         serving = (f" | serving p99 TTFT {s.get('p99_ttft_ms')} / {config.serving.slo_ttft_ms:g} ms, "
                    f"TPOT {s.get('p99_tpot_ms')} / {config.serving.slo_tpot_ms:g} ms, "
                    f"SLO {s.get('slo_attainment')}") if s else ""
         console.print(f"[bold]step {r.step}[/] reward {r.reward:+.3f} success {r.success_rate:.2f} | "
                       f"rollout {r.rollout_s:.1f}s train {r.train_s:.1f}s step {r.step_s:.1f}s | "
-                      f"on serving {r.turns_on_serving:.0%} resumed {r.resumed_turns} | "
+                      f"on serving {r.serving_token_share:.0%} resumed {r.resumed_turns} | "
                       f"sync {r.sync_bytes / 1e6:.2f} MB {r.sync_s:.2f}s{serving}")
         for restart in r.restarts:
             console.print(f"  [yellow]{restart}[/]")

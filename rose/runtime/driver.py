@@ -10,13 +10,13 @@ from typing import Any
 
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Config, Mode
-from rose.runtime.report import StepRecord, serving_summary, summarize, write_plot
+from rose.runtime.report import TrainStep, serving_summary, summarize, write_plot
 
 
 @dataclasses.dataclass
-class RunResult:
+class TrainRun:
     summary: dict[str, Any]
-    steps: list[StepRecord]
+    steps: list[TrainStep]
     serving: dict[str, Any]
     elastic_alloc_s: list[float]
     elastic_cancelled_s: list[float]
@@ -25,11 +25,11 @@ class RunResult:
 
 
 def train(config: Config, mode: Mode, resume: Path | None = None,
-          on_step: Callable[[StepRecord], None] | None = None) -> RunResult:
+          on_step: Callable[[TrainStep], None] | None = None) -> TrainRun:
     """Run `config.train.steps` RL steps in `mode` (from `resume`, a checkpoint, if given)."""
     out_dir = Path(config.train.out_dir)
     cluster = Cluster(config, mode, out_dir, resume)
-    records: list[StepRecord] = []
+    records: list[TrainStep] = []
     checkpoints: list[str] = []
     t_start = time.time()
     try:  # a start that fails half-way also releases what it started (actors, pinned cores)
@@ -48,12 +48,12 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
             if (step + 1) % config.train.checkpoint_every == 0 or step + 1 == config.train.steps:
                 checkpoints.append(cluster.save(step + 1))
             served = [r for _, r in cluster.serving_results(since=wall0)]
-            record = StepRecord(
+            record = TrainStep(
                 step=step, version=cluster.version, wall_start_s=wall0 - t_start,
                 step_s=time.perf_counter() - t0, rollout_s=t_rollout, train_s=t_train,
                 sync_s=sync.seconds, sync_bytes=sync.payload_bytes,
                 success_rate=rollout.success_rate, reward=metrics["reward_mean"],
-                turns_on_serving=rollout.serving_fraction, resumed_turns=rollout.resumed_turns,
+                serving_token_share=rollout.serving_token_share, resumed_turns=rollout.resumed_turns,
                 lost_trajectories=rollout.lost_trajectories, failed_trajectories=rollout.failed_trajectories,
                 placements=[(p.start_s + (wall0 - t_start), p.end_s + (wall0 - t_start), p.kind)
                             for p in rollout.placements],
@@ -70,5 +70,5 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
     serving = serving_summary([r for _, r in served], config.serving) if mode is Mode.ROSE else {}
     summary = summarize(records, serving)
     plot = write_plot(out_dir / "report.png", records, served, config.serving, mode)
-    return RunResult(summary, records, serving, cluster.elastic_alloc_s, cluster.elastic_cancelled_s,
+    return TrainRun(summary, records, serving, cluster.elastic_alloc_s, cluster.elastic_cancelled_s,
                      checkpoints, str(plot))

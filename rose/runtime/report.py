@@ -12,7 +12,7 @@ from rose.runtime.config import Mode, ServingConfig
 
 
 @dataclasses.dataclass
-class StepRecord:
+class TrainStep:
     step: int
     version: int
     wall_start_s: float
@@ -23,7 +23,7 @@ class StepRecord:
     sync_bytes: int
     success_rate: float
     reward: float
-    turns_on_serving: float  # share of generated tokens produced on serving devices
+    serving_token_share: float  # share of generated tokens produced on serving devices
     resumed_turns: int
     lost_trajectories: int
     failed_trajectories: int  # a turn refused every time it was tried (the reasons: RolloutReport.failed)
@@ -41,7 +41,7 @@ def serving_summary(results: list[RequestResult], s: ServingConfig) -> dict[str,
     return summarize_requests(results, max(duration, 1e-9), s.slo_ttft_ms, s.slo_tpot_ms)
 
 
-def summarize(records: list[StepRecord], serving: dict[str, Any]) -> dict[str, Any]:
+def summarize(records: list[TrainStep], serving: dict[str, Any]) -> dict[str, Any]:
     """The summary keys of `rose train --json`."""
     n = max(len(records), 1)
     return {
@@ -50,7 +50,7 @@ def summarize(records: list[StepRecord], serving: dict[str, Any]) -> dict[str, A
         "final_success_rate": records[-1].success_rate if records else None,
         "mean_step_s": round(sum(r.step_s for r in records) / n, 3),
         "mean_rollout_s": round(sum(r.rollout_s for r in records) / n, 3),
-        "turns_on_serving_fraction": round(sum(r.turns_on_serving for r in records) / n, 4),
+        "serving_token_share": round(sum(r.serving_token_share for r in records) / n, 4),
         "serving_slo_attainment": serving.get("slo_attainment"),
         "serving_p99_ttft_ms": serving.get("p99_ttft_ms"),
         "serving_p99_tpot_ms": serving.get("p99_tpot_ms"),
@@ -62,7 +62,7 @@ def summarize(records: list[StepRecord], serving: dict[str, Any]) -> dict[str, A
     }
 
 
-def write_plot(path: Path, records: list[StepRecord], served: list[tuple[float, RequestResult]],
+def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, RequestResult]],
                s: ServingConfig, mode: Mode) -> Path:
     """Reward and success, step time split, serving latency against the SLO, where turns ran."""
     import matplotlib

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from rose.sim.report import ScenarioResult, is_sweep, run_scenario, run_sweep
+from rose.sim.runner import ScenarioResult, is_sweep, run_scenario, run_sweep
 from rose.sim.scenarios import SWEEPS, list_scenarios, load_scenario
 
 

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from rose.sim.engine import KIND_NAMES
-from rose.sim.report import ScenarioResult, SweepResult
+from rose.sim.runner import ScenarioResult, SweepResult
 
 COLORS = {"fixed-sync": "#7f7f7f", "fixed-async": "#bcbd22", "elastic-spot": "#ff7f0e",
           "elastic-serverless": "#d62728", "rose": "#1f77b4", "rose-no-affinity": "#9ecae1",

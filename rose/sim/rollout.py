@@ -24,7 +24,7 @@ WAIT, PREFILL, DECODE, ENV, DONE = range(5)
 
 
 @dataclasses.dataclass
-class Plan:
+class TickRates:
     """Per-worker rates for one tick (arrays indexed by worker)."""
 
     prefill_rate: np.ndarray     # prompt tokens/s, shared by the worker's prefilling sequences
@@ -169,7 +169,7 @@ class Round:
         dec_rank = np.where(is_dec, cdec - 1 - (cdec - is_dec)[start], -1)
         return ActiveView(idx, w, fits, dec_rank, kv)
 
-    def advance(self, t: float, dt: float, view: ActiveView, plan: Plan,
+    def advance(self, t: float, dt: float, view: ActiveView, plan: TickRates,
                 credit: bool = True) -> tuple[list[tuple[int, float]], np.ndarray]:
         """Run [t, t + dt). Returns (row, end time) of each turn that finished generating, and
         the tokens each worker generated."""

@@ -13,7 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rose.sim.devices import DEVICES, MODELS
+from rose.sim.costs import DEVICES, MODELS
 from rose.sim.systems import SYSTEMS
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
 from rose.traces import TRACE_FILES

@@ -23,7 +23,7 @@ from rose.transfer.layouts import (
     trainer_layout,
 )
 from rose.transfer.link import Link, LinkError
-from rose.transfer.plan import Plan, build_plan
+from rose.transfer.plan import TransferPlan, build_plan
 from rose.transfer.receiver import Receiver, load_into
 from rose.transfer.relay import LocalRelay, RayRelay, Relay
 from rose.transfer.sender import Sender
@@ -36,7 +36,6 @@ __all__ = [
     "LocalRelay",
     "ModelSpec",
     "ParamSpec",
-    "Plan",
     "RayRelay",
     "Receiver",
     "ReceiverSpec",
@@ -45,6 +44,7 @@ __all__ = [
     "Split",
     "SyncPolicy",
     "TrainerSpec",
+    "TransferPlan",
     "apply",
     "build_plan",
     "config_spec",

@@ -59,7 +59,7 @@ class Bucket:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class TransferPlan:
     buckets: tuple[Bucket, ...]
 
     def for_sender(self, rank: int) -> list[Bucket]:
@@ -74,7 +74,7 @@ class Plan:
 
 
 def build_plan(spec: ModelSpec, senders: Layout, receivers: Mapping[str, Mapping[str, Box]],
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> TransferPlan:
     """The plan from trainer layout `senders` (owned boxes) to `receivers` (id -> held boxes)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -98,7 +98,7 @@ def build_plan(spec: ModelSpec, senders: Layout, receivers: Mapping[str, Mapping
         for n, (group, packed) in enumerate(packs):
             size = sum(box_numel(f.box) * itemsize[f.param] for f in packed)
             buckets.append(Bucket(f"s{rank}/b{n}", rank, group, tuple(packed), size))
-    return Plan(tuple(buckets))
+    return TransferPlan(tuple(buckets))
 
 
 def _fragments(p: ParamSpec, rank: int, owned: Box, wanted: list[tuple[str, Box]],
@@ -151,7 +151,7 @@ def _contains(outer: Box, inner: Box) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def member_plan(spec: ModelSpec, trainer: TrainerSpec, members: tuple[ReceiverSpec, ...],
-                bucket_bytes: int) -> Plan:
+                bucket_bytes: int) -> TransferPlan:
     """The plan for a membership list (as announced), cached: senders and receivers reuse it."""
     layouts: dict[tuple[int, int], Layout] = {}
     receivers = {}

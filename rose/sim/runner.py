@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from rose.sim.engine import RunResult, Simulation, serving_alone
+from rose.sim.engine import SimRun, Simulation, serving_alone
 from rose.sim.scenarios import SWEEPS, Scenario, Sweep, apply_overrides, load_scenario, scale_overrides
 from rose.sim.systems import SYSTEMS, Extra
 
@@ -57,7 +57,7 @@ def serving_stats(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario,
 @dataclasses.dataclass
 class ScenarioResult:
     scenario: Scenario
-    runs: dict[str, RunResult]
+    runs: dict[str, SimRun]
     serving: dict[str, ServingStats]     # "serving-alone" and every co-serving system
     wall_s: float
     cpu_s: float                         # this process's CPU time (the machine may be shared)
@@ -123,7 +123,7 @@ def run_scenario(sc: Scenario, progress=None) -> ScenarioResult:
     """Every system of `sc.sim.systems` on the same workload and traffic, then serving alone
     over the same span for the SLO baseline."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    runs: dict[str, RunResult] = {}
+    runs: dict[str, SimRun] = {}
     for name in sc.sim.systems:
         runs[name] = Simulation(sc, SYSTEMS[name]).run()
         if progress:

@@ -1,4 +1,4 @@
-"""Cost models (`rose.sim.devices`): shapes against published parameter counts, roofline regimes,
+"""Cost models (`rose.sim.costs`): shapes against published parameter counts, roofline regimes,
 training and weight-sync arithmetic."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rose.contracts import TokenLoad
-from rose.sim.devices import (
+from rose.sim.costs import (
     DEVICES,
     MODELS,
     Efficiency,
