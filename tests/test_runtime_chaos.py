@@ -31,11 +31,11 @@ def _kill_when_busy(cluster: Cluster, victim: str, done: threading.Event) -> Non
     """Kill `victim` once it has turns in flight (the trainer: a moment into the rollouts)."""
     if victim == "trainer":
         time.sleep(0.5)
-        handle = cluster.trainer
+        handle = cluster.trainers.leader
     else:
         while not cluster.registry.table.in_flight.get(victim) and not done.is_set():
             time.sleep(0.02)
-        handle = cluster._replicas()[victim]
+        handle = cluster.replicas.all()[victim]
     if not done.is_set():
         ray.kill(handle)
 
@@ -92,7 +92,7 @@ def test_the_only_dedicated_worker_comes_back_within_the_step(tmp_path: Path) ->
     cluster = Cluster(config, Mode.FIXED, tmp_path)
     try:
         cluster.start()
-        old, done = cluster.dedicated["dedicated-0"], threading.Event()
+        old, done = cluster.replicas.dedicated["dedicated-0"], threading.Event()
         killer = threading.Thread(target=_kill_when_busy, args=(cluster, "dedicated-0", done))
         killer.start()
         try:
@@ -102,7 +102,7 @@ def test_the_only_dedicated_worker_comes_back_within_the_step(tmp_path: Path) ->
             killer.join()
         assert report.lost_trajectories == 0 and len(report.trajectories) == 8
         assert any(p.outcome == "lost" for p in report.placements)  # it died with turns in flight
-        assert cluster.dedicated["dedicated-0"] is not old
+        assert cluster.replicas.dedicated["dedicated-0"] is not old
         assert cluster.restarts == ["dedicated-0 restarted at version 0"]
         assert cluster.train(report.trajectories)["sequences"] > 0
         cluster.sync_weights()  # the new worker takes the next version like any other

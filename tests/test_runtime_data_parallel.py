@@ -20,13 +20,13 @@ def test_two_trainer_ranks_step_in_lockstep(tmp_path: Path) -> None:
     cluster = Cluster(config, Mode.FIXED, tmp_path)
     try:
         cluster.start()
-        assert len(cluster.trainers) == 2
-        before = ray.get(cluster.trainers[0].digests.remote())
+        assert len(cluster.trainers.ranks) == 2
+        before = ray.get(cluster.trainers.leader.digests.remote())
         for step in range(2):
             metrics = cluster.train(cluster.rollout(step).trajectories)
             # Metrics cover the whole batch, not rank 0's half of it.
             assert metrics["version"] == step + 1 and metrics["groups"] == 4 and metrics["sequences"] > 0
-            digests = ray.get([t.digests.remote() for t in cluster.trainers])
+            digests = ray.get([t.digests.remote() for t in cluster.trainers.ranks])
             assert digests[0] == digests[1] != before
             cluster.sync_weights()
     finally:

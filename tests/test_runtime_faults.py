@@ -5,6 +5,7 @@ stops the run naming how to go on (tests/test_runtime_chaos.py kills the real ac
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from rose.coserve.server import ServerLimits
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Mode, ServingConfig, load_config
+from rose.runtime.trainers import TrainerGroup
 
 ray = pytest.importorskip("ray")
 
@@ -27,7 +29,7 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
     cluster = Cluster(config, Mode.ROSE, tmp_path)
     try:
         cluster.start()
-        handle = {**cluster.dedicated, **cluster.serving}[victim]
+        handle = cluster.replicas.all()[victim]
         killer = threading.Timer(1.0, lambda: ray.kill(handle))
         killer.start()
         report = cluster.rollout(0)
@@ -38,8 +40,8 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
         metrics = cluster.train(report.trajectories)
         assert metrics["sequences"] > 0
     finally:
-        cluster.dedicated.pop(victim, None)
-        cluster.serving.pop(victim, None)
+        cluster.replicas.dedicated.pop(victim, None)
+        cluster.replicas.serving.pop(victim, None)
         cluster.shutdown()
 
 
@@ -58,27 +60,24 @@ class _Rank:
 @pytest.mark.parametrize("dies_again", [False, True])
 def test_a_dead_trainer_restarts_and_retrains_or_the_run_stops(dies_again: bool, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    cluster = Cluster(load_config(None, [f"train.out_dir={tmp_path}"]), Mode.FIXED, tmp_path)
-    cluster.trainers, cluster.version = [_Rank(dead=True)], 3
+    group = TrainerGroup(load_config(None, [f"train.out_dir={tmp_path}"]), "relay", "rollout", tmp_path, [])
+    group.ranks, group.version = [_Rank(dead=True)], 3
     restarts: list[int] = []
 
-    async def restart() -> None:  # what _restart_trainers does, without Ray: new ranks
-        restarts.append(cluster.version)
-        cluster.trainers = [_Rank(dead=dies_again)]
+    async def restart() -> None:  # what TrainerGroup._restart does, without Ray: new ranks
+        restarts.append(group.version)
+        group.ranks = [_Rank(dead=dies_again)]
 
-    monkeypatch.setattr(cluster, "_restart_trainers", restart)
-    call = cluster._on_trainers(lambda ranks: [r.step([1, 2, 3]) for r in ranks])
-    try:
-        if dies_again:
-            with pytest.raises(RuntimeError, match=rf"the trainer died again right after a restart "
-                                                   rf"\(ActorDiedError\); the run stops at version 3\. Go "
-                                                   rf"on with: rose train --resume {tmp_path}"):
-                cluster.loop.run_until_complete(call)
-        else:  # the same step's batch, trained on the restarted trainer
-            assert cluster.loop.run_until_complete(call) == [{"version": 4.0, "sequences": 3.0}]
-        assert restarts == [3]
-    finally:
-        cluster.loop.close()
+    monkeypatch.setattr(group, "_restart", restart)
+    call = group.call(lambda ranks: [r.step([1, 2, 3]) for r in ranks])
+    if dies_again:
+        with pytest.raises(RuntimeError, match=rf"the trainer died again right after a restart "
+                                               rf"\(ActorDiedError\); the run stops at version 3\. Go "
+                                               rf"on with: rose train --resume {tmp_path}"):
+            asyncio.run(call)
+    else:  # the same step's batch, trained on the restarted trainer
+        assert asyncio.run(call) == [{"version": 4.0, "sequences": 3.0}]
+    assert restarts == [3]
 
 
 class _DeadHandle:
@@ -97,12 +96,12 @@ def test_an_elastic_device_that_died_is_released_without_failing_the_step(
     killed: list[Any] = []
     monkeypatch.setattr(ray, "kill", killed.append)
     dead = _DeadHandle()
-    cluster.dedicated["elastic-0"] = dead
+    cluster.replicas.dedicated["elastic-0"] = dead
     try:
-        cluster.loop.run_until_complete(cluster._release_elastic())
+        cluster.loop.run_until_complete(cluster.replicas._release_elastic())
     finally:
         cluster.loop.close()
-    assert killed == [dead] and "elastic-0" not in cluster.dedicated
+    assert killed == [dead] and "elastic-0" not in cluster.replicas.dedicated
 
 
 def test_the_serving_replay_lives_through_windows_without_arrivals(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl.envs import env_options, list_envs, make_env
 from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
+from rose.runtime.rollouts import load_rollout_function
 from rose.traces import TRACE_NAMES
 
 
@@ -61,6 +62,9 @@ class RolloutConfig:
     stall_timeout_s: float = 2.0
     timeout_s: float = 900.0
     kv_cache_mb: int = 64
+    # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
+    # async function of a RolloutContext returning a RolloutReport.
+    function: str = "rose.runtime.rollouts:multi_turn_rollout"
 
 
 @dataclasses.dataclass
@@ -177,6 +181,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
     _check(m.path is None or (Path(m.path) / "config.json").is_file(),
            f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
     _check_env(config.env)
+    load_rollout_function(config.rollout.function)
     _check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
     _check(t.lr_schedule in ("constant", "cosine"),
            f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")

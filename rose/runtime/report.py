@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
+from rose.rollout.manager import RolloutReport
 from rose.runtime.config import Mode, ServingConfig
+
+if TYPE_CHECKING:
+    from rose.runtime.cluster import Cluster, SyncReport
 
 
 @dataclasses.dataclass
@@ -32,6 +37,45 @@ class TrainStep:
     loss: float
     elastic_devices: int
     restarts: list[str] = dataclasses.field(default_factory=list)  # actors that died and came back
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Where one step's time goes: laps since its start (`lap` names the part just done)."""
+
+    run_start: float  # wall clock, the run's start
+    wall0: float  # wall clock, the step's start
+    t0: float  # perf counter, the step's start
+    restarts: int  # restarts the run had logged before the step
+    laps: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def start(cls, run_start: float, restarts: int) -> StepClock:
+        return cls(run_start, time.time(), time.perf_counter(), restarts)
+
+    def lap(self, name: str) -> None:
+        self.laps[name] = self.elapsed - sum(self.laps.values())
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutReport,
+                metrics: dict[str, float], sync: SyncReport) -> TrainStep:
+    """The step's record, once its rollouts, training, weight sync and checkpoint are done."""
+    offset = clock.wall0 - clock.run_start
+    served = [r for _, r in cluster.serving_results(since=clock.wall0)]
+    return TrainStep(
+        step=step, version=cluster.version, wall_start_s=offset, step_s=clock.elapsed,
+        rollout_s=clock.laps["rollout"], train_s=clock.laps["train"], sync_s=sync.seconds,
+        sync_bytes=sync.payload_bytes, success_rate=rollout.success_rate, reward=metrics["reward_mean"],
+        serving_token_share=rollout.serving_token_share, resumed_turns=rollout.resumed_turns,
+        lost_trajectories=rollout.lost_trajectories, failed_trajectories=rollout.failed_trajectories,
+        placements=[(p.start_s + offset, p.end_s + offset, p.kind) for p in rollout.placements],
+        serving=serving_summary(served, cluster.config.serving) if cluster.replicas.serving else {},
+        loss=metrics["loss"], elastic_devices=len(cluster.replicas.elastic_alloc_s),
+        restarts=cluster.restarts[clock.restarts:])
 
 
 def serving_summary(results: list[RequestResult], s: ServingConfig) -> dict[str, Any]:

@@ -1,0 +1,233 @@
+"""The rollout replicas of a training run: dedicated workers, serving devices, elastic devices.
+
+Each replica is a Ray actor on its own cores. This module starts them, routes to them (the
+worker registry), gives them the trainer's weights (`sync`), starts a dead one again on its
+device (`watch`, `revive`), and in elastic mode provisions devices on demand for the length of
+a step's rollouts: each pays the configured provisioning delay plus its real start-up (process,
+model load, a full weight sync) and is released when the rollouts end, as spot or serverless
+capacity is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import httpx
+
+from rose.coserve.executor import ExecutorConfig
+from rose.coserve.lease_client import LeaseError
+from rose.coserve.loadgen import RequestResult
+from rose.coserve.server import ServerLimits
+from rose.rollout.manager import RolloutReport
+from rose.rollout.registry import WorkerRegistry
+from rose.rollout.workers import LeaseWorker
+from rose.runtime.actors import ActorWorker, DedicatedWorkerActor, ServingDeviceActor
+from rose.runtime.config import Config
+from rose.runtime.trainers import TrainerGroup
+
+SYNC_TIMEOUT_S = 120.0
+SYNC_ROUNDS = 3  # publishes per weight sync: a replica that missed one, or was just restarted, gets the next
+
+
+class Replicas:
+    def __init__(self, config: Config, registry: WorkerRegistry, trainers: TrainerGroup, relay: str,
+                 group: str, server_limits: ServerLimits, restarts: list[str]) -> None:
+        self.config, self.registry, self.trainers = config, registry, trainers
+        self.relay, self.group, self.server_limits = relay, group, server_limits
+        self.restarts = restarts  # the run's log of what died and came back, shared
+        self.dedicated: dict[str, Any] = {}
+        self.serving: dict[str, Any] = {}
+        self.cores: dict[str, list[int]] = {}  # each replica's device, to start it again there
+        self.model_path = self.serving_path = ""
+        self.elastic_alloc_s: list[float] = []  # allocations that arrived: seconds from request to routable
+        self.elastic_cancelled_s: list[float] = []  # still pending when a step's rollouts ended: time wasted
+
+    def all(self) -> dict[str, Any]:
+        return {**self.dedicated, **self.serving}
+
+    # -- start, route, stop --------------------------------------------------------------------
+
+    def start_dedicated(self, wid: str, cores: list[int]) -> Any:
+        import ray
+
+        engine = {"kv_cache_bytes": self.config.rollout.kv_cache_mb << 20}
+        self.cores[wid] = cores
+        self.dedicated[wid] = ray.remote(DedicatedWorkerActor).options(
+            num_cpus=0, max_concurrency=1000).remote(wid, cores, self.model_path, engine, self.relay,
+                                                     self.group)
+        return self.dedicated[wid]
+
+    def start_serving(self, wid: str, cores: list[int]) -> Any:
+        import ray
+
+        s = self.config.serving
+        executor = ExecutorConfig(pool_bytes=s.pool_mb << 20, slo_ttft_ms=s.slo_ttft_ms,
+                                  slo_tpot_ms=s.slo_tpot_ms, admission_quantile=s.admission_quantile,
+                                  tpot_inflation=s.tpot_inflation, ttft_inflation=s.ttft_inflation,
+                                  max_rollout_turns=self.config.rollout.serving_concurrency)
+        self.cores[wid] = cores
+        self.serving[wid] = ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
+            wid, cores, self.serving_path, self.model_path, executor, s, self.relay, self.group,
+            self.server_limits)
+        return self.serving[wid]
+
+    async def register(self, wid: str) -> None:
+        """Route to replica `wid` (in place of a dead one of the same name)."""
+        handle, r = self.all()[wid], self.config.rollout
+        if wid in self.serving:
+            worker: Any = LeaseWorker(wid, await handle.address.remote(), r.serving_concurrency,
+                                      key=self.server_limits.lease_key)
+        else:
+            await handle.ready.remote()
+            worker = ActorWorker(wid, handle, r.dedicated_concurrency)
+        old = self.registry.workers.get(wid)
+        if old is not None:
+            self.registry.remove(wid)
+            await old.close()
+        self.registry.add(worker, self.trainers.version)
+
+    async def new_rl_step(self) -> None:
+        """Tell every serving executor a new step begins: it may grow its rollout budget again."""
+        for worker in self.registry.workers.values():
+            if isinstance(worker, LeaseWorker):
+                with contextlib.suppress(httpx.HTTPError, LeaseError):  # a dead executor has no budget
+                    await worker.client.new_rl_step()
+
+    async def close(self) -> None:
+        import ray
+
+        for worker in self.registry.workers.values():
+            await worker.close()
+        for handle in self.all().values():
+            ray.kill(handle)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    async def sync(self, replicas: dict[str, Any], revive: bool = True) -> int:
+        """Publish until every one of `replicas` holds the trainer's version (one that died
+        meanwhile is started again, if `revive`); the payload bytes sent."""
+        import ray
+
+        sent, todo, errors = 0, dict(replicas), {}
+        for _ in range(SYNC_ROUNDS):
+            pulls = [h.sync_weights.remote(SYNC_TIMEOUT_S) for h in todo.values()]
+            sent += await self.trainers.publish()
+            got = await asyncio.gather(*(asyncio.wait_for(p, SYNC_TIMEOUT_S) for p in pulls),
+                                       return_exceptions=True)
+            errors = {wid: g for wid, g in zip(todo, got, strict=True)
+                      if isinstance(g, BaseException) or g["version"] != self.trainers.version}
+            for wid in [w for w, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]:
+                if revive:
+                    await self.revive(wid)  # it syncs as it starts
+                    del errors[wid]
+            todo = {wid: todo[wid] for wid in errors}
+            if not todo:
+                return sent
+        raise RuntimeError(f"weight sync: {', '.join(f'{w} ({e})' for w, e in errors.items())} did not take "
+                           f"version {self.trainers.version} in {SYNC_ROUNDS} publishes")
+
+    # -- faults: a replica died -------------------------------------------------------------------
+
+    async def _dead(self, wid: str) -> bool:
+        import ray
+
+        try:
+            await asyncio.wait_for(self.all()[wid].ready.remote(), self.registry.stall_timeout_s)
+        except ray.exceptions.RayActorError:
+            return True
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            pass  # slow, not gone
+        return False
+
+    async def revive(self, wid: str) -> None:
+        """Start replica `wid` again on its device, give it the current weights, route to it."""
+        import ray
+
+        old = self.all()[wid]
+        start = self.start_serving if wid in self.serving else self.start_dedicated
+        new = start(wid, self.cores[wid])
+        with contextlib.suppress(Exception):
+            ray.kill(old)
+        await new.ready.remote()  # it has joined the relay group: the next publish includes it
+        await self.sync({wid: new}, revive=False)
+        await self.register(wid)
+        if wid in self.serving:
+            await new.start_replay.remote()
+        self.restarts.append(f"{wid} restarted at version {self.trainers.version}")
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop` (a step's rollouts ended): a replica the registry gave up on whose actor
+        has died is started again, so the step gets its capacity back."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.registry.stall_timeout_s)
+            if stop.is_set():
+                return
+            alive = set(self.registry.alive())
+            reaped = [w for w in self.all()
+                      if w in self.registry.workers and w not in alive and not w.startswith("elastic-")]
+            for wid in reaped:
+                if await self._dead(wid):
+                    try:
+                        await self.revive(wid)
+                    except Exception as exc:  # the step goes on without it; the weight sync tries again
+                        self.restarts.append(f"{wid} could not be restarted: {exc!r}")
+
+    # -- elastic devices --------------------------------------------------------------------------
+
+    async def with_elastic(self, run: Awaitable[RolloutReport]) -> RolloutReport:
+        """`run` (a step's rollouts) with the elastic devices provisioned meanwhile, then released."""
+        provisions = [asyncio.create_task(self._provision(f"elastic-{i}", cores))
+                      for i, cores in enumerate(self.config.devices.elastic)]
+        try:
+            return await run
+        finally:
+            for task in provisions:
+                task.cancel()
+            await asyncio.gather(*provisions, return_exceptions=True)
+            await self._release_elastic()
+
+    async def _provision(self, wid: str, cores: list[int]) -> None:
+        """Allocate an on-demand device: wait for it, start it, sync it, then route to it."""
+        start = time.perf_counter()
+        try:
+            await asyncio.sleep(self.config.devices.provision_delay_s)
+            handle = self.start_dedicated(wid, cores)
+            await handle.ready.remote()
+            pulls = [h.sync_weights.remote(SYNC_TIMEOUT_S) for h in self.dedicated.values()]
+            await self.trainers.leader.publish.remote()  # the current version again: a full copy for it
+            await asyncio.gather(*pulls)
+        except asyncio.CancelledError:
+            self.elastic_cancelled_s.append(time.perf_counter() - start)
+            raise
+        self.registry.add(ActorWorker(wid, handle, self.config.rollout.dedicated_concurrency),
+                          self.trainers.version)
+        self.elastic_alloc_s.append(time.perf_counter() - start)
+
+    async def _release_elastic(self) -> None:
+        import ray
+
+        for wid in [w for w in self.dedicated if w.startswith("elastic-")]:
+            handle = self.dedicated.pop(wid)
+            self.cores.pop(wid, None)
+            self.registry.remove(wid)
+            with contextlib.suppress(ray.exceptions.RayActorError):  # a dead one has left already
+                await handle.leave.remote()
+            ray.kill(handle)
+
+    # -- serving measurements ---------------------------------------------------------------------
+
+    def serving_results(self, since: float = 0.0, stop: bool = False) -> list[tuple[float, RequestResult]]:
+        import ray
+
+        results = []
+        for handle in self.serving.values():
+            try:
+                results += ray.get(handle.serving_results.remote(since, stop), timeout=120)
+            except ray.exceptions.RayError:
+                continue  # a serving device that died keeps its measurements
+        return results

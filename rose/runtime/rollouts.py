@@ -1,0 +1,72 @@
+"""The rollout of one RL step as one pluggable function (`rollout.function` in the config).
+
+A rollout function takes a `RolloutContext` and returns the step's `RolloutReport`; the runtime
+calls it between two weight versions, with the workers alive and the serving devices' budgets
+renewed, and trains on the trajectories it returns. The default, `multi_turn_rollout`, plays
+the config's environment episodes turn by turn across the workers (`RolloutManager`). A user's
+own rollout is one function named as `package.module:function`, as slime's
+`--rollout-function-path` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from rose.engine import SamplingParams
+from rose.model.tokenizer import Tokenizer
+from rose.rl import Episode, make_env
+from rose.rollout.manager import RolloutManager, RolloutReport
+from rose.rollout.registry import WorkerRegistry
+
+if TYPE_CHECKING:
+    from rose.runtime.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+    """What a rollout function may use: the run's config, the step, the policy version every
+    turn needs, the tokenizer, and the workers (alive, on that version) to route turns to."""
+
+    config: Config
+    step: int
+    version: int
+    tokenizer: Tokenizer
+    registry: WorkerRegistry
+
+
+RolloutFunction = Callable[[RolloutContext], Awaitable[RolloutReport]]
+
+
+def load_rollout_function(path: str) -> RolloutFunction:
+    """`package.module:function`, imported; a ValueError naming what is wrong otherwise."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"config: rollout.function must be 'package.module:function', got {path!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"config: rollout.function {path!r} cannot be imported: {exc}") from None
+    if not callable(function):
+        raise ValueError(f"config: rollout.function {path!r} is not a function")
+    return function
+
+
+def episodes(ctx: RolloutContext) -> list[Episode]:
+    """The step's episodes: `rollout.groups` environment seeds, `rollout.group_size` each."""
+    c, r = ctx.config, ctx.config.rollout
+    first = c.train.seed * 100003 + ctx.step * r.groups
+    return [Episode(make_env(c.env.name, **c.env.options), ctx.tokenizer, seed=first + g,
+                    group_id=(ctx.step, g), max_context_tokens=r.max_context_tokens)
+            for g in range(r.groups) for _ in range(r.group_size)]
+
+
+async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
+    """Every episode played to its end, each turn routed on its own (the default)."""
+    r = ctx.config.rollout
+    params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
+                            stop_token_ids=tuple(ctx.tokenizer.stop_token_ids))
+    manager = RolloutManager(ctx.registry, params, seed=ctx.config.train.seed * 7919 + ctx.step)
+    return await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s)
