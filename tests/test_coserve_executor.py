@@ -9,7 +9,7 @@ import torch
 
 from rose.contracts import TokenLoad
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy, Turn
-from rose.coserve.latency import FittedLatencyModel, TailLatency, _nonnegative_lstsq
+from rose.coserve.latency import FittedLatencyModel, TailLatency, nonnegative_lstsq
 from rose.engine import KVSpec, SamplingParams
 from rose.model import preset_config, random_model
 
@@ -142,7 +142,7 @@ def test_latency_model_fits_and_reports_its_error() -> None:
     both = model.iteration_time(load, TokenLoad())
     assert both == pytest.approx(truth @ [1, 256, 64, 8, 2], rel=0.1)
     assert model.iteration_time(TokenLoad(), TokenLoad()) == 0.0
-    coef = _nonnegative_lstsq(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
+    coef = nonnegative_lstsq(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
     assert (coef >= 0).all()
 
 

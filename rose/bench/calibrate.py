@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from rose.bench.train import WORKLOAD
+from rose.coserve.latency import nonnegative_lstsq
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
@@ -58,8 +59,7 @@ def engine_fit(path: Path) -> np.ndarray:
     x = np.array([[1.0, st.load.prefill_tokens + st.load.decode_seqs, st.load.context_tokens]
                   for st in runs[0]])
     y = np.min([[st.seconds for st in steps] for steps in runs], axis=0)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return coef
+    return nonnegative_lstsq(x, y)  # the executor's latency model's fitter: times only grow with load
 
 
 def ray_chunk_cpu_s() -> tuple[float, float]:

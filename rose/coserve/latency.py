@@ -34,7 +34,7 @@ def _features(load: TokenLoad) -> np.ndarray:
     return np.array([1.0, p, p * p / 1024.0, load.decode_seqs, load.context_tokens / 1024.0])
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0 (times only grow with load): drop the most negative
     feature and refit until none is negative."""
     active = list(range(x.shape[1]))
@@ -95,7 +95,7 @@ class FittedLatencyModel:
         for model, obs in self._obs.items():
             x = np.stack([f for f, _ in obs])
             y = np.array([t for _, t in obs])
-            self._coef[model] = _nonnegative_lstsq(x, y)
+            self._coef[model] = nonnegative_lstsq(x, y)
         self._factors.clear()
         self._since_fit = 0
 

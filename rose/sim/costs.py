@@ -176,14 +176,8 @@ class ForwardCost:
         return np.where(tokens > 0, np.maximum(compute, memory) + self.fixed, 0.0)
 
     def scalar(self, load: TokenLoad) -> float:
-        tokens = load.prefill_tokens + load.decode_seqs
-        if tokens == 0:
-            return 0.0
-        compute = (self.s_token * tokens + self.s_attn * load.context_tokens
-                   + self.s_head * (load.decode_seqs + (1 if load.prefill_tokens else 0))
-                   + self.prefill_attn * load.prefill_tokens ** 2)
-        memory = self.s_weights + self.s_kv * (load.context_tokens + tokens)
-        return max(compute, memory) + self.fixed
+        """`time` of one iteration's load, as the admission policy asks it."""
+        return float(self.time(load.prefill_tokens, load.decode_seqs, load.context_tokens))
 
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads
