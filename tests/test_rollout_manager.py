@@ -87,7 +87,7 @@ class FakeWorker:
             raise ConnectionError(f"{self.worker_id} is gone")
         if self.hung:
             await asyncio.sleep(60)
-        return Heartbeat(self.policy_version, free_slots=self.max_concurrency, slack_s=1.0)
+        return Heartbeat(self.policy_version, free_slots=self.max_concurrency)
 
     async def abort(self, turn_id: str) -> None:
         self.aborted.add(turn_id)

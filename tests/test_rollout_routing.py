@@ -41,8 +41,7 @@ class TableMachine(RuleBasedStateMachine):
 
     def _register(self, wid: str) -> None:
         kind, cap = self.specs[wid]
-        self.table.register(WorkerState(wid, kind, cap, last_heartbeat_s=self.now, free_slots=cap,
-                                        slack_s=1.0))
+        self.table.register(WorkerState(wid, kind, cap, last_heartbeat_s=self.now, free_slots=cap))
 
     def _in_flight(self) -> list[tuple[Hashable, Hashable]]:
         return sorted((w, t) for w, turns in self.table.in_flight.items() for t in turns)

@@ -22,8 +22,8 @@ def table(affinity: bool = True) -> RoutingTable:
     t = RoutingTable(stall_timeout_s=2.0, affinity=affinity)
     t.register(WorkerState("d0", D, max_concurrency=2))
     t.register(WorkerState("d1", D, max_concurrency=4))
-    t.register(WorkerState("s0", S, max_concurrency=8, free_slots=1, slack_s=0.01))
-    t.register(WorkerState("s1", S, max_concurrency=8, free_slots=3, slack_s=0.02))
+    t.register(WorkerState("s0", S, max_concurrency=8, free_slots=1))
+    t.register(WorkerState("s1", S, max_concurrency=8, free_slots=3))
     return t
 
 
@@ -64,10 +64,9 @@ def test_no_affinity_ablation_ignores_the_previous_worker():
     assert again.worker_id == "d1" and not again.cache_hit
 
 
-def test_serving_executor_without_slack_is_not_eligible():
-    workers = [WorkerState("s", S, 8, free_slots=5, slack_s=-0.001),
-               WorkerState("d", D, 1)]
-    assert choose_worker(turn("x"), workers, None, 0.0).worker_id == "d"
+def test_serving_executor_without_free_slots_is_not_eligible():
+    assert choose_worker(turn("x"), [WorkerState("s", S, 8, free_slots=0)], None, 0.0).worker_id is None
+    assert choose_worker(turn("x"), [WorkerState("s", S, 8, free_slots=5)], None, 0.0).worker_id == "s"
 
 
 def test_stale_policy_version_and_stalled_worker_are_skipped():
@@ -113,7 +112,7 @@ def test_held_slots_count_trajectories_not_turns():
 def test_held_slot_is_released_when_the_trajectory_moves_or_its_worker_goes():
     t = RoutingTable(hold_slots=True)
     t.register(WorkerState("d0", D, 1))
-    t.register(WorkerState("s", S, 4, free_slots=4, slack_s=0.1))
+    t.register(WorkerState("s", S, 4, free_slots=4))
     assert t.route(turn("x", 0), 0.0).worker_id == "d0"
     assert t.route(turn("a", 0), 0.0).worker_id == t.route(turn("b", 0), 0.0).worker_id == "s"
     t.complete("s", "a")
@@ -163,7 +162,7 @@ def test_dead_worker_turns_come_back_for_resume():
 def test_rebalance_moves_turns_only_where_they_decode_faster():
     t = RoutingTable()
     t.register(WorkerState("d", D, 8))
-    t.register(WorkerState("s", S, 8, free_slots=8, slack_s=0.1))
+    t.register(WorkerState("s", S, 8, free_slots=8))
     for i in range(8):
         assert t.route(turn(f"d{i}"), 0.0).worker_id == "d"
     for i in range(3):
@@ -184,7 +183,7 @@ def test_rebalance_moves_turns_only_where_they_decode_faster():
 def test_a_served_trajectory_moves_to_dedicated_only_when_it_decodes_faster_there():
     t = RoutingTable()
     t.register(WorkerState("d", D, 2))
-    t.register(WorkerState("s", S, 8, free_slots=4, slack_s=0.1))
+    t.register(WorkerState("s", S, 8, free_slots=4))
     t.route(turn("x"), 0.0)
     t.route(turn("y"), 0.0)
     assert t.route(turn("a", 0), 0.0).worker_id == "s"       # dedicated full: spills over

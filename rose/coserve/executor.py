@@ -36,6 +36,7 @@ from rose.coserve.admission import (
     SLOBudgets,
     admit,
     iteration_limit,
+    rollout_capacity,
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
@@ -87,6 +88,9 @@ class ExecutorConfig:
     # a latency model that overestimates (noisy profile) cannot starve them: each such
     # iteration is also a measurement that corrects the fit.
     idle_min_rollout_tokens: int = 32
+    # The context a new rollout turn is taken to attend to when counting free slots, while no
+    # rollout sequence runs to measure it from.
+    typical_rollout_context: int = 1024
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
@@ -215,17 +219,31 @@ class CoServingExecutor:
         return self.abort(turn_id) if turn_id in self._turns else None
 
     def capacity(self) -> Capacity:
+        """The report the rollout scheduler routes by. Free slots are counted by the admission
+        policy, as the simulator counts them (`rollout_capacity`): rollout sequences of a
+        typical context (the running ones' mean) that could decode beside the running ones
+        within the serving SLOs, at most the free lease slots, none in a burst. A waiting
+        prompt passes, and the inflation budgets are kept over time: admission enforces both
+        per iteration, so neither is held against a turn that will run over many."""
         rollout = self._rollout()
         running = len(self._turns)
-        free = self.config.max_rollout_turns - running
+        room = self.config.max_rollout_turns - running
         if self.burst.state is BurstState.BURST or self.pool.headroom(ROLLOUT) == 0:
-            free = 0
+            room = 0
         now = time.monotonic()
         state = self._serving_state(now)
         chunk = self.config.chunk_tokens
+        free = 0
+        if room > 0:
+            contexts = [s.num_computed_tokens + 1 for s in rollout.scheduler.running]
+            typical = sum(contexts) // len(contexts) if contexts else self.config.typical_rollout_context
+            decoding = dataclasses.replace(state, waiting=(), waiting_rollout_s=())
+            free = rollout_capacity(now, decoding, RolloutDemand(contexts), self.tail,
+                                    SLOBudgets(self.slo.ttft_s, self.slo.tpot_s), typical, chunk,
+                                    limit=room, share=self.guard.share)
         slack = iteration_limit(now, state, self.slo, self.tail, chunk, self.guard.share)
         slack -= self.tail.time(SERVING, state.load(chunk))
-        return Capacity(max(0, free), slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
+        return Capacity(free, slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
                         self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
 
     def new_rl_step(self) -> None:

@@ -1,8 +1,8 @@
 """The worker registry: which workers exist, which are alive, and what they report.
 
 Mechanism around the pure `RoutingTable`: `poll` heartbeats every known worker at once and
-feeds the replies to the table (a serving executor's free rollout slots and SLO slack, every
-worker's policy version); `reap` takes out workers silent past the stall timeout (default 2 s)
+feeds the replies to the table (a serving executor's free rollout slots, every worker's policy
+version); `reap` takes out workers silent past the stall timeout (default 2 s)
 and returns their turns in flight for the caller to resume. A worker that answers again later
 is registered again (a restarted process, a network blip): the registry remembers every worker
 it was given until `remove`.
@@ -56,7 +56,7 @@ class WorkerRegistry:
                 continue
             if worker.worker_id not in self.table.workers:
                 self._register(worker, reply)
-            self.table.heartbeat(worker.worker_id, now, free_slots=reply.free_slots, slack_s=reply.slack_s,
+            self.table.heartbeat(worker.worker_id, now, free_slots=reply.free_slots,
                                  policy_version=reply.policy_version)
 
     async def _beat(self, worker: Worker) -> Heartbeat:
@@ -71,4 +71,4 @@ class WorkerRegistry:
     def _register(self, worker: Worker, beat: Heartbeat) -> None:
         self.table.register(WorkerState(worker.worker_id, worker.kind, worker.max_concurrency,
                                         last_heartbeat_s=self.clock(), policy_version=beat.policy_version,
-                                        free_slots=beat.free_slots, slack_s=beat.slack_s))
+                                        free_slots=beat.free_slots))

@@ -11,8 +11,9 @@ trajectory is routed, in this order:
    prefix KV is reusable, so only the new observation needs a prefill); a serving executor
    keeps the trajectory only while moving to a dedicated worker would not pay (`_pays`);
 2. else the least-loaded dedicated worker with room (occupied slots over its concurrency cap);
-3. else a serving-GPU executor whose SLOs would still hold (it reports free rollout slots and a
-   positive predicted slack), the one with the most free slots;
+3. else a serving-GPU executor with free rollout slots (it counts them with the admission
+   policy, `rose.coserve.admission.rollout_capacity`: sequences that would still decode within
+   its serving SLOs), the one with the most;
 4. else the turn queues (FIFO) until `drain` finds room.
 
 Rollouts start on dedicated workers and spill to serving executors when those are full, as the
@@ -46,8 +47,8 @@ class WorkerKind(enum.Enum):
 
 @dataclasses.dataclass
 class WorkerState:
-    """What the scheduler knows of one worker. `free_slots` and `slack_s` come from a serving
-    executor's capacity report; dedicated workers leave them at their defaults."""
+    """What the scheduler knows of one worker. `free_slots` comes from a serving executor's
+    capacity report; dedicated workers leave it at its default."""
 
     worker_id: Hashable
     kind: WorkerKind
@@ -57,7 +58,6 @@ class WorkerState:
     last_heartbeat_s: float = 0.0
     policy_version: int = 0
     free_slots: int = 0
-    slack_s: float = 0.0
     seq_rate: float = 0.0        # tokens/s one of its sequences decodes, measured (0: not yet)
 
     def alive(self, now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
@@ -71,7 +71,7 @@ class WorkerState:
         """Turns it can take now."""
         room = self.max_concurrency - self.occupied
         if self.kind is WorkerKind.SERVING:
-            room = min(room, self.free_slots) if self.slack_s > 0 else 0
+            room = min(room, self.free_slots)
         return max(0, room)
 
 
@@ -154,7 +154,7 @@ def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: W
             continue
         load = w.occupied / w.max_concurrency
         if w.kind is WorkerKind.SERVING:
-            room = min(room, w.free_slots) if w.slack_s > 0 else 0
+            room = min(room, w.free_slots)
             if room <= 0:
                 continue
             if room > best_room:
@@ -200,13 +200,11 @@ class RoutingTable:
         self.in_flight.setdefault(worker.worker_id, {})
 
     def heartbeat(self, worker_id: Hashable, now: float, *, free_slots: int | None = None,
-                  slack_s: float | None = None, policy_version: int | None = None) -> None:
+                  policy_version: int | None = None) -> None:
         w = self.workers[worker_id]
         w.last_heartbeat_s = now
         if free_slots is not None:
             w.free_slots = free_slots
-        if slack_s is not None:
-            w.slack_s = slack_s
         if policy_version is not None:
             w.policy_version = policy_version
 

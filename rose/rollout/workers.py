@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import math
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -33,7 +32,6 @@ __all__ = ["EngineWorker", "ExecutorBusy", "Failure", "Heartbeat", "LeaseWorker"
 class Heartbeat:
     policy_version: int
     free_slots: int = 0  # serving executors: rollout turns they would take now
-    slack_s: float = math.inf  # serving executors: predicted SLO slack
 
 
 class Worker(Protocol):
@@ -132,9 +130,7 @@ class LeaseWorker:
 
     async def heartbeat(self) -> Heartbeat:
         capacity = (await self.client.heartbeat())["capacity"]
-        slack_ms = capacity["predicted_slack_ms"]  # JSON has no infinity: null is an idle executor
-        return Heartbeat(int(capacity["policy_version"]), int(capacity["free_slots"]),
-                         math.inf if slack_ms is None else float(slack_ms) / 1e3)
+        return Heartbeat(int(capacity["policy_version"]), int(capacity["free_slots"]))
 
     async def abort(self, turn_id: str) -> None:
         with contextlib.suppress(LeaseError):  # already finished or handed back: its stream ended

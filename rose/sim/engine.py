@@ -335,7 +335,7 @@ class Simulation:
                 decode_only = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
                 slots = rollout_capacity(t, decode_only, RolloutDemand(ctxs), self.latency,
                                          self.iteration_slo, self.typical_ctx, chunk, limit=memory)
-            self.table.heartbeat(wid, t + self.dt, free_slots=slots, slack_s=1.0 if slots else 0.0)
+            self.table.heartbeat(wid, t + self.dt, free_slots=slots)
 
     def _drop_worker(self, rnd: Round, wid: int, t: float) -> None:
         lost = self.table.remove(wid)
