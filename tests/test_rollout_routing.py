@@ -1,167 +1,201 @@
-"""The routing table under random interleavings (hypothesis state machine): turns submitted,
-completed, failed (worker lost), refused or handed back, turned away (busy), moved, timed out
-with a silent worker, cancelled with their step. After every operation each worker's counts
-match its turns; once every trajectory ends or is cancelled nothing is left: no slot, turn in
-flight or queued, held slot or affinity."""
+"""Per-turn routing (`rose.rollout.routing`): affinity, least-loaded dedicated, serving executors,
+queue; rebalancing by measured decode rates."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import pytest
 
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from rose.rollout.routing import (
+    RouteReason,
+    RoutingTable,
+    TurnRequest,
+    WorkerKind,
+    WorkerState,
+    choose_worker,
+    resume,
+)
 
-from rose.rollout.routing import RoutingTable, TurnRequest, WorkerKind, WorkerState, resume
-
-STALL_S = 2.0
-
-
-class TableMachine(RuleBasedStateMachine):
-    """The model: each live trajectory is either routed (its turn in flight or queued) or between
-    two turns; the table must agree."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = RoutingTable(STALL_S)
-        self.specs: dict[str, tuple[WorkerKind, int]] = {}
-        self.now = 0.0
-        self.routed: dict[str, TurnRequest] = {}   # trajectory -> its current turn
-        self.between: dict[str, int] = {}          # trajectory -> turns it finished
-        self.next_id = 0
-
-    @initialize(hold=st.booleans(), affinity=st.booleans(),
-                workers=st.lists(st.tuples(st.sampled_from(WorkerKind), st.integers(1, 3)),
-                                 min_size=1, max_size=4))
-    def setup(self, hold: bool, affinity: bool, workers: list[tuple[WorkerKind, int]]) -> None:
-        self.table = RoutingTable(STALL_S, affinity=affinity, hold_slots=hold)
-        self.specs = {f"w{i}": spec for i, spec in enumerate(workers)}
-        for wid in self.specs:
-            self._register(wid)
-
-    def _register(self, wid: str) -> None:
-        kind, cap = self.specs[wid]
-        self.table.register(WorkerState(wid, kind, cap, last_heartbeat_s=self.now, free_slots=cap))
-
-    def _in_flight(self) -> list[tuple[Hashable, Hashable]]:
-        return sorted((w, t) for w, turns in self.table.in_flight.items() for t in turns)
-
-    # -- operations ------------------------------------------------------------------------------
-
-    @rule(prompt=st.integers(1, 100), budget=st.integers(1, 16))
-    def submit(self, prompt: int, budget: int) -> None:
-        tid = f"t{self.next_id}"
-        self.next_id += 1
-        self.routed[tid] = TurnRequest(tid, 0, prompt, budget)
-        self.table.route(self.routed[tid], self.now)
-
-    @precondition(lambda self: self.between)
-    @rule(data=st.data())
-    def next_turn(self, data: st.DataObject) -> None:
-        tid = data.draw(st.sampled_from(sorted(self.between)))
-        self.routed[tid] = TurnRequest(tid, self.between.pop(tid), 10, 8)
-        self.table.route(self.routed[tid], self.now)
-
-    @precondition(lambda self: any(self.table.in_flight.values()))
-    @rule(data=st.data(), outcome=st.sampled_from(["done", "lost", "refused", "busy", "handed_back"]),
-          produced=st.integers(0, 16))
-    def end_attempt(self, data: st.DataObject, outcome: str, produced: int) -> None:
-        """An attempt ends as the rollout manager handles it."""
-        wid, tid = data.draw(st.sampled_from(self._in_flight()))
-        turn = self.routed[tid]
-        produced = min(produced, turn.max_tokens)
-        if outcome == "done":
-            self.table.complete(wid, tid)
-            self.between[tid] = turn.turn + 1
-            del self.routed[tid]
-            return
-        self.routed[tid] = resume(turn, produced)
-        if outcome == "lost":
-            self.table.complete(wid, tid)
-            self.table.route(self.routed[tid], self.now)
-        else:
-            if outcome == "busy":
-                self.table.full(wid)
-            self.table.abort(wid, tid, produced, self.now)
-
-    @precondition(lambda self: self.between)
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
-        tid = data.draw(st.sampled_from(sorted(self.between)))
-        del self.between[tid]
-        self.table.finish_trajectory(tid)
-
-    @precondition(lambda self: self.routed or self.between)
-    @rule(data=st.data())
-    def cancel(self, data: st.DataObject) -> None:
-        """The step timed out or was cancelled, or the trajectory failed."""
-        tid = data.draw(st.sampled_from(sorted([*self.routed, *self.between])))
-        turn = self.table.cancel(tid)
-        assert turn == self.routed.pop(tid, None)
-        self.between.pop(tid, None)
-
-    @precondition(lambda self: self.table.workers)
-    @rule(data=st.data())
-    def worker_times_out(self, data: st.DataObject) -> None:
-        """A worker falls silent past the stall timeout: reaped, its turns routed again."""
-        silent = data.draw(st.sampled_from(sorted(self.table.workers)))
-        self.now += STALL_S + 1
-        for wid in self.table.workers:
-            if wid != silent:
-                self.table.heartbeat(wid, self.now)
-        expected = {t for w, t in self._in_flight() if w == silent}
-        lost = self.table.reap(self.now)
-        assert {t.trajectory_id for t in lost} == expected
-        for turn in lost:
-            self.routed[turn.trajectory_id] = resume(turn, 0)
-            self.table.route(self.routed[turn.trajectory_id], self.now)
-
-    @precondition(lambda self: len(self.table.workers) < len(self.specs))
-    @rule(data=st.data())
-    def worker_returns(self, data: st.DataObject) -> None:
-        self._register(data.draw(st.sampled_from(sorted(set(self.specs) - set(self.table.workers)))))
-
-    @precondition(lambda self: self.table.workers)
-    @rule(data=st.data(), free=st.integers(0, 3))
-    def heartbeat(self, data: st.DataObject, free: int) -> None:
-        self.now += 0.1
-        wid = data.draw(st.sampled_from(sorted(self.table.workers)))
-        self.table.heartbeat(wid, self.now, free_slots=free)
-
-    @rule()
-    def drain(self) -> None:
-        for turn, _ in self.table.drain(self.now):
-            assert turn == self.routed[turn.trajectory_id]
-
-    @rule(produced=st.integers(0, 4))
-    def rebalance(self, produced: int) -> None:
-        for turn, src, dst in self.table.rebalance(self.now)[:1]:
-            produced = min(produced, turn.max_tokens)
-            self.routed[turn.trajectory_id] = resume(turn, produced)
-            self.table.move(turn.trajectory_id, src, dst, produced)
-
-    # -- what must hold --------------------------------------------------------------------------
-
-    @invariant()
-    def counts_match_turns(self) -> None:
-        t = self.table
-        assert set(t.in_flight) == set(t.workers)
-        for wid, w in t.workers.items():
-            assert w.active == len(t.in_flight[wid]), wid
-            assert w.held == sum(h == wid for h in t.holder.values()), wid
-            assert w.occupied <= w.max_concurrency, wid
-        placed = [tid for turns in t.in_flight.values() for tid in turns] + [q.trajectory_id for q in t.queue]
-        assert sorted(placed) == sorted(self.routed)  # each routed turn in exactly one place
-        assert set(t.holder) <= set(self.between) | set(self.routed)
-
-    def teardown(self) -> None:
-        for tid in [*self.routed, *self.between]:
-            self.table.cancel(tid)
-        t = self.table
-        assert all(w.active == 0 and w.held == 0 for w in t.workers.values())
-        assert not any(t.in_flight.values()) and not t.queue and not t.holder and not t.affinity
+D, S = WorkerKind.DEDICATED, WorkerKind.SERVING
 
 
-TestRoutingTableReleasesEverything = TableMachine.TestCase
-TestRoutingTableReleasesEverything.settings = settings(max_examples=300, stateful_step_count=40,
-                                                       deadline=None)
+def table(affinity: bool = True) -> RoutingTable:
+    t = RoutingTable(stall_timeout_s=2.0, affinity=affinity)
+    t.register(WorkerState("d0", D, max_concurrency=2))
+    t.register(WorkerState("d1", D, max_concurrency=4))
+    t.register(WorkerState("s0", S, max_concurrency=8, free_slots=1))
+    t.register(WorkerState("s1", S, max_concurrency=8, free_slots=3))
+    return t
+
+
+def turn(tid: str, k: int = 0) -> TurnRequest:
+    return TurnRequest(tid, k, prompt_tokens=100, max_tokens=50)
+
+
+def test_order_dedicated_first_then_serving_then_queue():
+    t = table()
+    reasons = [t.route(turn(f"t{i}"), 0.0) for i in range(11)]
+    # Least loaded by occupied/cap: d0 (0/2), d1 (0/4) -> d0 first, then d1 (0/4 < 1/2) ...
+    assert [r.worker_id for r in reasons[:6]] == ["d0", "d1", "d1", "d0", "d1", "d1"]
+    assert all(r.reason is RouteReason.LEAST_LOADED for r in reasons[:6])
+    # ... then, dedicated workers full, the executor with the most free slots.
+    assert [r.worker_id for r in reasons[6:10]] == ["s1", "s1", "s0", "s1"]
+    assert all(r.reason is RouteReason.SERVING for r in reasons[6:10])
+    assert reasons[10].reason is RouteReason.QUEUED and len(t.queue) == 1
+
+
+def test_affinity_wins_when_the_previous_worker_has_room():
+    t = table()
+    first = t.route(turn("a", 0), 0.0)
+    t.complete(first.worker_id, "a")
+    t.heartbeat(first.worker_id, 0.1, free_slots=1)
+    again = t.route(turn("a", 1), 0.1)
+    assert again.worker_id == first.worker_id and again.cache_hit
+
+
+def test_no_affinity_ablation_ignores_the_previous_worker():
+    t = table(affinity=False)
+    t.workers["s0"].free_slots = 0
+    t.workers["s1"].free_slots = 0
+    first = t.route(turn("a", 0), 0.0)
+    assert first.worker_id == "d0"
+    t.complete("d0", "a")
+    t.route(turn("b", 0), 0.0)                 # d0 now 1/2, d1 0/4
+    again = t.route(turn("a", 1), 0.0)
+    assert again.worker_id == "d1" and not again.cache_hit
+
+
+def test_serving_executor_without_free_slots_is_not_eligible():
+    assert choose_worker(turn("x"), [WorkerState("s", S, 8, free_slots=0)], None, 0.0).worker_id is None
+    assert choose_worker(turn("x"), [WorkerState("s", S, 8, free_slots=5)], None, 0.0).worker_id == "s"
+
+
+def test_stale_policy_version_and_stalled_worker_are_skipped():
+    workers = [WorkerState("old", D, 4, policy_version=1),
+               WorkerState("silent", D, 4, last_heartbeat_s=-3.0, policy_version=2),
+               WorkerState("ok", D, 4, policy_version=2)]
+    t = TurnRequest("x", 0, 10, 10, policy_version=2)
+    assert choose_worker(t, workers, workers[0], 0.0).worker_id == "ok"
+
+
+def test_drain_routes_queued_turns_fifo_when_room_frees():
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 1))
+    t.route(turn("a"), 0.0)
+    assert t.route(turn("b"), 0.0).reason is RouteReason.QUEUED
+    t.route(turn("c"), 0.0)
+    t.complete("d", "a")
+    placed = t.drain(0.0)
+    assert [p[0].trajectory_id for p in placed] == ["b"]
+    assert [q.trajectory_id for q in t.queue] == ["c"]
+
+
+def test_held_slots_count_trajectories_not_turns():
+    """With `hold_slots` a trajectory keeps its slot between turns: a queued trajectory starts when
+    one ends (or moves away), not at a turn boundary; without, it takes the freed slot at once."""
+    for hold in (False, True):
+        t = RoutingTable(hold_slots=hold)
+        t.register(WorkerState("d", D, 1))
+        t.route(turn("a", 0), 0.0)
+        assert t.route(turn("b", 0), 0.0).reason is RouteReason.QUEUED
+        t.complete("d", "a")                                 # a's environment steps
+        assert [p[0].trajectory_id for p in t.drain(0.0)] == ([] if hold else ["b"])
+        if not hold:
+            continue
+        assert t.workers["d"].held == 1 and t.workers["d"].room() == 0
+        assert t.route(turn("a", 1), 0.1).reason is RouteReason.AFFINITY   # its own slot back
+        t.complete("d", "a")
+        t.finish_trajectory("a")
+        assert t.workers["d"].held == 0
+        assert [p[0].trajectory_id for p in t.drain(0.2)] == ["b"]
+
+
+def test_held_slot_is_released_when_the_trajectory_moves_or_its_worker_goes():
+    t = RoutingTable(hold_slots=True)
+    t.register(WorkerState("d0", D, 1))
+    t.register(WorkerState("s", S, 4, free_slots=4))
+    assert t.route(turn("x", 0), 0.0).worker_id == "d0"
+    assert t.route(turn("a", 0), 0.0).worker_id == t.route(turn("b", 0), 0.0).worker_id == "s"
+    t.complete("s", "a")
+    assert t.workers["s"].held == 1
+    t.complete("d0", "x")
+    t.finish_trajectory("x")
+    assert t.route(turn("a", 1), 0.1).worker_id == "d0"      # drifts to the less loaded dedicated
+    assert (t.workers["s"].held, t.workers["d0"].occupied) == (0, 1)
+    t.complete("d0", "a")
+    t.remove("d0")
+    assert "a" not in t.holder
+    t.register(WorkerState("d1", D, 1))
+    assert t.route(turn("a", 2), 0.2).worker_id in ("s", "d1")
+
+
+def test_resume_folds_produced_tokens_into_the_prompt():
+    r = resume(TurnRequest("x", 3, prompt_tokens=100, max_tokens=50), 20)
+    assert (r.prompt_tokens, r.max_tokens, r.produced_tokens, r.attempt) == (120, 30, 20, 1)
+    with pytest.raises(ValueError):
+        resume(r, 31)
+
+
+def test_abort_reroutes_with_tokens_and_drops_affinity():
+    t = table()
+    for i in range(6):
+        t.route(turn(f"f{i}"), 0.0)                          # fills the dedicated workers
+    assert t.route(turn("a"), 0.0).worker_id == "s1"
+    r = t.abort("s1", "a", produced=30, now=0.0)
+    assert r.worker_id is not None
+    moved = t.in_flight[r.worker_id]["a"]
+    assert moved.produced_tokens == 30 and moved.max_tokens == 20 and moved.prompt_tokens == 130
+
+
+def test_dead_worker_turns_come_back_for_resume():
+    t = table()
+    for i in range(6):
+        t.route(turn(f"t{i}"), 0.0)
+    for wid in ("d1", "s0", "s1"):
+        t.heartbeat(wid, 2.5)
+    lost = t.reap(2.5)                                      # d0 silent for 2.5 s > 2 s
+    assert "d0" not in t.workers and len(lost) == 2
+    assert all(w != "d0" for w in t.affinity.values())
+    r = t.route(resume(lost[0], 5), 2.5)
+    assert r.worker_id in t.workers
+
+
+def test_rebalance_moves_turns_only_where_they_decode_faster():
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 8))
+    t.register(WorkerState("s", S, 8, free_slots=8))
+    for i in range(8):
+        assert t.route(turn(f"d{i}"), 0.0).worker_id == "d"
+    for i in range(3):
+        assert t.route(turn(f"s{i}"), 0.0).worker_id == "s"
+    for i in range(4):
+        t.complete("d", f"d{i}")                             # d: 4 of 8 slots occupied
+    assert t.rebalance(0.0) == []                            # unmeasured: by counts, 4 >= 3
+    t.measure("d", 40.0)
+    t.measure("s", 30.0)
+    assert t.rebalance(0.0) == []                            # 40 x 4/5 = 32 < 1.25 x 30
+    t.measure("s", 10.0)
+    assert t.workers["s"].seq_rate == 20.0                   # smoothed
+    # 40 x 4/5 = 32 and 40 x 4/6 = 26.7 beat 1.25 x 20 = 25; a third (22.9) would not.
+    moves = t.rebalance(0.0)
+    assert [(src, dst) for _, src, dst in moves] == [("s", "d")] * 2
+
+
+def test_a_served_trajectory_moves_to_dedicated_only_when_it_decodes_faster_there():
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 2))
+    t.register(WorkerState("s", S, 8, free_slots=4))
+    t.route(turn("x"), 0.0)
+    t.route(turn("y"), 0.0)
+    assert t.route(turn("a", 0), 0.0).worker_id == "s"       # dedicated full: spills over
+    t.complete("s", "a")
+    t.complete("d", "y")
+    t.finish_trajectory("y")                                 # d has room again
+    t.measure("d", 40.0)
+    t.measure("s", 30.0)
+    kept = t.route(turn("a", 1), 0.1)                        # 40 x 1/2 = 20 < 1.25 x 30
+    assert kept.worker_id == "s" and kept.cache_hit
+    t.complete("s", "a")
+    t.measure("s", 5.0)
+    t.measure("s", 5.0)                                      # 11.25 tokens/s: 1.25 x 11.25 < 20
+    moved = t.route(turn("a", 2), 0.2)
+    assert moved.worker_id == "d" and moved.reason is RouteReason.LEAST_LOADED

@@ -28,16 +28,13 @@ VICTIMS = {0: "dedicated-0", 1: "serving-0", 2: "trainer"}
 
 
 def _kill_when_busy(cluster: Cluster, victim: str, done: threading.Event) -> None:
-    """Kill `victim` once it has turns in flight (the trainer: a moment into the rollouts)."""
-    if victim == "trainer":
-        time.sleep(0.5)
-        handle = cluster.trainers.leader
-    else:
-        while not cluster.registry.table.in_flight.get(victim) and not done.is_set():
-            time.sleep(0.02)
-        handle = cluster.replicas.all()[victim]
+    """Kill `victim` once it has turns in flight (the trainer: once any worker has)."""
+    in_flight = cluster.registry.table.in_flight
+    while not done.is_set() and not (any(in_flight.values()) if victim == "trainer"
+                                     else in_flight.get(victim)):
+        time.sleep(0.02)
     if not done.is_set():
-        ray.kill(handle)
+        ray.kill(cluster.trainers.leader if victim == "trainer" else cluster.replicas.all()[victim])
 
 
 def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
