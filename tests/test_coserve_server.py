@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from safetensors.torch import save
 
+from rose.contracts import Turn
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
@@ -380,7 +381,7 @@ def test_keys_guard_the_openai_and_lease_apis(guarded: tuple[str, CoServingExecu
         client = LeaseClient(url, key="lease-secret")
         try:
             params = SamplingParams(max_tokens=3, ignore_eos=True)
-            done = await client.run_turn("keyed", "traj", [1, 2], params)
+            done = await client.run_turn(Turn("keyed", "traj", [1, 2], params))
             assert len(done.token_ids) == 3
             assert (await client.heartbeat())["capacity"]["free_slots"] == 1
         finally:

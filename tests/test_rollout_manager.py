@@ -15,13 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rose.contracts import Heartbeat, Turn, TurnOutput, WorkerKind
+from rose.coserve.lease_client import ExecutorBusy
 from rose.engine import SamplingParams
 from rose.model import load_tokenizer
 from rose.rl import Episode, make_env
 from rose.rollout.manager import RolloutManager
 from rose.rollout.registry import WorkerRegistry
-from rose.rollout.routing import WorkerKind
-from rose.rollout.workers import ExecutorBusy, Heartbeat, TurnResult, extend
 
 TOKEN = 50  # what fake workers generate
 
@@ -46,17 +46,16 @@ class FakeWorker:
         self.policy_version = 0
         self.running = 0  # calls in progress: all end with the step
 
-    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
-                       policy_version: int | None, result: TurnResult) -> TurnResult:
-        self.calls.append((turn_id, list(token_ids), params.max_tokens))
+    async def run_turn(self, turn: Turn, result: TurnOutput) -> TurnOutput:
+        self.calls.append((turn.turn_id, list(turn.token_ids), turn.params.max_tokens))
         self.running += 1
         try:
-            return await self._generate(turn_id, trajectory_id, params, result)
+            return await self._generate(turn.turn_id, turn.trajectory_id, turn.params, result)
         finally:
             self.running -= 1
 
     async def _generate(self, turn_id: str, trajectory_id: str, params: SamplingParams,
-                        result: TurnResult) -> TurnResult:
+                        result: TurnOutput) -> TurnOutput:
         if len(self.calls) <= self.busy_calls:
             raise ExecutorBusy(f"{self.worker_id}: HTTP 429: lease slots full", 429)
         if trajectory_id in self.refuse:
@@ -79,7 +78,7 @@ class FakeWorker:
                 await asyncio.Event().wait()
             await asyncio.sleep(self.delay_s)
             last = i == params.max_tokens - 1
-            extend(result, TurnResult([TOKEN], [-1.0], [self.policy_version], "length" if last else None))
+            result.extend(TurnOutput([TOKEN], [-1.0], [self.policy_version], "length" if last else None))
         return result
 
     async def heartbeat(self) -> Heartbeat:

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from rose.contracts import SamplingParams, Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected
-from rose.engine import SamplingParams
-from rose.rollout.workers import Failure, LeaseWorker, TurnResult, classify
+from rose.rollout.workers import Failure, LeaseWorker, classify
 from rose.runtime.actors import ActorWorker
 
 URL = "http://executor.test"
@@ -26,9 +26,9 @@ def lease_worker(handler: Callable[[httpx.Request], httpx.Response]) -> LeaseWor
     return worker
 
 
-def run_turn(worker: LeaseWorker | ActorWorker, result: TurnResult | None = None) -> TurnResult:
-    return asyncio.run(worker.run_turn("t0:0:0", "t0", [1, 2, 3], SamplingParams(max_tokens=4), None,
-                                       result or TurnResult()))
+def run_turn(worker: LeaseWorker | ActorWorker, result: TurnOutput | None = None) -> TurnOutput:
+    turn = Turn("t0:0:0", "t0", [1, 2, 3], SamplingParams(max_tokens=4))
+    return asyncio.run(worker.run_turn(turn, result if result is not None else TurnOutput()))
 
 
 @pytest.mark.parametrize(("status", "failure", "error"), [
@@ -77,9 +77,9 @@ class _Handle:
         self.exc = exc
         self.stream_turn = _Method(self._stream)
 
-    async def _stream(self, *args: Any) -> AsyncIterator[Awaitable[TurnResult]]:
+    async def _stream(self, *args: Any) -> AsyncIterator[Awaitable[TurnOutput]]:
         chunk = asyncio.get_running_loop().create_future()
-        chunk.set_result(TurnResult([7], [-0.5], [0]))
+        chunk.set_result(TurnOutput([7], [-0.5], [0]))
         yield chunk
         raise self.exc
 
@@ -91,7 +91,7 @@ def ray_error(cause: Exception) -> RayTaskError:
 @pytest.mark.parametrize("wrap", [lambda e: e, RayTaskError.as_instanceof_cause], ids=["plain", "dual"])
 def test_a_dedicated_workers_value_error_is_the_turns(wrap: Callable[[RayTaskError], Exception]) -> None:
     cause = ValueError("prompt of 9000 tokens does not fit the context of 8192")
-    worker, result = ActorWorker("d0", _Handle(wrap(ray_error(cause))), 4), TurnResult()
+    worker, result = ActorWorker("d0", _Handle(wrap(ray_error(cause))), 4), TurnOutput()
     with pytest.raises(TurnRejected, match="turn 't0:0:0' on d0: prompt of 9000 tokens") as info:
         run_turn(worker, result)
     assert classify(info.value) is Failure.REJECTED and result.token_ids == [7]  # what came is kept

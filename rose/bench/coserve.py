@@ -39,8 +39,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from rose.contracts import Turn, TurnOutput
 from rose.coserve.executor import ExecutorConfig
-from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
+from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
@@ -152,9 +153,9 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
         turn = 0
         while time.perf_counter() < stop_at:
             params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
-            got = TurnResult()
+            got = TurnOutput()
             try:
-                await client.run_turn(f"t{k}-{turn}", f"traj{k}", history, params, result=got)
+                await client.run_turn(Turn(f"t{k}-{turn}", f"traj{k}", history, params), got)
             except LeaseError:
                 await asyncio.sleep(0.05)
             finally:  # a turn cut off at the end of the window still counts what it produced

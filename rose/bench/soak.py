@@ -64,7 +64,8 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from rose.coserve.lease_client import LeaseClient, LeaseError, TurnResult
+from rose.contracts import Turn, TurnOutput
+from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, stream_completion, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
@@ -398,13 +399,13 @@ class Soak:
             if len(history) > MAX_CONTEXT:
                 history = self.tokens(64)
 
-    async def turn(self, turn_id: str, trajectory_id: str, history: list[int]) -> TurnResult | None:
+    async def turn(self, turn_id: str, trajectory_id: str, history: list[int]) -> TurnOutput | None:
         """One lease turn, accounted: finished (handed back included), refused or lost."""
         params = SamplingParams(max_tokens=int(self.rng.integers(8, 65)), temperature=1.0, ignore_eos=True)
-        got = TurnResult()
+        got = TurnOutput()
         self.turns["submitted"] += 1
         try:
-            await asyncio.wait_for(self.lease.run_turn(turn_id, trajectory_id, history, params, result=got),
+            await asyncio.wait_for(self.lease.run_turn(Turn(turn_id, trajectory_id, history, params), got),
                                    TURN_TIMEOUT_S)
         except LeaseError as exc:
             status = _lease_status(exc)

@@ -2,5 +2,9 @@
 another. Everything else in `rose` may import from here; this package imports nothing of it."""
 
 from rose.contracts.load import TokenLoad
+from rose.contracts.sampling import SamplingParams
+from rose.contracts.turn import Turn, TurnOutput
+from rose.contracts.worker import Capacity, Heartbeat, WeightUpdate, Worker, WorkerKind
 
-__all__ = ["TokenLoad"]
+__all__ = ["Capacity", "Heartbeat", "SamplingParams", "TokenLoad", "Turn", "TurnOutput", "WeightUpdate",
+           "Worker", "WorkerKind"]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rose.contracts import TokenLoad
+from rose.contracts import Capacity, TokenLoad, Turn
 from rose.coserve.admission import (
     BurstController,
     BurstState,
@@ -112,28 +112,6 @@ class ExecutorConfig:
     def engine(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, chunk_size=self.chunk_tokens,
                             max_num_batched_tokens=max(2048, self.chunk_tokens))
-
-
-@dataclasses.dataclass(frozen=True)
-class Turn:
-    """One turn of one rollout trajectory, leased to this executor."""
-
-    turn_id: str
-    trajectory_id: str
-    token_ids: list[int]
-    params: SamplingParams
-    policy_version: int | None = None  # the version the scheduler expects; None: any
-
-
-@dataclasses.dataclass(frozen=True)
-class Capacity:
-    free_slots: int  # rollout turns this executor would take now
-    predicted_slack_ms: float  # serving's iteration-time headroom under the SLOs (inf: idle)
-    state: str
-    policy_version: int
-    rollout_budget_pages: int
-    rollout_pages_used: int
-    running_turns: int
 
 
 class CoServingExecutor:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -11,17 +10,9 @@ import httpx
 import torch
 from safetensors.torch import save
 
-from rose.engine import InFlight, SamplingParams
-
-
-@dataclasses.dataclass
-class TurnResult:
-    """What a leased turn produced; `finish_reason` 'abort' means handed back unfinished."""
-
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
+from rose.contracts import Turn, TurnOutput
+from rose.coserve.protocol import TurnRequest
+from rose.engine import InFlight
 
 
 class LeaseError(RuntimeError):
@@ -58,20 +49,16 @@ def _error(message: str, status: int) -> LeaseError:
     return LeaseError(message, status)
 
 
-def _append(result: TurnResult, data: str, turn_id: str, url: str) -> None:
-    """Add one streamed event to `result`. A malformed event is the executor's failure (a
-    ValueError would read as the turn's own)."""
+def _chunk(data: str, turn_id: str, url: str) -> TurnOutput:
+    """One streamed event. A malformed event is the executor's failure (a ValueError would read
+    as the turn's own)."""
     try:
         event = json.loads(data)
-        tokens, logprobs, versions = event["token_ids"], event["logprobs"], event["versions"]
-        finish_reason = event["finish_reason"] if event["finished"] else None
+        return TurnOutput(event["token_ids"], event["logprobs"], event["versions"],
+                          event["finish_reason"] if event["finished"] else None)
     except (ValueError, KeyError, TypeError) as exc:
         raise LeaseError(f"turn {turn_id!r} on {url}: malformed stream event {data[:200]!r}: {exc}",
                          200) from exc
-    result.token_ids += tokens
-    result.logprobs += logprobs
-    result.versions += versions
-    result.finish_reason = finish_reason
 
 
 class LeaseClient:
@@ -94,27 +81,22 @@ class LeaseClient:
             raise _error(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
         return r.json()
 
-    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int],
-                       params: SamplingParams, policy_version: int | None = None,
-                       result: TurnResult | None = None) -> TurnResult:
+    async def run_turn(self, turn: Turn, output: TurnOutput | None = None) -> TurnOutput:
         """Stream one turn to completion (or until the executor hands it back). Tokens land in
-        `result` as they arrive, so a caller that is cancelled midway keeps what came."""
-        result = result or TurnResult()
-        body = {"turn_id": turn_id, "trajectory_id": trajectory_id, "token_ids": token_ids,
-                "max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k, "seed": params.seed, "ignore_eos": params.ignore_eos,
-                "stop_token_ids": list(params.stop_token_ids), "policy_version": policy_version}
+        `output` as they arrive, so a caller that is cancelled midway keeps what came."""
+        output = output if output is not None else TurnOutput()
+        body = TurnRequest.of(turn).model_dump()
         try:
             async with self._client.stream("POST", f"{self.url}/v1/lease/turns", json=body) as r:
                 if r.status_code != 200:
-                    raise _error(f"turn {turn_id!r} on {self.url}: HTTP {r.status_code}: "
+                    raise _error(f"turn {turn.turn_id!r} on {self.url}: HTTP {r.status_code}: "
                                  f"{(await r.aread())[:300]!r}", r.status_code)
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
-                        _append(result, line[6:], turn_id, self.url)
+                        output.extend(_chunk(line[6:], turn.turn_id, self.url))
         except httpx.HTTPError as exc:
-            raise LeaseError(f"turn {turn_id!r} on {self.url}: {exc}") from exc
-        return result
+            raise LeaseError(f"turn {turn.turn_id!r} on {self.url}: {exc}") from exc
+        return output
 
     async def heartbeat(self) -> dict[str, Any]:
         return await self._post("/v1/lease/heartbeat")

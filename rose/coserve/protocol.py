@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from rose.engine import SamplingParams
+from rose.contracts import SamplingParams, Turn
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -134,9 +134,24 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 
 class TurnRequest(_Sampling):
-    """One rollout turn leased to this executor (`POST /v1/lease/turns`)."""
+    """One rollout turn leased to this executor (`POST /v1/lease/turns`): a `Turn` on the wire."""
 
     turn_id: str = Field(min_length=1, max_length=256)
     trajectory_id: str = Field(max_length=256)
     token_ids: list[TokenId] = Field(min_length=1)
     policy_version: int | None = Field(default=None, ge=0, le=INT64_MAX)
+
+    @classmethod
+    def of(cls, turn: Turn) -> TurnRequest:
+        """The body a client sends (unchecked here: the executor checks it, and refuses it with a
+        4xx naming what is wrong)."""
+        p = turn.params
+        return cls.model_construct(turn_id=turn.turn_id, trajectory_id=turn.trajectory_id,
+                                   token_ids=turn.token_ids, policy_version=turn.policy_version,
+                                   max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                   top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
+                                   stop_token_ids=list(p.stop_token_ids))
+
+    def turn(self, default_max_tokens: int = 64) -> Turn:
+        return Turn(self.turn_id, self.trajectory_id, self.token_ids,
+                    self.sampling(default_max_tokens, self.stop_token_ids), self.policy_version)

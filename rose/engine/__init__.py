@@ -1,8 +1,8 @@
 """Native generation engine: paged KV pool, continuous batching, prefix cache, sampling."""
 
+from rose.contracts import SamplingParams
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.llm_engine import EngineConfig, InFlight, LLMEngine
-from rose.engine.sampling import SamplingParams
 from rose.engine.sequence import RequestOutput
 
 __all__ = ["EngineConfig", "InFlight", "KVPool", "KVSpec", "LLMEngine", "RequestOutput", "SamplingParams"]

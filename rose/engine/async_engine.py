@@ -25,8 +25,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from rose.contracts import SamplingParams
 from rose.engine.llm_engine import InFlight, LLMEngine
-from rose.engine.sampling import SamplingParams
 from rose.engine.sequence import RequestOutput
 
 T = TypeVar("T")

@@ -6,8 +6,8 @@ import argparse
 
 import torch
 
+from rose.contracts import SamplingParams
 from rose.engine.llm_engine import LLMEngine
-from rose.engine.sampling import SamplingParams
 from rose.model import load_tokenizer
 
 

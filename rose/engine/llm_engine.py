@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from rose.contracts import TokenLoad
+from rose.contracts import SamplingParams, TokenLoad
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import IterationInterrupted, ModelRunner
-from rose.engine.sampling import SamplingParams, sample, unsampleable_rows
+from rose.engine.sampling import sample, unsampleable_rows
 from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from rose.engine.sequence import RequestOutput, Sequence, Status
 from rose.model import ModelConfig, load_model

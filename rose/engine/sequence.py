@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from rose.engine.sampling import SamplingParams
+from rose.contracts import SamplingParams
 
 _arrivals = itertools.count()
 

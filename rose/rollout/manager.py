@@ -29,11 +29,11 @@ import zlib
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from rose.engine import SamplingParams
+from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
 from rose.rl import Episode, Trajectory
 from rose.rollout.registry import WorkerRegistry
-from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerKind, resume
-from rose.rollout.workers import Failure, TurnResult, classify, extend
+from rose.rollout.routing import Route, RoutingTable, TurnRequest, resume
+from rose.rollout.workers import Failure, classify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +103,8 @@ class _Turn:
 
     request: TurnRequest
     prompt: list[int]
-    done: asyncio.Future[TurnResult]
-    out: TurnResult = dataclasses.field(default_factory=TurnResult)
+    done: asyncio.Future[TurnOutput]
+    out: TurnOutput = dataclasses.field(default_factory=TurnOutput)
     task: asyncio.Task[None] | None = None
     move_to: str | None = None  # a rebalance move in progress
     lost: bool = False  # its worker was reaped: the cancellation is ours
@@ -204,7 +204,7 @@ class RolloutManager:
             self.table.cancel(tid)
         return None
 
-    async def _turn(self, request: TurnRequest, prompt: list[int]) -> TurnResult:
+    async def _turn(self, request: TurnRequest, prompt: list[int]) -> TurnOutput:
         t = _Turn(request, prompt, asyncio.get_running_loop().create_future())
         self._turns[request.trajectory_id] = t
         try:
@@ -228,15 +228,15 @@ class RolloutManager:
         return task
 
     async def _attempt(self, t: _Turn, wid: str, req: TurnRequest) -> None:
-        got, start = TurnResult(), self._elapsed()
+        got, start = TurnOutput(), self._elapsed()
         seed = zlib.crc32(f"{self.seed}:{req.trajectory_id}:{req.turn}:{req.attempt}".encode())
         params = dataclasses.replace(self.params, max_tokens=req.max_tokens, seed=seed)
         turn_id = f"{req.trajectory_id}:{req.turn}:{req.attempt}"
         worker = self.registry.workers[wid]
         error: Exception | None = None
         try:
-            await worker.run_turn(turn_id, req.trajectory_id, t.prompt + t.out.token_ids, params,
-                                  req.policy_version, got)
+            await worker.run_turn(Turn(turn_id, req.trajectory_id, t.prompt + t.out.token_ids, params,
+                                       req.policy_version), got)
             if got.finish_reason is None:  # a stream cut short: not a finished turn
                 raise ConnectionError(f"{wid} ended turn {turn_id!r} without a finish reason")
             outcome = "abort" if got.finish_reason == "abort" else "done"
@@ -248,7 +248,7 @@ class RolloutManager:
             error, outcome = exc, classify(exc).value
             if outcome == Failure.WORKER.value:
                 self.table.suspect(wid)
-        extend(t.out, got)
+        t.out.extend(got)
         end, produced = self._elapsed(), len(got.token_ids)
         self._placements.append(Placement(req.trajectory_id, req.turn, req.attempt, wid, worker.kind.value,
                                           start, end, produced, outcome))

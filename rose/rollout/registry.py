@@ -14,8 +14,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from rose.contracts import Heartbeat, Worker
 from rose.rollout.routing import STALL_TIMEOUT_S, RoutingTable, TurnRequest, WorkerState
-from rose.rollout.workers import Heartbeat, Worker
 
 
 class WorkerRegistry:

@@ -37,12 +37,9 @@ import dataclasses
 import enum
 from collections.abc import Hashable, Iterable
 
+from rose.contracts import WorkerKind
+
 STALL_TIMEOUT_S = 2.0
-
-
-class WorkerKind(enum.Enum):
-    DEDICATED = "dedicated"      # rollout model only; first-class capacity
-    SERVING = "serving"          # a co-serving executor; opportunistic capacity
 
 
 @dataclasses.dataclass

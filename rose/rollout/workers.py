@@ -1,52 +1,23 @@
-"""Rollout workers behind one small interface: what the rollout manager talks to.
-
-A worker runs turns (token ids in, streamed tokens with logprobs and policy versions out),
-answers heartbeats and aborts turns. Two kinds, as in the design:
+"""The two kinds of rollout worker behind the `Worker` contract (rose.contracts): what the
+rollout manager talks to.
 
 - `EngineWorker`: a dedicated rollout worker, an `AsyncLLMEngine` in this process (the runtime
   wraps one per Ray actor; `rose.runtime.actors.ActorWorker` is its remote proxy);
 - `LeaseWorker`: a co-serving executor reached over its lease HTTP API.
 
-`run_turn` writes tokens into `result` as they arrive, so that a caller that loses the worker
-midway (an exception, a cancellation) keeps every token already produced and can resume.
+`run_turn` writes tokens into its output as they arrive, so that a caller that loses the
+worker midway (an exception, a cancellation) keeps every token already produced and can resume.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 from collections.abc import AsyncIterator
-from typing import Protocol
 
-from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected, TurnResult
-from rose.engine import SamplingParams
+from rose.contracts import Heartbeat, Turn, TurnOutput, WorkerKind
+from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected
 from rose.engine.async_engine import AsyncLLMEngine
-from rose.rollout.routing import WorkerKind
-
-__all__ = ["EngineWorker", "ExecutorBusy", "Failure", "Heartbeat", "LeaseWorker", "TurnRejected",
-           "TurnResult", "Worker", "classify", "extend"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Heartbeat:
-    policy_version: int
-    free_slots: int = 0  # serving executors: rollout turns they would take now
-
-
-class Worker(Protocol):
-    worker_id: str
-    kind: WorkerKind
-    max_concurrency: int
-
-    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
-                       policy_version: int | None, result: TurnResult) -> TurnResult: ...
-
-    async def heartbeat(self) -> Heartbeat: ...
-
-    async def abort(self, turn_id: str) -> None: ...
-
-    async def close(self) -> None: ...
 
 
 class Failure(enum.Enum):
@@ -68,15 +39,6 @@ def classify(exc: Exception) -> Failure:
     return Failure.WORKER
 
 
-def extend(result: TurnResult, delta: TurnResult) -> TurnResult:
-    """Append a streamed chunk (new tokens only) to `result`."""
-    result.token_ids += delta.token_ids
-    result.logprobs += delta.logprobs
-    result.versions += delta.versions
-    result.finish_reason = delta.finish_reason
-    return result
-
-
 class EngineWorker:
     """A dedicated rollout worker: the rollout model alone on its device."""
 
@@ -87,20 +49,19 @@ class EngineWorker:
         self.worker_id, self.engine, self.max_concurrency = worker_id, engine, max_concurrency
         self.ping_timeout_s = ping_timeout_s
 
-    async def stream(self, turn_id: str, token_ids: list[int], params: SamplingParams,
-                     policy_version: int | None) -> AsyncIterator[TurnResult]:
+    async def stream(self, turn: Turn) -> AsyncIterator[TurnOutput]:
         """The turn's new tokens, one chunk per engine iteration; the last has a finish reason."""
-        if policy_version is not None and policy_version > self.engine.engine.policy_version:
-            raise ValueError(f"turn {turn_id!r}: expects policy version {policy_version}, this worker "
-                             f"has {self.engine.engine.policy_version}")
-        async for out in self.engine.generate(token_ids, params, request_id=turn_id):
-            yield TurnResult(out.token_ids, out.logprobs, out.versions, out.finish_reason)
+        version = self.engine.engine.policy_version
+        if turn.policy_version is not None and turn.policy_version > version:
+            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
+                             f"this worker has {version}")
+        async for out in self.engine.generate(turn.token_ids, turn.params, request_id=turn.turn_id):
+            yield TurnOutput(out.token_ids, out.logprobs, out.versions, out.finish_reason)
 
-    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
-                       policy_version: int | None, result: TurnResult) -> TurnResult:
-        async for delta in self.stream(turn_id, token_ids, params, policy_version):
-            extend(result, delta)
-        return result
+    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
+        async for chunk in self.stream(turn):
+            output.extend(chunk)
+        return output
 
     async def heartbeat(self) -> Heartbeat:
         """Answered through the engine's thread: a dead or stuck loop raises EngineDeadError
@@ -124,9 +85,8 @@ class LeaseWorker:
         self.worker_id, self.url, self.max_concurrency = worker_id, url, max_concurrency
         self.client = LeaseClient(url, key=key)
 
-    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
-                       policy_version: int | None, result: TurnResult) -> TurnResult:
-        return await self.client.run_turn(turn_id, trajectory_id, token_ids, params, policy_version, result)
+    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
+        return await self.client.run_turn(turn, output)
 
     async def heartbeat(self) -> Heartbeat:
         capacity = (await self.client.heartbeat())["capacity"]

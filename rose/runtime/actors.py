@@ -16,22 +16,22 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rose.contracts import Heartbeat, Turn, TurnOutput, WeightUpdate, WorkerKind
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, TurnRejected
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
-from rose.engine import LLMEngine, SamplingParams
+from rose.engine import LLMEngine
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
-from rose.rollout.routing import WorkerKind
-from rose.rollout.workers import EngineWorker, Heartbeat, TurnResult, extend
+from rose.rollout.workers import EngineWorker
 from rose.runtime.config import ServingConfig
 from rose.runtime.devices import pin
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
@@ -100,7 +100,7 @@ class _Replica:
     """A rollout replica's receiving end: joins the relay group; syncs go to `apply`."""
 
     def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
-              apply: Callable[[Iterable[tuple[str, torch.Tensor]], int], None]) -> None:
+              apply: WeightUpdate) -> None:
         self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), apply,
                                  group=group)
         self.receiver.join()
@@ -130,10 +130,9 @@ class DedicatedWorkerActor(_Replica):
     async def ready(self) -> bool:
         return True
 
-    async def stream_turn(self, turn_id: str, token_ids: list[int], params: SamplingParams,
-                          policy_version: int | None) -> AsyncIterator[TurnResult]:
-        async for delta in self.worker.stream(turn_id, token_ids, params, policy_version):
-            yield delta
+    async def stream_turn(self, turn: Turn) -> AsyncIterator[TurnOutput]:
+        async for chunk in self.worker.stream(turn):
+            yield chunk
 
     async def heartbeat(self) -> Heartbeat:
         return await self.worker.heartbeat()
@@ -153,20 +152,19 @@ class ActorWorker:
     def __init__(self, worker_id: str, handle: Any, max_concurrency: int) -> None:
         self.worker_id, self.handle, self.max_concurrency = worker_id, handle, max_concurrency
 
-    async def run_turn(self, turn_id: str, trajectory_id: str, token_ids: list[int], params: SamplingParams,
-                       policy_version: int | None, result: TurnResult) -> TurnResult:
+    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
         """A ValueError in the actor (the engine refusing the prompt or its sampling, reaching
         here wrapped in a RayTaskError) is the turn's failure; anything else the worker's."""
         from ray.exceptions import RayTaskError
 
         try:
-            async for ref in self.handle.stream_turn.remote(turn_id, token_ids, params, policy_version):
-                extend(result, await ref)
+            async for ref in self.handle.stream_turn.remote(turn):
+                output.extend(await ref)
         except RayTaskError as exc:
             if isinstance(exc.cause, ValueError):
-                raise TurnRejected(f"turn {turn_id!r} on {self.worker_id}: {exc.cause}") from exc
+                raise TurnRejected(f"turn {turn.turn_id!r} on {self.worker_id}: {exc.cause}") from exc
             raise
-        return result
+        return output
 
     async def heartbeat(self) -> Heartbeat:
         return await self.handle.heartbeat.remote()

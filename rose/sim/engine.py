@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from rose.contracts import TokenLoad
+from rose.contracts import TokenLoad, WorkerKind
 from rose.coserve.admission import (
     Admission,
     BurstController,
@@ -31,7 +31,7 @@ from rose.coserve.admission import (
     rollout_duty,
 )
 from rose.coserve.loadgen import fit_lengths
-from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerKind, WorkerState, resume
+from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerState, resume
 from rose.sim.costs import (
     DRIVER_CHUNK_S,
     RooflineLatency,

@@ -15,7 +15,7 @@ import collections
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rose.contracts import WeightUpdate
 from rose.transfer import codec
 from rose.transfer.layouts import ModelSpec, ReceiverSpec, box_shape, local_slices, receiver_layout
 from rose.transfer.plan import Bucket, member_plan
@@ -35,8 +36,6 @@ from rose.transfer.versions import (
     latest_key,
     member_prefix,
 )
-
-OnApply = Callable[[Iterable[tuple[str, torch.Tensor]], int], None]
 
 
 @dataclasses.dataclass
@@ -51,7 +50,7 @@ class ReceiveReport:
     error: str = ""
 
 
-def load_into(module: nn.Module) -> OnApply:
+def load_into(module: nn.Module) -> WeightUpdate:
     """An `on_apply` that copies named tensors into `module`'s parameters (casting to their dtype).
 
     What an unsharded engine's `load_weights` does; handy for tests and single-process runs.
@@ -68,8 +67,9 @@ def load_into(module: nn.Module) -> OnApply:
 
 
 class Receiver:
-    def __init__(self, relay: Relay, spec: ModelSpec, me: ReceiverSpec, on_apply: OnApply | None = None, *,
-                 group: str = "default", timeout: float = 60.0, prefetch: int = 2) -> None:
+    def __init__(self, relay: Relay, spec: ModelSpec, me: ReceiverSpec,
+                 on_apply: WeightUpdate | None = None, *, group: str = "default", timeout: float = 60.0,
+                 prefetch: int = 2) -> None:
         self.relay, self.spec, self.me, self.group = relay, spec, me, group
         self.on_apply, self.timeout, self.prefetch = on_apply, timeout, prefetch
         self._boxes = receiver_layout(spec, me.tp, me.pp).rank_boxes(me.rank)

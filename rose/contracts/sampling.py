@@ -1,0 +1,51 @@
+"""What a request asks of the sampler: the parameters every layer passes down to the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this a temperature divides logits into inf/NaN (float32): such requests are greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    """An integer from `low` up to int64's largest (what torch and the wire formats hold)."""
+    # bool is an int subclass: True would pass as 1.
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= INT64_MAX:
+        shown = "-2**63" if low == INT64_MIN else low
+        raise ValueError(f"{name} must be an integer >= {shown} and < 2**63, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # under MIN_TEMPERATURE (0 included): greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k; beyond the vocabulary: the whole vocabulary
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field (integers must fit int64; floats must be
+        finite)."""
+        _check_int("max_tokens", self.max_tokens, 1)
+        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, -1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN)
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids[]", token, 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE

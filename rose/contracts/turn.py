@@ -1,0 +1,43 @@
+"""One rollout turn as every layer passes it: what a worker is asked (`Turn`) and what comes back
+(`TurnOutput`, streamed chunk by chunk and summed). The lease API's JSON is derived from these
+(`rose.coserve.protocol.TurnRequest`); routing sees a turn only as counts
+(`rose.rollout.routing.TurnRequest`); a trajectory records each finished one
+(`rose.rl.trajectory.Turn`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rose.contracts.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One turn of one rollout trajectory: its whole prompt (every earlier turn and observation)
+    as token ids, its sampling, and the policy version it needs."""
+
+    turn_id: str
+    trajectory_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    policy_version: int | None = None  # the version the scheduler expects; None: any
+
+
+@dataclasses.dataclass
+class TurnOutput:
+    """What a turn produced: the new tokens of one streamed chunk, or all of them so far. One
+    logprob and one policy version per token; `finish_reason` None while unfinished, 'abort'
+    when handed back unfinished."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def extend(self, chunk: TurnOutput) -> TurnOutput:
+        """Append a streamed chunk; return self."""
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.versions += chunk.versions
+        self.finish_reason = chunk.finish_reason
+        return self

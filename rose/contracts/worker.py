@@ -1,0 +1,62 @@
+"""What the rollout scheduler talks to: a worker runs turns, answers heartbeats and aborts turns.
+Dedicated workers and serving executors implement it (`rose.rollout.workers`), Ray actors only
+carry it across processes (`rose.runtime.actors`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
+
+from rose.contracts.turn import Turn, TurnOutput
+
+if TYPE_CHECKING:
+    import torch
+
+
+class WorkerKind(enum.Enum):
+    DEDICATED = "dedicated"      # rollout model only; first-class capacity
+    SERVING = "serving"          # a co-serving executor; opportunistic capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    policy_version: int
+    free_slots: int = 0  # serving executors: rollout turns they would take now
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """A serving executor's report (its lease API's capacity): what the heartbeat carries."""
+
+    free_slots: int  # rollout turns this executor would take now
+    predicted_slack_ms: float  # serving's iteration-time headroom under the SLOs (inf: idle)
+    state: str  # of the burst state machine
+    policy_version: int
+    rollout_budget_pages: int
+    rollout_pages_used: int
+    running_turns: int
+
+
+class Worker(Protocol):
+    worker_id: str
+    kind: WorkerKind
+    max_concurrency: int
+
+    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
+        """Run the turn to its end, its tokens written into `output` as they arrive: a caller
+        that loses the worker midway (an exception, a cancellation) keeps every token produced
+        and can resume the turn elsewhere."""
+        ...
+
+    async def heartbeat(self) -> Heartbeat: ...
+
+    async def abort(self, turn_id: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# A rollout replica's weight-update hook: load these (name, tensor) pairs as policy `version`
+# between two engine iterations (the transfer layer's Receiver calls it).
+WeightUpdate = Callable[[Iterable[tuple[str, "torch.Tensor"]], int], None]
