@@ -100,7 +100,7 @@ def test_on_policy_step_figures(tiny_qwen3: Path) -> None:
 @pytest.mark.parametrize("step_weight", [0.0, 1.0])
 def test_token_aggregation_loss_by_hand(tiny_qwen3: Path, step_weight: float) -> None:
     """With step-level advantages each turn's tokens carry their own turn's advantage."""
-    trainer = Trainer(tiny_qwen3, Objective(aggregation="token", step_advantage_weight=step_weight),
+    trainer = Trainer(tiny_qwen3, Objective(aggregation="token-mean", step_advantage_weight=step_weight),
                       TrainerConfig(lr=1e-3))
     batch = _batch()
     for t in batch:  # turn k of every trajectory starts from the same state: shared anchors
@@ -115,6 +115,48 @@ def test_token_aggregation_loss_by_hand(tiny_qwen3: Path, step_weight: float) ->
     # Ratio 1: loss = -sum over turns of |o| A / sum |o|.
     expected = -sum(n * a for n, a in pairs) / sum(n for n, _ in pairs)
     assert trainer.step(batch)["loss"] == pytest.approx(expected, abs=1e-6)
+
+
+def _token_mean_loss(trainer: Trainer, batch: list[Trajectory]) -> float:
+    """-sum |o| A / sum |o| over the turns: the token-mean loss at ratio 1."""
+    prepared = trainer.objective.prepare(batch)
+    pairs = [(len(turn.output_ids), a)
+             for t, advs in zip(prepared.trajectories, prepared.advantages, strict=True)
+             for turn, a in zip(t.turns, advs, strict=True)]
+    return -sum(n * a for n, a in pairs) / sum(n for n, _ in pairs)
+
+
+def test_recomputed_old_logprobs_weight_each_token_by_its_truncated_is_ratio(tiny_qwen3: Path) -> None:
+    """The engine sampled with probabilities a third of the trainer's (a stale or mismatched
+    behaviour policy): recomputed old logprobs give ratio 1, and each token weighs min(3, cap 2)."""
+    objective = Objective(aggregation="token-mean", recompute_old_logprobs=True, tis_cap=2.0)
+    trainer = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-3))
+    batch = _on_policy(_batch(), trainer.model)
+    for t in batch:
+        for turn in t.turns:
+            turn.logprobs = [lp - math.log(3.0) for lp in turn.logprobs]
+    expected = 2.0 * _token_mean_loss(trainer, batch)
+    m = trainer.step(batch)
+    assert m["is_weight"] == pytest.approx(2.0, rel=1e-5) and m["clip_fraction"] == 0
+    assert m["loss"] == pytest.approx(expected, abs=1e-5)
+    # Without recomputing, the engine's logprobs are the old ones: ratio 3, the positive-advantage
+    # tokens clipped.
+    plain = Trainer(tiny_qwen3, Objective(aggregation="token-mean"), TrainerConfig(lr=1e-3)).step(batch)
+    assert plain["clip_fraction"] > 0 and plain["is_weight"] == 1.0
+
+
+def test_tokens_older_than_the_version_lag_do_not_train(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, Objective(max_version_lag=2), TrainerConfig(lr=1e-3))
+    trainer.version = 5
+    batch = _batch()
+    for i, t in enumerate(batch):  # every other trajectory sampled 4 versions ago: stale
+        for turn in t.turns:
+            turn.versions = [1 if i % 2 else 4] * len(turn.output_ids)
+    stale = sum(t.num_generated_tokens for i, t in enumerate(batch) if i % 2)
+    m = trainer.step(batch)
+    assert m["stale_tokens"] == stale > 0
+    assert m["tokens"] == sum(t.num_generated_tokens for t in batch) - stale
+    assert m["version_lag"] == pytest.approx(1.0)  # only the fresh tokens, sampled at version 4
 
 
 @pytest.mark.parametrize("objective", [Objective.grpo(), Objective.dapo()])
@@ -246,6 +288,7 @@ def test_resume_passes_over_torn_checkpoints(tiny_qwen3: Path, tmp_path: Path) -
     (dict(max_grad_norm=0), "max_grad_norm"),
     (dict(micro_batch_size=0), "micro_batch_size must be an integer >= 1"),
     (dict(lr_decay_steps=-1), "lr_decay_steps must be an integer >= 0"),
+    (dict(warmup_steps=-1), "warmup_steps must be an integer >= 0"),
     (dict(min_lr_ratio=2.0), r"min_lr_ratio must be in \[0, 1\]"),
     (dict(mini_batches=1.5), "mini_batches"),
 ])
@@ -325,3 +368,12 @@ def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -
     trainer.version = 9  # past the horizon: the floor
     assert trainer.lr == pytest.approx(1e-4)
     assert Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3)).lr == 1e-3
+
+
+def test_warmup_rises_linearly_to_the_learning_rate(tiny_qwen3: Path) -> None:
+    trainer = Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3, warmup_steps=4))
+    lrs = []
+    for version in range(6):
+        trainer.version = version
+        lrs.append(trainer.lr)
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])

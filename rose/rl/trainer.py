@@ -2,9 +2,11 @@
 
 `Trainer.step(trajectories)` is one RL step: the objective turns rewards into advantages, each
 trajectory is flattened to one sequence, the current policy's per-token logprobs are
-recomputed for the ratio against the behaviour logprobs recorded at rollout, and the batch is
-split into `mini_batches` optimizer updates of `micro_batch_size`-sequence forward/backward
-passes. The policy version then goes up by one and `export_weights()` yields the new weights
+recomputed for the ratio against the old policy's (the behaviour logprobs recorded at rollout,
+or with `recompute_old_logprobs` the trainer's own before the step, the behaviour ones then
+giving truncated importance weights), tokens older than `max_version_lag` versions are left
+out, and the batch is split into `mini_batches` optimizer updates of `micro_batch_size`-sequence
+forward/backward passes. The policy version then goes up by one and `export_weights()` yields the new weights
 as bf16 for the rollout engines (`LLMEngine.load_weights(trainer.export_weights(),
 trainer.version)`); training itself stays in fp32, the fast dtype on CPUs without bf16
 arithmetic and the precision AdamW's small updates need.
@@ -56,6 +58,9 @@ class TrainerConfig:
     # steps on it random-walk a small policy off the solution.
     lr_decay_steps: int = 0
     min_lr_ratio: float = 0.1
+    # Linear warmup from lr / warmup_steps to lr over the first steps (0: none): Adam's first
+    # moments are noise, and a real checkpoint's first full-size steps can wreck it.
+    warmup_steps: int = 0
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -72,7 +77,8 @@ class TrainerConfig:
             raise ValueError(f"trainer: betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.max_grad_norm is not None and number("max_grad_norm", self.max_grad_norm) <= 0:
             raise ValueError(f"trainer: max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        for name, low in (("micro_batch_size", 1), ("mini_batches", 1), ("lr_decay_steps", 0)):
+        for name, low in (("micro_batch_size", 1), ("mini_batches", 1), ("lr_decay_steps", 0),
+                          ("warmup_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"trainer: {name} must be an integer >= {low}, got {value!r}")
@@ -93,15 +99,19 @@ def _per_token(t: Trajectory, turn_advantages: list[float]) -> torch.Tensor:
     return torch.repeat_interleave(torch.tensor(turn_advantages, dtype=torch.float32), torch.tensor(lengths))
 
 
-def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to `[B, L]`; padding is masked out (causal attention never looks ahead)."""
+def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor | None]:
+    """Right-pad to `[B, L]`; padding is masked out (causal attention never looks ahead). The
+    behaviour logprobs are None unless the old ones were recomputed."""
     length = max(len(s.token_ids) for s in sequences)
 
     def stack(field: str, fill: float | int | bool) -> torch.Tensor:
         rows = [getattr(s, field) for s in sequences]
         return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=fill) for r in rows])
 
-    return stack("token_ids", 0), stack("loss_mask", False), stack("old_logprobs", 0.0), stack("versions", -1)
+    behaviour = stack("behaviour_logprobs", 0.0) if sequences[0].behaviour_logprobs is not None else None
+    return (stack("token_ids", 0), stack("loss_mask", False), stack("old_logprobs", 0.0),
+            stack("versions", -1), behaviour)
 
 
 class Trainer:
@@ -143,7 +153,14 @@ class Trainer:
         # A trajectory cut before its first turn counts in its group's statistics only.
         kept = [(t, a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True) if t.turns]
         samples = [(self._flatten(t), _per_token(t, a)) for t, a in kept]
-        sums = dict.fromkeys(("loss", "tokens", "sequences", "clipped", "kl", "entropy", "version_lag"), 0.0)
+        stale = sum(int(s.loss_mask.sum()) for s, _ in samples)
+        samples = [(self._fresh(s), a) for s, a in samples]
+        stale -= sum(int(s.loss_mask.sum()) for s, _ in samples)
+        if self.objective.recompute_old_logprobs:
+            samples = self._recompute_old(samples)
+        sums = dict.fromkeys(("loss", "tokens", "sequences", "clipped", "kl", "is", "entropy",
+                              "version_lag"), 0.0)
+        sums["stale_tokens"] = float(stale)
         grad_norms, updates = [], 0
         for g in self.optimizer.param_groups:
             g["lr"] = self.lr
@@ -151,7 +168,7 @@ class Trainer:
             shifted = [s.loss_mask[1:] for s, _ in mini]
             local = sum(int(m.sum()) for m in shifted), sum(int(m.any()) for m in shifted)
             tokens, sequences = self._all_reduce(local)
-            denominator = tokens if self.objective.aggregation == "token" else sequences
+            denominator = tokens if self.objective.aggregation == "token-mean" else sequences
             if denominator == 0:
                 continue  # nothing to learn from anywhere (e.g. dynamic sampling dropped all)
             for micro in _chunks(mini, math.ceil(len(mini) / self.config.micro_batch_size) or 1):
@@ -172,6 +189,8 @@ class Trainer:
             "loss": totals["loss"] / max(updates, 1),
             "clip_fraction": totals["clipped"] / tokens,
             "kl": totals["kl"] / tokens,
+            "is_weight": totals["is"] / tokens if self.objective.recompute_old_logprobs else 1.0,
+            "stale_tokens": totals["stale_tokens"],
             "entropy": totals["entropy"] / tokens,
             "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
             "version_lag": totals["version_lag"] / tokens,
@@ -190,6 +209,8 @@ class Trainer:
     def lr(self) -> float:
         """This step's learning rate (the schedule is a function of the version, so it resumes)."""
         c = self.config
+        if self.version < c.warmup_steps:
+            return c.lr * (self.version + 1) / c.warmup_steps
         if c.lr_decay_steps == 0:
             return c.lr
         progress = min(self.version / c.lr_decay_steps, 1.0)
@@ -206,6 +227,30 @@ class Trainer:
                              f"[0, {vocab})")
         return seq
 
+    def _fresh(self, seq: TokenSequence) -> TokenSequence:
+        """Without the tokens sampled more than `max_version_lag` versions before this one."""
+        lag = self.objective.max_version_lag
+        if lag is None:
+            return seq
+        return dataclasses.replace(seq, loss_mask=seq.loss_mask & (seq.versions >= self.version - lag))
+
+    @torch.no_grad()
+    def _recompute_old(self, samples: list[tuple[TokenSequence, torch.Tensor]]
+                       ) -> list[tuple[TokenSequence, torch.Tensor]]:
+        """The old policy's logprobs as this trainer computes them (its weights before the step),
+        the behaviour ones kept beside them for the importance weights."""
+        out = []
+        for micro in _chunks(samples, math.ceil(len(samples) / self.config.micro_batch_size) or 1):
+            if not micro:
+                continue
+            ids = _pad([s for s, _ in micro])[0]
+            old = self._logprobs(self.model, ids[:, :-1], ids[:, 1:])[0]
+            for row, (seq, advantages) in zip(old, micro, strict=True):
+                mine = torch.cat([row.new_zeros(1), row[:len(seq.token_ids) - 1]]) * seq.loss_mask
+                out.append((dataclasses.replace(seq, old_logprobs=mine, behaviour_logprobs=seq.old_logprobs),
+                            advantages))
+        return out
+
     def _logprobs(self, model: QwenForCausalLM, inputs: torch.Tensor,
                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probability of each target token `[B, T]` and the full log-softmax `[B, T, V]`."""
@@ -214,16 +259,17 @@ class Trainer:
 
     def _forward_backward(self, micro: list[tuple[TokenSequence, torch.Tensor]],
                           denominator: int) -> dict[str, float]:
-        ids, mask, old, versions = _pad([s for s, _ in micro])
+        ids, mask, old, versions, behaviour = _pad([s for s, _ in micro])
         inputs, targets = ids[:, :-1], ids[:, 1:]
         mask, old, versions = mask[:, 1:], old[:, 1:], versions[:, 1:]
+        behaviour = behaviour[:, 1:] if behaviour is not None else None
         advantages = torch.nn.utils.rnn.pad_sequence([a for _, a in micro], batch_first=True)[:, 1:]
         logprobs, logp = self._logprobs(self.model, inputs, targets)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref = self._logprobs(self.ref_model, inputs, targets)[0]
-        loss, sums = self.objective.loss(logprobs, old, advantages, mask, ref, denominator)
+        loss, sums = self.objective.loss(logprobs, old, advantages, mask, ref, denominator, behaviour)
         loss.backward()
         with torch.no_grad():
             entropy = -(logp.exp() * logp).sum(-1)

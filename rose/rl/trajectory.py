@@ -44,6 +44,8 @@ class TokenSequence:
     loss_mask: torch.Tensor  # bool
     old_logprobs: torch.Tensor  # float32
     versions: torch.Tensor  # int64
+    # The sampling engine's logprobs, where `old_logprobs` were recomputed by the trainer.
+    behaviour_logprobs: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

@@ -60,9 +60,9 @@ class TrainerActor:
         version it starts from."""
         if world > 1:
             torch.distributed.init_process_group("gloo", init_method=master, rank=rank, world_size=world)
-        make = Objective.dapo if objective == "dapo" else Objective.grpo
         self.model_path = Path(model_path)
-        self.trainer = Trainer(model_path, make(**objective_options), TrainerConfig(**config))
+        self.trainer = Trainer(model_path, Objective.named(objective, **objective_options),
+                               TrainerConfig(**config))
         if resume:
             self.trainer.load_state(model_path)
         # The bf16 weights the rollout replicas get: the sender keeps views of these tensors.
