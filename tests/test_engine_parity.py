@@ -131,7 +131,9 @@ def test_load_weights_between_iterations(ckpt: Path, ckpt2: Path, hf_models: dic
     if in_flight is InFlight.FINISH_OLD:
         assert set(versions) == {0}  # it finished under the old weights; then they swapped
         assert_matches_hf(_hf(hf_models, ckpt), prompts[0], out.token_ids, out.logprobs)
-    else:
+    elif in_flight is InFlight.CONTINUE:  # later tokens attend to KV of the old weights
+        assert set(versions) == {0} and engine.policy_version == 7
+    else:  # recomputed from scratch under the new weights
         assert versions[0] == 0 and versions[-1] == 7 and sorted(versions) == versions
     assert engine.policy_version == 7
     # New requests see only the new weights (the stale prefix cache was dropped).

@@ -30,7 +30,8 @@ class InFlight(enum.Enum):
     """What `load_weights` does to sequences already running (every token keeps the version
     that produced it, whichever is chosen)."""
 
-    # Keep their KV; their later tokens come from the new weights. Immediate and cheapest.
+    # Keep their KV; their later tokens come from the new weights over the old KV, and carry
+    # the old version (the oldest that shaped them). Immediate and cheapest.
     CONTINUE = "continue"
     # Stage the new weights and admit nothing new; the running sequences finish under the old
     # weights, then the swap happens: each sequence stays single-version.
@@ -238,13 +239,15 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:  # a failed one's KV is not worth sharing
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
+                if seq.kv_version is None:
+                    seq.kv_version = self.policy_version
         now = time.monotonic()
         for i, token, logprob in zip(good, tokens, logprobs, strict=True):
             seq = sampling[i]
             seq.append(token, now)
             if reason := self._finish_reason(seq, token):
                 self._retire(seq, reason)
-            outputs.append(RequestOutput.of(seq, [token], [logprob], [self.policy_version]))
+            outputs.append(RequestOutput.of(seq, [token], [logprob], [seq.kv_version]))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -274,8 +277,9 @@ class LLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
         """Take new weights (any dtype: bf16 bits are upcast; the tensors are copied, the caller
-        keeps its own) and stamp later tokens with `version`. Call between iterations. The
-        prefix cache is dropped when they apply: its KV is stale."""
+        keeps its own) as policy `version`. Call between iterations. The prefix cache is dropped
+        when they apply: its KV is stale. A token carries the version its sequence's KV was
+        computed under: with CONTINUE a running sequence's later tokens keep the old version."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         staged = []
         for name, tensor in named_tensors:

@@ -62,6 +62,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        seq.kv_version = None  # recomputed from scratch when it runs again
         seq.num_preemptions += 1
         self.add(seq)
 

@@ -41,6 +41,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (last admission)
         self.num_preemptions = 0
+        # The policy version its oldest KV was computed under (None: no KV yet): every token it
+        # samples attends to that KV, so it carries that version (InFlight.CONTINUE swaps the
+        # weights under running sequences; their later tokens are not the new version's alone).
+        self.kv_version: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the engine failed or dropped it
 
