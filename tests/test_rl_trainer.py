@@ -232,6 +232,26 @@ def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
         resumed.load_state(tmp_path)
 
 
+def test_the_kl_reference_is_saved_and_restored_never_replaced(tiny_qwen3: Path, tmp_path: Path) -> None:
+    objective = Objective.grpo(kl_coef=0.1)
+    trainer = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-2))
+    reference = _params(trainer)
+    trainer.step(_batch())
+    trainer.save(tmp_path / "ckpt")
+    resumed = Trainer(tmp_path / "ckpt", objective, TrainerConfig(lr=1e-2))
+    resumed.load_state(tmp_path / "ckpt")
+    # The reference is the run's starting policy, not the resumed one.
+    for name, p in resumed.ref_model.named_parameters():
+        torch.testing.assert_close(p, reference[name], rtol=0, atol=0)
+    assert any(not torch.equal(p, reference[n]) for n, p in _params(resumed).items())
+    batch = _batch(seed=1)
+    assert trainer.step(batch)["kl"] == pytest.approx(resumed.step(batch)["kl"], rel=1e-5)
+    # A checkpoint saved without a reference cannot resume a KL run silently.
+    Trainer(tiny_qwen3).save(tmp_path / "plain")
+    with pytest.raises(ValueError, match="no reference/ .*resume with kl_coef 0"):
+        Trainer(tmp_path / "plain", objective).load_state(tmp_path / "plain")
+
+
 def _crash_midway(monkeypatch: pytest.MonkeyPatch) -> None:
     """The next weight file written gets half its bytes, then the process "dies"."""
     import rose.model.checkpoint

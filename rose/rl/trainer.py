@@ -37,6 +37,7 @@ from rose.rl.objective import Objective
 from rose.rl.trajectory import TokenSequence, Trajectory
 
 STATE_FILE = "trainer_state.pt"
+REFERENCE_DIR = "reference"  # the KL penalty's reference policy, beside the weights
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: its presence vouches for the rest
 
 
@@ -323,12 +324,16 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died saving
         try:
             save_model(self.model, tmp)
+            if self.ref_model is not None:
+                save_model(self.ref_model, tmp / REFERENCE_DIR)
+                fsync_dir(tmp / REFERENCE_DIR)
             torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, tmp / STATE_FILE)
             for asset in map(Path, assets):
                 shutil.copyfile(asset, tmp / asset.name)
             (tmp / COMPLETE_FILE).write_text(json.dumps({"version": self.version}) + "\n")
-            for file in tmp.iterdir():
-                fsync_file(file)
+            for file in tmp.rglob("*"):
+                if file.is_file():
+                    fsync_file(file)
             fsync_dir(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -342,10 +347,18 @@ class Trainer:
         return path
 
     def load_state(self, path: str | Path) -> None:
-        """Resume the optimizer and version saved by `save` (the weights come with the model)."""
+        """Resume the optimizer, the version and the KL reference saved by `save` (the weights
+        come with the model). The reference is never silently replaced by the resumed policy: a
+        checkpoint without one cannot resume a run with a KL penalty."""
         file = Path(path) / STATE_FILE
         if not file.is_file():
             raise ValueError(f"{path}: no {STATE_FILE}; expected a directory written by Trainer.save")
+        if self.ref_model is not None:
+            reference = Path(path) / REFERENCE_DIR
+            if not (reference / "config.json").is_file():
+                raise ValueError(f"{path}: no {REFERENCE_DIR}/ (the KL penalty's reference policy): it was "
+                                 "saved without kl_coef > 0; resume with kl_coef 0, or start afresh")
+            self.ref_model.load_state_dict(load_model(reference, dtype=torch.float32).state_dict())
         state = torch.load(file, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
