@@ -248,7 +248,7 @@ def test_the_kl_reference_is_saved_and_restored_never_replaced(tiny_qwen3: Path,
     assert trainer.step(batch)["kl"] == pytest.approx(resumed.step(batch)["kl"], rel=1e-5)
     # A checkpoint saved without a reference cannot resume a KL run silently.
     Trainer(tiny_qwen3).save(tmp_path / "plain")
-    with pytest.raises(ValueError, match="no reference/ .*resume with kl_coef 0"):
+    with pytest.raises(ValueError, match=r"no reference/ .*resume with kl_coef 0"):
         Trainer(tmp_path / "plain", objective).load_state(tmp_path / "plain")
 
 
