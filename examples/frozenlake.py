@@ -46,7 +46,8 @@ def main() -> None:
         # 8 groups of 8 samples; a group shares its env seed (and so its first prompt)
         episodes = [Episode(make_env("frozenlake", max_turns=8, progress_reward=0.5), tok,
                             seed=step * 100 + i // 8) for i in range(64)]
-        params = SamplingParams(max_tokens=1, temperature=1.0, seed=args.seed * 100003 + step)
+        params = SamplingParams(max_tokens=1, temperature=1.0, seed=args.seed * 100003 + step,
+                                logprobs_at_temperature=True)
         m = trainer.step(run_episodes(engine, episodes, params))
         engine.load_weights(trainer.export_weights(), trainer.version)
         print(f"step {step} success {m['success_rate']:.3f} reward {m['reward_mean']:+.3f} "

@@ -156,6 +156,26 @@ def test_an_interrupted_iteration_changes_nothing(ckpt: Path) -> None:
     assert engine.num_interrupted > 3 and engine.blocks.num_active_pages == 0
 
 
+def test_logprobs_at_the_sampling_temperature(ckpt: Path) -> None:
+    """RL's behaviour policy: with `logprobs_at_temperature` each token's logprob is under
+    softmax(logits / T); by default under the raw softmax, as OpenAI-style clients expect."""
+    engine = LLMEngine.from_pretrained(ckpt)
+    prompt = _prompt(9)
+    tempered, raw = engine.generate([prompt, prompt], [
+        SamplingParams(max_tokens=4, temperature=0.5, seed=3, ignore_eos=True, logprobs_at_temperature=True),
+        SamplingParams(max_tokens=4, temperature=0.5, seed=3, ignore_eos=True)])
+    assert tempered.token_ids == raw.token_ids
+    ids = torch.tensor([prompt + tempered.token_ids[:-1]])
+    with torch.no_grad():
+        logits = engine.model(ids)[0, len(prompt) - 1:].float()
+    chosen = torch.tensor(tempered.token_ids)[:, None]
+    at_t = (logits / 0.5).log_softmax(-1).gather(-1, chosen)[:, 0]
+    at_1 = logits.log_softmax(-1).gather(-1, chosen)[:, 0]
+    torch.testing.assert_close(torch.tensor(tempered.logprobs), at_t, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(raw.logprobs), at_1, atol=1e-4, rtol=0)
+    assert not torch.allclose(at_t, at_1, atol=1e-3)
+
+
 def test_top_p_keeps_only_the_nucleus(ckpt: Path) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
     prompt = _prompt(7, 3)

@@ -37,12 +37,12 @@ def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> l
     return batch
 
 
-def _on_policy(batch: list[Trajectory], model: torch.nn.Module) -> list[Trajectory]:
-    """Replace the behaviour logprobs with the model's own."""
+def _on_policy(batch: list[Trajectory], model: torch.nn.Module, temperature: float = 1.0) -> list[Trajectory]:
+    """Replace the behaviour logprobs with the model's own (at `temperature`)."""
     for t in batch:
         flat = t.flatten()
         with torch.no_grad():
-            logp = model(flat.token_ids[None, :-1]).float().log_softmax(-1)[0]
+            logp = (model(flat.token_ids[None, :-1]).float() / temperature).log_softmax(-1)[0]
         own = [0.0, *logp.gather(-1, flat.token_ids[1:, None])[:, 0].tolist()]
         pos = 0
         for turn in t.turns:
@@ -143,6 +143,16 @@ def test_recomputed_old_logprobs_weight_each_token_by_its_truncated_is_ratio(tin
     # tokens clipped.
     plain = Trainer(tiny_qwen3, Objective(aggregation="token-mean"), TrainerConfig(lr=1e-3)).step(batch)
     assert plain["clip_fraction"] > 0 and plain["is_weight"] == 1.0
+
+
+def test_logprobs_are_taken_at_the_rollout_temperature(tiny_qwen3: Path) -> None:
+    """Behaviour logprobs recorded at T = 0.5 are the trainer's own at T = 0.5: ratio 1. A
+    trainer at T = 1 would see ratios far from 1 and clip."""
+    batch = _on_policy(_batch(), load_model(tiny_qwen3), temperature=0.5)
+    at_half = Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3, temperature=0.5)).step(batch)
+    assert at_half["clip_fraction"] == 0 and at_half["loss"] == pytest.approx(0, abs=1e-6)
+    at_one = Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3)).step(batch)
+    assert at_one["clip_fraction"] > 0
 
 
 def test_tokens_older_than_the_version_lag_do_not_train(tiny_qwen3: Path) -> None:

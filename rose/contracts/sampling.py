@@ -27,6 +27,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # keep going past the model's end-of-sequence ids
+    # Record each token's logprob at this temperature (the policy it was drawn from, as RL
+    # needs) rather than under the raw softmax (what OpenAI-style clients get, as from vLLM).
+    logprobs_at_temperature: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

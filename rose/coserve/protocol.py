@@ -8,6 +8,7 @@ declared only to accept the neutral value some clients send explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -153,5 +154,7 @@ class TurnRequest(_Sampling):
                                    stop_token_ids=list(p.stop_token_ids))
 
     def turn(self, default_max_tokens: int = 64) -> Turn:
-        return Turn(self.turn_id, self.trajectory_id, self.token_ids,
-                    self.sampling(default_max_tokens, self.stop_token_ids), self.policy_version)
+        """A rollout turn: its logprobs at the temperature that samples it (the behaviour policy)."""
+        params = dataclasses.replace(self.sampling(default_max_tokens, self.stop_token_ids),
+                                     logprobs_at_temperature=True)
+        return Turn(self.turn_id, self.trajectory_id, self.token_ids, params, self.policy_version)

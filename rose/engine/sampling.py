@@ -32,14 +32,19 @@ def unsampleable_rows(logits: torch.Tensor) -> list[int]:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
-    """Pick one token per row; return them with their log-probability under the raw softmax.
+    """Pick one token per row; return them with their log-probability: under the raw softmax,
+    or with `logprobs_at_temperature` under the softmax of logits / temperature, the policy the
+    token was drawn from (RL's behaviour policy; over the whole vocabulary: top-k and top-p
+    shape the draw, not the recorded policy, as the trainer recomputes it).
 
     Each row draws from its own generator, so a seeded request gives the same tokens whatever
     else shares its batch. Rows must be sampleable (see `unsampleable_rows`): a NaN would
     silently pick token 0.
     """
     logits = logits.float()
-    logprobs = logits.log_softmax(-1)
+    scale = torch.tensor([p.temperature if p.logprobs_at_temperature and not p.greedy else 1.0
+                          for p in params])[:, None]
+    logprobs = (logits / scale).log_softmax(-1)
     tokens = logits.argmax(-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

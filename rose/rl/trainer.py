@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rose.contracts.sampling import MIN_TEMPERATURE
 from rose.model import QwenForCausalLM, load_model, save_model
 from rose.model.checkpoint import fsync_dir, fsync_file
 from rose.rl.objective import Objective
@@ -62,6 +63,9 @@ class TrainerConfig:
     # Linear warmup from lr / warmup_steps to lr over the first steps (0: none): Adam's first
     # moments are noise, and a real checkpoint's first full-size steps can wreck it.
     warmup_steps: int = 0
+    # The rollouts' sampling temperature: logprobs are taken of logits / temperature, the policy
+    # the engine drew from (0: greedy, taken at 1).
+    temperature: float = 1.0
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -83,6 +87,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"trainer: {name} must be an integer >= {low}, got {value!r}")
+        if number("temperature", self.temperature) < 0:
+            raise ValueError(f"trainer: temperature must be >= 0, got {self.temperature}")
         if not 0 <= number("min_lr_ratio", self.min_lr_ratio) <= 1:
             raise ValueError(f"trainer: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -254,8 +260,10 @@ class Trainer:
 
     def _logprobs(self, model: QwenForCausalLM, inputs: torch.Tensor,
                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of each target token `[B, T]` and the full log-softmax `[B, T, V]`."""
-        logp = model(inputs).float().log_softmax(-1)
+        """Log-probability of each target token `[B, T]` and the full log-softmax `[B, T, V]`,
+        at the rollouts' temperature."""
+        temperature = self.config.temperature if self.config.temperature >= MIN_TEMPERATURE else 1.0
+        logp = (model(inputs).float() / temperature).log_softmax(-1)
         return logp.gather(-1, targets[..., None])[..., 0], logp
 
     def _forward_backward(self, micro: list[tuple[TokenSequence, torch.Tensor]],

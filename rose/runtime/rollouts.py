@@ -67,6 +67,6 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
     """Every episode played to its end, each turn routed on its own (the default)."""
     r = ctx.config.rollout
     params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
-                            stop_token_ids=tuple(ctx.tokenizer.stop_token_ids))
+                            stop_token_ids=tuple(ctx.tokenizer.stop_token_ids), logprobs_at_temperature=True)
     manager = RolloutManager(ctx.registry, params, seed=ctx.config.train.seed * 7919 + ctx.step)
     return await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s)

@@ -45,7 +45,8 @@ class TrainerGroup:
         c = self.config
         trainer_cfg = {"lr": c.train.lr, "micro_batch_size": c.train.micro_batch_size,
                        "mini_batches": c.train.mini_batches, "min_lr_ratio": c.train.min_lr_ratio,
-                       "lr_decay_steps": c.train.steps if c.train.lr_schedule == "cosine" else 0}
+                       "lr_decay_steps": c.train.steps if c.train.lr_schedule == "cosine" else 0,
+                       "temperature": c.rollout.temperature}
         # Data-parallel ranks share out the trainer's cores (all of them each, if too few).
         n, own = c.train.data_parallel, c.devices.trainer
         actor = ray.remote(TrainerActor).options(num_cpus=0)
