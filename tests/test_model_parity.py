@@ -12,7 +12,7 @@ import transformers
 from rose.model import load_model, preset_config, random_model, save_model
 
 # (arch, overrides): GQA ratios 1, 2 and 4+, tied/untied, Qwen2 biases, Qwen3 q/k norm and
-# attention_bias, head dims that are not hidden/heads.
+# attention_bias, Llama without and with attention_bias, head dims that are not hidden/heads.
 SHAPES = [
     ("qwen3", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
     ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
@@ -21,6 +21,10 @@ SHAPES = [
     ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False)),
     ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=10, hidden_size=60,
                    tie_word_embeddings=True)),
+    ("llama", dict(num_attention_heads=9, num_key_value_heads=3, head_dim=8, hidden_size=72,
+                   tie_word_embeddings=True)),
+    ("llama", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=20, attention_bias=True,
+                   tie_word_embeddings=False)),
 ]
 IDS = [f"{arch}-h{o['num_attention_heads']}kv{o['num_key_value_heads']}" for arch, o in SHAPES]
 
@@ -68,10 +72,11 @@ def test_logits_bf16_as_close_to_fp32_as_transformers_is(tmp_path: Path, arch: s
     assert (ours - ref).abs().max().item() <= 2 * ref_err + 1e-3
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_transformers_saved_checkpoint_loads(tmp_path: Path, arch: str) -> None:
     """Files written by transformers itself (its initialiser, its writer) load in ROSE."""
-    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "llama": transformers.LlamaConfig}[arch]
     config = cls(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                  max_position_embeddings=256, tie_word_embeddings=False)

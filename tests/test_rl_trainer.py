@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rose.engine import LLMEngine, SamplingParams
-from rose.model import load_model
+from rose.model import init_model, load_model
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn, shard_by_group
 from rose.runtime.config import resume_checkpoint
 
@@ -240,6 +240,19 @@ def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(p, _params(resumed)[name])
     with pytest.raises(ValueError, match=r"no trainer_state\.pt"):
         resumed.load_state(tmp_path)
+
+
+def test_a_llama_policy_trains_and_saves_as_llama(tmp_path: Path) -> None:
+    policy = init_model("llama", "tiny", tmp_path / "initial", seed=3)
+    trainer = Trainer(policy, config=TrainerConfig(lr=1e-2))
+    before = _params(trainer)
+    assert trainer.step(_batch())["updates"] == 1
+    trainer.save(tmp_path / "ckpt")
+    saved = load_model(tmp_path / "ckpt")
+    assert saved.config.model_type == "llama"
+    after = _params(trainer)
+    assert all(torch.equal(p, after[n]) for n, p in saved.named_parameters())
+    assert any(not torch.equal(before[n], p) for n, p in after.items())
 
 
 def test_the_kl_reference_is_saved_and_restored_never_replaced(tiny_qwen3: Path, tmp_path: Path) -> None:

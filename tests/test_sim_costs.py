@@ -102,3 +102,8 @@ def test_cross_cluster_sync_is_limited_by_the_slowest_stage():
     delta = WeightSync().payload_bytes(MODELS["qwen3-8b"], 1, sparse=True)
     assert cross_cluster_sync_time(delta, 20e9 / 8, 64, 1, 50e9, 48) < 20
     assert cross_cluster_sync_time(payload, 25e9, 0, 1, 50e9, 48) == 0.0
+
+
+def test_smollm2_shape_has_its_135m_parameters():
+    # HF's count, 134,515,008, less the 61 RMSNorm vectors of 576 that shapes leave out.
+    assert MODELS["smollm2-135m"].params == 134_515_008 - 61 * 576

@@ -156,3 +156,19 @@ def test_member_plan_shares_slices_between_replicas() -> None:
     assert sum(b.nbytes for b in plan.for_receiver("a/0")) + sum(b.nbytes for b in plan.for_receiver("a/1")) \
         > spec.nbytes  # replicated norms count on both ranks
     assert max(b.nbytes for b in plan.buckets) <= 8 << 20
+
+
+def test_llama_heads_split_without_qk_norms() -> None:
+    """SmolLM2-135M's attention (9 query heads, 3 KV heads of 64), with biases: TP 3 gives each
+    rank whole heads, TP 2 cannot; o_proj's bias is added after the all-reduce."""
+    config = preset_config("llama", "tiny", hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, attention_bias=True)
+    p = {q.name: q for q in config_spec(config).params}
+    layer = "model.layers.0.self_attn."
+    assert not any("norm" in name for name in p if name.startswith(layer))
+    assert p[layer + "o_proj.bias"].split == Split.REPLICATED
+    q, k = p[layer + "q_proj.weight"], p[layer + "k_proj.bias"]
+    assert [tp_box(q, 3, r)[0] for r in range(3)] == [(0, 192), (192, 384), (384, 576)]
+    assert [tp_box(k, 3, r) for r in range(3)] == [((0, 64),), ((64, 128),), ((128, 192),)]
+    with pytest.raises(ValueError, match="9 heads cannot be split over tensor-parallel size 2"):
+        tp_box(q, 2, 0)

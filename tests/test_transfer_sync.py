@@ -17,7 +17,7 @@ import xxhash
 import zstandard
 
 from rose.bench.transfer import Trainer
-from rose.model import QwenForCausalLM, preset_config
+from rose.model import CausalLM, preset_config
 from rose.transfer import (
     Link,
     LinkError,
@@ -117,7 +117,7 @@ def test_twenty_versions_with_faults_end_bit_exact(one_thread: None) -> None:
     link = Link(50.0, drop=drop)
     senders = [Sender(relay, spec, shard(trainer.policy, tlayout.rank_boxes(rank)), trainer=tspec, rank=rank,
                       policy=SyncPolicy(full_every=8), link=link, bucket_bytes=16 << 10) for rank in range(2)]
-    engine_b = QwenForCausalLM(config)  # stands in for an engine with load_weights
+    engine_b = CausalLM(config)  # stands in for an engine with load_weights
     views = {"a/0": Faulty(relay), "a/1": Faulty(relay), "b/0": Faulty(relay)}
     receivers = {
         "a/0": Receiver(views["a/0"], spec, ReceiverSpec("a", tp=2, rank=0)),
@@ -184,7 +184,7 @@ def test_sync_policy_decisions() -> None:
 
 def test_sender_refuses_shards_that_do_not_match_its_layout() -> None:
     config = preset_config("qwen3", "tiny")
-    model = QwenForCausalLM(config)
+    model = CausalLM(config)
     spec = model_spec(model)
     tensors = shard({n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()},
                     trainer_layout(spec, TrainerSpec(fsdp=2)).rank_boxes(0))

@@ -44,7 +44,7 @@ from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, Reque
 from rose.engine.llm_engine import eos_ids
 from rose.engine.sequence import Sequence
 from rose.model import load_model
-from rose.model.qwen import QwenForCausalLM
+from rose.model.decoder import CausalLM
 
 SERVING, ROLLOUT = "serving", "rollout"
 
@@ -115,7 +115,7 @@ class ExecutorConfig:
 
 
 class CoServingExecutor:
-    def __init__(self, serving: QwenForCausalLM, rollout: QwenForCausalLM | None,
+    def __init__(self, serving: CausalLM, rollout: CausalLM | None,
                  config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
                  rollout_eos: Iterable[int] = ()) -> None:
         self.config = cfg = config or ExecutorConfig()

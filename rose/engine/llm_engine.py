@@ -21,7 +21,7 @@ from rose.engine.sampling import sample, unsampleable_rows
 from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from rose.engine.sequence import RequestOutput, Sequence, Status
 from rose.model import ModelConfig, load_model
-from rose.model.qwen import QwenForCausalLM
+from rose.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def eos_ids(path: str | Path, config: ModelConfig) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: QwenForCausalLM, config: EngineConfig | None = None,
+    def __init__(self, model: CausalLM, config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] = (), pool: KVPool | None = None,
                  name: str = "model") -> None:
         """`pool`: a KV pool shared with other engines (one is made from the config if None);

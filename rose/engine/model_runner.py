@@ -9,7 +9,7 @@ import torch
 from rose.engine.attention import PagedAttention
 from rose.engine.scheduler import Batch
 from rose.engine.sequence import Sequence
-from rose.model.qwen import QwenForCausalLM
+from rose.model.decoder import CausalLM
 
 
 class IterationInterrupted(Exception):
@@ -17,7 +17,7 @@ class IterationInterrupted(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: QwenForCausalLM, kv: torch.Tensor) -> None:
+    def __init__(self, model: CausalLM, kv: torch.Tensor) -> None:
         self.model = model
         self.attention = PagedAttention(kv, model.config.num_attention_heads)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rose.model.config import CheckpointError, ModelConfig
-from rose.model.qwen import QwenForCausalLM, RotaryEmbedding
+from rose.model.decoder import CausalLM, RotaryEmbedding
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that carry no learned state.
@@ -38,36 +38,46 @@ def _tensor_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> QwenForCausalLM:
-    """Load a Qwen2/Qwen3 checkpoint directory; any mismatch raises `CheckpointError`."""
+               device: str | torch.device = "cpu") -> CausalLM:
+    """Load a checkpoint directory (Llama, Qwen2 or Qwen3); any mismatch raises `CheckpointError`."""
     path = Path(path)
-    config = ModelConfig.from_dir(path)
+
+    def tensors() -> Iterator[tuple[str, str, torch.Tensor]]:
+        for file in _tensor_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        yield file.name, name, f.get_tensor(name)
+
+    return assemble_model(ModelConfig.from_dir(path), tensors(), str(path), dtype, device)
+
+
+def assemble_model(config: ModelConfig, tensors: Iterable[tuple[str, str, torch.Tensor]], source: str,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    """A model of `config` holding `tensors`, `(where, name, tensor)` triples under HF names
+    (`where` says in errors which file held it). Every parameter must be given once, in its
+    shape; a tied `lm_head.weight` may be given and is dropped."""
     with torch.device("meta"):
-        model = QwenForCausalLM(config)
+        model = CausalLM(config)
     expected = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
     loaded: dict[str, torch.Tensor] = {}
-    for file in _tensor_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # tied: the embedding is the head
-                if name not in expected:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for "
-                                          f"{config.model_type} (not in the model definition)")
-                tensor = f.get_tensor(name)
-                want = tuple(expected[name].shape)
-                if tuple(tensor.shape) != want:
-                    raise CheckpointError(f"{file.name}: tensor {name!r} has shape "
-                                          f"{tuple(tensor.shape)}, expected {want}")
-                loaded[name] = tensor.to(device=device, dtype=dtype)
+    for where, name, tensor in tensors:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        if name not in expected:
+            raise CheckpointError(f"{where}: unexpected tensor {name!r} for "
+                                  f"{config.model_type} (not in the model definition)")
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape "
+                                  f"{tuple(tensor.shape)}, expected {want}")
+        loaded[name] = tensor.to(device=device, dtype=dtype)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{more}")
+        raise CheckpointError(f"{source}: missing tensor(s) {', '.join(missing[:5])}{more}")
     model.load_state_dict(loaded, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -99,7 +109,7 @@ def _write(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
-def save_model(model: QwenForCausalLM, path: str | Path,
+def save_model(model: CausalLM, path: str | Path,
                max_shard_bytes: int = 2 * 1024**3) -> None:
     """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`).
 

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+# model_type -> the transformers class that reads the same config.json.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 class CheckpointError(ValueError):
@@ -28,7 +30,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
-    # Qwen2 always has q/k/v biases; Qwen3 has them (and an o_proj bias) only when set.
+    # Qwen2 always has q/k/v biases (and never an o_proj one); Llama and Qwen3 bias all four
+    # projections when this is set.
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -59,7 +62,7 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        return self.model_type == "qwen3" and self.attention_bias
+        return self.model_type != "qwen2" and self.attention_bias
 
     @property
     def qk_norm(self) -> bool:
@@ -67,7 +70,7 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
+        return ARCHITECTURES[self.model_type]
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -81,6 +84,9 @@ class ModelConfig:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"config.json: hidden_act {act!r} is not supported; expected 'silu'")
+        if raw.get("mlp_bias"):
+            raise CheckpointError("config.json: mlp_bias true is not supported; "
+                                  "expected an MLP without biases")
         sliding = [t for t in raw.get("layer_types") or [] if t != "full_attention"]
         if raw.get("use_sliding_window") or sliding:
             raise CheckpointError("config.json: sliding-window attention (use_sliding_window / "
@@ -116,14 +122,16 @@ class ModelConfig:
             architectures=[self.architecture],
             hidden_act="silu",
             rope_scaling=None,
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=self.num_hidden_layers,
             attention_dropout=0.0,
             initializer_range=0.02,
             use_cache=True,
             torch_dtype=dtype,
         )
+        if self.model_type == "llama":
+            raw.update(mlp_bias=False)
+        else:  # Qwen's sliding-window switches, off
+            raw.update(use_sliding_window=False, sliding_window=None,
+                       max_window_layers=self.num_hidden_layers)
         return raw
 
     @classmethod

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 
 from rose.model.checkpoint import save_model
-from rose.model.config import ModelConfig
-from rose.model.qwen import QwenForCausalLM
+from rose.model.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from rose.model.decoder import CausalLM
 from rose.model.tokenizer import Tokenizer, build_tokenizer
 
 # tiny: ~0.1 M parameters, milliseconds per forward. small: the 34 M-parameter shape of the
@@ -23,7 +22,7 @@ PRESETS: dict[str, dict[str, int | bool]] = {
                   num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                   max_position_embeddings=4096, tie_word_embeddings=False),
 }
-ARCHS = ("qwen2", "qwen3")
+ARCHS = SUPPORTED_MODEL_TYPES
 
 
 def preset_config(arch: str, preset: str, **overrides: int | bool) -> ModelConfig:
@@ -34,11 +33,11 @@ def preset_config(arch: str, preset: str, **overrides: int | bool) -> ModelConfi
     return ModelConfig(model_type=arch, **{**PRESETS[preset], **overrides})
 
 
-def random_model(config: ModelConfig, seed: int = 0, std: float = 0.02) -> QwenForCausalLM:
+def random_model(config: ModelConfig, seed: int = 0, std: float = 0.02) -> CausalLM:
     """Weights and biases drawn normal with `std` (HF's initialiser range by default), norms
     at 1. Tests use a larger std for peakier, more varied generations."""
     gen = torch.Generator().manual_seed(seed)
-    model = QwenForCausalLM(config)
+    model = CausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -57,7 +56,4 @@ def init_model(arch: str, preset: str, out: str | Path, seed: int = 0,
     config = dataclasses.replace(config, eos_token_id=tok.eos_token_id)
     save_model(random_model(config, seed), out)
     tok.save(out, config.max_position_embeddings)
-    generation = {"eos_token_id": tok.stop_token_ids, "pad_token_id": tok.pad_token_id,
-                  "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out

@@ -74,12 +74,14 @@ class Tokenizer:
     """Encode, decode and render chat prompts the way the checkpoint's files say."""
 
     def __init__(self, tok: HFTokenizer, chat_template: str = CHAT_TEMPLATE,
-                 eos_token: str = IM_END, pad_token: str = ENDOFTEXT) -> None:
+                 eos_token: str = IM_END, pad_token: str = ENDOFTEXT,
+                 bos_token: str | None = None) -> None:
         self._tok = tok
         self.chat_template = chat_template
-        self.eos_token, self.pad_token = eos_token, pad_token
+        self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
         self.eos_token_id = self._id(eos_token)
         self.pad_token_id = self._id(pad_token)
+        self.bos_token_id = None if bos_token is None else self._id(bos_token)
         self._template = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
 
@@ -112,15 +114,20 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        # The special tokens are template variables too, as transformers passes them (`{{ bos_token }}`).
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **{k: v for k, v in special.items() if v is not None})
 
     def save(self, path: str | Path, model_max_length: int) -> None:
+        """`tokenizer.json`, `tokenizer_config.json` and the `generation_config.json` that names
+        the stop tokens (transformers and ROSE's engine both read it)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(path / "tokenizer.json"))
         config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": None,
+            "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
             "chat_template": self.chat_template,
@@ -128,6 +135,9 @@ class Tokenizer:
             "clean_up_tokenization_spaces": False,
         }
         (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": self.bos_token_id, "eos_token_id": self.stop_token_ids,
+                      "pad_token_id": self.pad_token_id, "do_sample": False}
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -141,9 +151,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     template_file = path / "chat_template.jinja"  # where transformers 5 writes the template
     template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
 
-    def token(key: str, default: str) -> str:
+    def token(key: str, default: str | None) -> str | None:
         value = config.get(key) or default
         return value["content"] if isinstance(value, dict) else value
 
     return Tokenizer(HFTokenizer.from_file(str(file)), template or CHAT_TEMPLATE,
-                     token("eos_token", IM_END), token("pad_token", ENDOFTEXT))
+                     token("eos_token", IM_END), token("pad_token", ENDOFTEXT), token("bos_token", None))

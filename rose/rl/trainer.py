@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rose.contracts.sampling import MIN_TEMPERATURE
-from rose.model import QwenForCausalLM, load_model, save_model
+from rose.model import CausalLM, load_model, save_model
 from rose.model.checkpoint import fsync_dir, fsync_file
 from rose.rl.objective import Objective
 from rose.rl.trajectory import TokenSequence, Trajectory
@@ -122,7 +122,7 @@ def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class Trainer:
-    def __init__(self, model: QwenForCausalLM | str | Path, objective: Objective | None = None,
+    def __init__(self, model: CausalLM | str | Path, objective: Objective | None = None,
                  config: TrainerConfig | None = None, group: dist.ProcessGroup | None = None) -> None:
         """`model`: a policy or a checkpoint directory (loaded in fp32). With a process group
         initialised, this is one data-parallel rank of `group` (default: the whole world); rank
@@ -258,7 +258,7 @@ class Trainer:
                             advantages))
         return out
 
-    def _logprobs(self, model: QwenForCausalLM, inputs: torch.Tensor,
+    def _logprobs(self, model: CausalLM, inputs: torch.Tensor,
                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probability of each target token `[B, T]` and the full log-softmax `[B, T, V]`,
         at the rollouts' temperature."""

@@ -133,6 +133,9 @@ MODELS: dict[str, ModelShape] = {
     # `rose train`'s default policy and serving model (rose.model.presets "tiny", float32).
     "tiny-qwen3": ModelShape("tiny Qwen3", 2, 64, 4, 2, 16, 128, 512, tied=True, bytes_per_param=4),
     "tiny-qwen2": ModelShape("tiny Qwen2", 2, 64, 4, 2, 16, 128, 512, tied=True, bytes_per_param=4),
+    # SmolLM2-135M(-Instruct), a Llama: `rose init-model --preset smollm2-135m-instruct` imports it
+    # in float32.
+    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, tied=True, bytes_per_param=4),
 }
 
 

