@@ -21,16 +21,24 @@ try:
 except FileNotFoundError as exc:
     pytest.skip(f"SmolLM2-135M-Instruct is not installed ({exc})", allow_module_level=True)
 
-# Real chat, without digits: transformers splits digit runs with GPT-2's pattern where llama.cpp's
-# "smollm" pre-tokenizer (and so ROSE) splits every digit (test_digits_are_split_one_by_one).
+# Real chat.
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
     [{"role": "system", "content": "You are a concise assistant."},
      {"role": "user", "content": "Give me three tips for writing clear emails."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Write a haiku about the sea, in 3 lines of 5, 7 and 5 syllables."}],
     [{"role": "user", "content": "Hi! Can you explain what a hash table is?"},
      {"role": "assistant", "content": "A hash table maps keys to values through a hash function."},
      {"role": "user", "content": "And what happens when two keys collide?"}],
+]
+# Answers to them, for the teacher-forced logits.
+REPLIES = [
+    "The capital of France is Paris.",
+    "Put the request in the first line, keep each paragraph to one idea, and end with the next step "
+    "you expect from the reader.",
+    "Waves fold into foam,\nsalt wind carries the gulls' cries,\nthe tide keeps its time.",
+    "Both keys land in the same bucket. The table then keeps them in a short list there, or probes "
+    "for the next free slot, and compares the keys themselves on lookup.",
 ]
 
 
@@ -79,22 +87,30 @@ def test_chat_template_renders_as_transformers(checkpoint: Path,
     assert tok.stop_token_ids == [hf_tokenizer.eos_token_id]  # <|im_end|>
 
 
-def test_digits_are_split_one_by_one(checkpoint: Path) -> None:
+def test_digits_are_split_one_by_one(checkpoint: Path,
+                                     hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """llama.cpp's "smollm" split, which transformers' GGUF tokenizer does not know: it keeps runs of
+    digits together, and agrees only because SmolLM2's vocabulary has no merges across digits."""
     tok = load_tokenizer(checkpoint)
-    pieces = [tok.decode([i]) for i in tok.encode("In 2024 there were 366 days.")]
-    assert [p for p in pieces if p.strip().isdigit()] == list("2024366")
+    text = "In 2024 there were 366 days, 8784 hours."
+    ids = tok.encode(text)
+    assert [p for p in (tok.decode([i]) for i in ids) if p.strip().isdigit()] == list("20243668784")
+    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_logits_match_transformers(checkpoint: Path, hf: transformers.PreTrainedModel) -> None:
     tok = load_tokenizer(checkpoint)
-    text = "".join(tok.apply_chat_template(chat, add_generation_prompt=False) for chat in CHATS)
+    text = "".join(tok.apply_chat_template([*chat, {"role": "assistant", "content": reply}],
+                                           add_generation_prompt=False)
+                   for chat, reply in zip(CHATS, REPLIES, strict=True))
     ids = torch.tensor([tok.encode(text)])
     assert ids.shape[1] >= 200
     with torch.no_grad():
         ours = load_model(checkpoint)(ids)
         ref = hf(ids).logits
-    relative = ((ours - ref).abs().max() / ref.abs().max()).item()
-    print(f"SmolLM2 logits over {ids.shape[1]} tokens: max |ours - HF| / max |HF| = {relative:.2e}")
+    error = (ours - ref).abs().max().item()
+    relative = error / ref.abs().max().item()
+    print(f"SmolLM2, {ids.shape[1]} tokens: max |ours - HF| = {error:.2e}, {relative:.2e} of max |HF|")
     assert relative <= 1e-4
 
 
