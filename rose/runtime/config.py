@@ -62,6 +62,9 @@ class RolloutConfig:
     stall_timeout_s: float = 2.0
     timeout_s: float = 900.0
     kv_cache_mb: int = 64
+    # DAPO's dynamic sampling: sample up to this many rounds of `groups` until that many groups
+    # have outcomes that differ (1: one round, the trainer drops the uninformative groups).
+    max_sampling_rounds: int = 1
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
@@ -210,7 +213,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
 _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"rollout.{k}": (1, math.inf, True) for k in (
         "groups", "group_size", "max_tokens", "dedicated_concurrency", "serving_concurrency",
-        "max_context_tokens", "kv_cache_mb")},
+        "max_context_tokens", "kv_cache_mb", "max_sampling_rounds")},
     "rollout.temperature": (0, math.inf, True),  # 0: greedy
     "rollout.stall_timeout_s": (0, math.inf, False),
     "rollout.timeout_s": (0, math.inf, False),
