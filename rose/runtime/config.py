@@ -21,7 +21,9 @@ from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
 from rose.model.presets import ARCHS, PRESETS, preset_config
+from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
+from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
 from rose.runtime.rollouts import load_rollout_function
@@ -73,13 +75,24 @@ class RolloutConfig:
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 100
-    objective: str = "grpo"
-    scale_advantages: bool = True  # divide by the group's reward std (GRPO); false: Dr. GRPO
+    objective: str = "grpo"  # grpo, dr_grpo or dapo (docs/rl.md, "The objective")
+    # The objective's settings; None keeps the named objective's own (docs/rl.md).
+    scale_advantages: bool | None = None  # divide by the group's reward std (GRPO; not Dr. GRPO)
+    kl_coef: float | None = None
+    clip_ratio_c: float | None = None  # dual clip
+    recompute_old_logprobs: bool | None = None  # and truncated importance sampling
+    tis_cap: float | None = None
+    max_version_lag: int | None = None  # tokens sampled more versions ago do not train (None: all do)
+    overlong_max_tokens: int | None = None  # DAPO's overlong penalty, per response
+    overlong_cache_tokens: int | None = None
     step_advantage_weight: float = 0.0  # GiGPO's step-level credit (rose.rl.objective); 0: off
     discount: float = 0.95  # of the returns-to-go the step level compares
     lr: float = 3e-3
     lr_schedule: str = "cosine"  # down to lr * min_lr_ratio at train.steps, or "constant"
     min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.01
     micro_batch_size: int = 32
     data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer (gloo)
     mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
@@ -185,7 +198,12 @@ def validate(config: Config, mode: Mode | None = None) -> None:
            f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
     _check_env(config.env)
     load_rollout_function(config.rollout.function)
-    _check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
+    _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
+                                      f"got {t.objective!r}")
+    try:
+        Objective.named(t.objective, **objective_options(config))
+    except ValueError as exc:  # "objective: NAME must ...": NAME is the train key of that name
+        raise ValueError(f"config: {str(exc).replace('objective: ', 'train.', 1)}") from None
     _check(t.lr_schedule in ("constant", "cosine"),
            f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
     _check(s.trace in TRACE_NAMES or Path(s.trace).is_file(),
@@ -220,6 +238,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"train.{k}": (1, math.inf, True) for k in (
         "steps", "checkpoint_every", "micro_batch_size", "data_parallel", "mini_batches")},
     "train.lr": (0, math.inf, False),
+    "train.warmup_steps": (0, math.inf, True),
+    "train.max_grad_norm": (0, math.inf, False),
+    "train.weight_decay": (0, math.inf, True),
     "train.min_lr_ratio": (0, 1, True),
     "train.step_advantage_weight": (0, math.inf, True),
     "train.discount": (0, 1, True),
@@ -231,6 +252,18 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "serving.tpot_inflation": (0, math.inf, True),
     "serving.ttft_inflation": (0, math.inf, True),
 }
+
+
+_OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
+                   "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",
+                   "discount")
+
+
+def objective_options(config: Config) -> dict[str, Any]:
+    """The settings the config gives `train.objective` (Dr. GRPO's length normaliser: the
+    longest trajectory, rollout.max_context_tokens)."""
+    given = {k: getattr(config.train, k) for k in _OBJECTIVE_KEYS if getattr(config.train, k) is not None}
+    return {"norm_tokens": config.rollout.max_context_tokens, **given}
 
 
 def _check_numbers(config: Config) -> None:
