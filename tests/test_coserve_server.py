@@ -450,6 +450,21 @@ def test_the_lease_api_cannot_abort_serving_requests(guarded: tuple[str, CoServi
     assert _wait(lambda: not executor.has_unfinished())
 
 
+def test_the_lease_api_aborts_a_running_turn(guarded: tuple[str, CoServingExecutor]) -> None:
+    """The abort answers with the turn's last event, which also ends the turn's stream (the
+    route used to abort the turn, then fail with a 500 before ending the stream)."""
+    url, executor = guarded
+    body = {**TURN, "turn_id": "stopped", "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+        assert not next(events)["finished"]
+        aborted = httpx.post(f"{url}/v1/lease/turns/stopped/abort", headers=LEASE)
+        assert aborted.status_code == 200, aborted.text
+        assert aborted.json()["finished"] and aborted.json()["finish_reason"] == "abort"
+        assert list(events)[-1] == aborted.json()
+    assert _wait(lambda: not executor.has_unfinished())
+
+
 def test_lease_slots_are_enforced(guarded: tuple[str, CoServingExecutor]) -> None:
     url, executor = guarded
     body = {**TURN, "turn_id": "long", "max_tokens": 1500, "ignore_eos": True}

@@ -499,10 +499,9 @@ def build_app(executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str
 
     @app.post("/v1/lease/turns/{turn_id}/abort")
     async def abort_turn(turn_id: str) -> dict[str, Any]:
-        out = await _loop().call(lambda: executor.abort_turn(turn_id))  # rollout turns only
+        out = await _loop().abort(turn_id, executor.abort_turn)  # rollout turns only; their streams end
         if out is None:
             raise APIError(404, f"no running turn {turn_id!r}", "turn_id", "not_found_error")
-        _loop().deliver([out])  # the turn's stream ends with it
         return _turn_event(out)
 
     async def _capacity() -> dict[str, Any]:
