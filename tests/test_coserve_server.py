@@ -27,6 +27,7 @@ from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import SamplingParams
+from rose.engine.async_engine import EngineLoop
 from rose.model import Tokenizer, init_model, load_tokenizer, random_model
 
 
@@ -65,11 +66,16 @@ def executor_of(checkpoints: tuple[Path, Path], **config: Any) -> CoServingExecu
     return CoServingExecutor.from_pretrained(*checkpoints, ExecutorConfig(pool_bytes=8 * 1024**2, **config))
 
 
+def app_of(executor: CoServingExecutor, checkpoints: tuple[Path, Path],
+           limits: ServerLimits | None = None) -> FastAPI:
+    return build_app(EngineLoop(executor), executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)
+
+
 @pytest.fixture(scope="module")
 def server(checkpoints: tuple[Path, Path]) -> Iterator[tuple[str, CoServingExecutor]]:
     executor = executor_of(checkpoints)
     executor.profile()
-    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving")) as url:
+    with running(app_of(executor, checkpoints)) as url:
         yield url, executor
 
 
@@ -350,7 +356,7 @@ def guarded(checkpoints: tuple[Path, Path]) -> Iterator[tuple[str, CoServingExec
     executor.step = lambda: (time.sleep(0.01), step())[1]
     limits = ServerLimits(api_key="api-secret", lease_key="lease-secret", max_body_bytes=4096,
                           max_weights_bytes=64 * 1024, max_waiting_per_model=1, queue_timeout_s=1.0)
-    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+    with running(app_of(executor, checkpoints, limits)) as url:
         yield url, executor
 
 
@@ -527,7 +533,7 @@ def test_health_and_heartbeat_report_a_stuck_engine_loop(checkpoints: tuple[Path
     executor = executor_of(checkpoints)
     stuck = _Stuck(executor, monkeypatch)
     limits = ServerLimits(health_timeout_s=0.5)
-    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+    with running(app_of(executor, checkpoints, limits)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             hung = pool.submit(httpx.post, f"{url}/v1/completions", json=COMPLETION, timeout=60)
@@ -547,7 +553,7 @@ def test_shutdown_is_bounded_with_a_stuck_engine_loop(checkpoints: tuple[Path, P
     limits = ServerLimits(shutdown_timeout_s=1.0)
     start = 0.0
     try:
-        with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+        with running(app_of(executor, checkpoints, limits)) as url:
             with contextlib.suppress(httpx.TimeoutException):
                 httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=1)
             start = time.monotonic()
