@@ -10,7 +10,6 @@ worker that dies midway leaves the manager every token it had sent.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import socket
@@ -24,11 +23,11 @@ import torch
 
 from rose.contracts import Heartbeat, Turn, TurnOutput, WeightUpdate, WorkerKind
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
-from rose.coserve.lease_client import LeaseClient, TurnRejected
+from rose.coserve.lease_client import TurnRejected
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import LLMEngine
-from rose.engine.async_engine import AsyncLLMEngine
+from rose.engine.async_engine import AsyncLLMEngine, EngineLoop
 from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rollout.workers import EngineWorker
@@ -97,10 +96,14 @@ class TrainerActor:
 
 
 class _Replica:
-    """A rollout replica's receiving end: joins the relay group; syncs go to `apply`."""
+    """A rollout replica's receiving end: joins the relay group; each sync's weights go to `load`,
+    which the replica's engine loop runs between two iterations."""
 
-    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
-              apply: WeightUpdate) -> None:
+    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module, loop: EngineLoop,
+              load: WeightUpdate) -> None:
+        def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+            loop.submit(lambda: load(named, version)).result()
+
         self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), apply,
                                  group=group)
         self.receiver.join()
@@ -121,11 +124,8 @@ class DedicatedWorkerActor(_Replica):
         pin(cores)
         self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
         self.worker = EngineWorker(worker_id, self.engine, max_concurrency=0)
-        self._join(relay, group, worker_id, self.engine.engine.model, self._apply)
-
-    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        tensors = list(named)
-        self.engine.submit(lambda: self.engine.engine.load_weights(tensors, version)).result()
+        self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
+                   self.engine.engine.load_weights)
 
     async def ready(self) -> bool:
         return True
@@ -179,7 +179,8 @@ class ActorWorker:
 
 class ServingDeviceActor(_Replica):
     """A co-serving executor (serving model + rollout model) behind its HTTP server, with a trace
-    replay driving its serving side from this process."""
+    replay driving its serving side from this process. Synced weights reach the executor in
+    process, through the engine loop the server runs on."""
 
     def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
                  config: ExecutorConfig, replay_spec: ServingConfig, relay: str, group: str,
@@ -190,7 +191,8 @@ class ServingDeviceActor(_Replica):
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
         executor.profile()
         self.limits = limits
-        app = build_app(executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
+        loop = EngineLoop(executor, name="rose-executor")
+        app = build_app(loop, executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -203,19 +205,7 @@ class ServingDeviceActor(_Replica):
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
-        self._join(relay, group, worker_id, executor.rollout.model, self._apply)
-
-    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        async def load() -> None:
-            client = LeaseClient(self.url, key=self.limits.lease_key)
-            try:
-                await client.load_weights(named, version)
-            finally:
-                await client.aclose()
-
-        # Ray runs this method beside an event loop of its own: the HTTP call gets a thread.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pool.submit(asyncio.run, load()).result()
+        self._join(relay, group, worker_id, executor.rollout.model, loop, executor.load_weights)
 
     def address(self) -> str:
         return self.url
