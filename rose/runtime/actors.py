@@ -2,28 +2,27 @@
 
 Each pins itself to its device's cores first (`devices.pin`). Weights travel from the trainer's
 `Sender` through the relay (Ray's object store) to a `Receiver` in every rollout replica, which
-hands them to its engine between two iterations. `ActorWorker` is the rollout manager's proxy
-for a dedicated worker: turns stream back chunk by chunk (a Ray streaming generator), so a
-worker that dies midway leaves the manager every token it had sent.
+hands them to its engine between two iterations. A dedicated worker's actor hosts an
+`EngineWorker` itself; the rollout manager reaches it through `rose.rollout.workers.RemoteWorker`:
+turns stream back chunk by chunk (a Ray streaming generator), so a worker that dies midway
+leaves the manager every token it had sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rose.contracts import Heartbeat, Turn, TurnOutput, WeightUpdate, WorkerKind
+from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
-from rose.coserve.lease_client import TurnRejected
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import LLMEngine
@@ -116,65 +115,24 @@ class _Replica:
         self.receiver.leave()
 
 
-class DedicatedWorkerActor(_Replica):
-    """The rollout model alone on its device (an async actor: heartbeats answer while it works)."""
+class DedicatedWorkerActor(_Replica, EngineWorker):
+    """The rollout model alone on its device: an `EngineWorker` hosted by an async actor (its
+    `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
+    plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
     def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, int],
                  relay: str, group: str) -> None:
         pin(cores)
-        self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
-        self.worker = EngineWorker(worker_id, self.engine, max_concurrency=0)
+        engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
+        EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
         self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
                    self.engine.engine.load_weights)
 
     async def ready(self) -> bool:
         return True
 
-    async def stream_turn(self, turn: Turn) -> AsyncIterator[TurnOutput]:
-        async for chunk in self.worker.stream(turn):
-            yield chunk
-
-    async def heartbeat(self) -> Heartbeat:
-        return await self.worker.heartbeat()
-
-    async def abort(self, turn_id: str) -> None:
-        await self.worker.abort(turn_id)
-
     async def sync_weights(self, timeout: float) -> dict[str, Any]:
         return await asyncio.to_thread(self._synced, timeout)
-
-
-class ActorWorker:
-    """The rollout manager's handle on a `DedicatedWorkerActor`."""
-
-    kind = WorkerKind.DEDICATED
-
-    def __init__(self, worker_id: str, handle: Any, max_concurrency: int) -> None:
-        self.worker_id, self.handle, self.max_concurrency = worker_id, handle, max_concurrency
-
-    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
-        """A ValueError in the actor (the engine refusing the prompt or its sampling, reaching
-        here wrapped in a RayTaskError) is the turn's failure; anything else the worker's."""
-        from ray.exceptions import RayTaskError
-
-        try:
-            async for ref in self.handle.stream_turn.remote(turn):
-                output.extend(await ref)
-        except RayTaskError as exc:
-            if isinstance(exc.cause, ValueError):
-                raise TurnRejected(f"turn {turn.turn_id!r} on {self.worker_id}: {exc.cause}") from exc
-            raise
-        return output
-
-    async def heartbeat(self) -> Heartbeat:
-        return await self.handle.heartbeat.remote()
-
-    async def abort(self, turn_id: str) -> None:
-        with contextlib.suppress(Exception):  # a dead actor has nothing left to abort
-            await self.handle.abort.remote(turn_id)
-
-    async def close(self) -> None:
-        pass
 
 
 class ServingDeviceActor(_Replica):
