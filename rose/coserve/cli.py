@@ -10,6 +10,7 @@ import torch
 
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy
 from rose.coserve.server import ServerLimits, build_app
+from rose.engine.async_engine import EngineLoop
 from rose.model import load_tokenizer
 
 SWITCH_INTERVAL_S = 0.0005
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_profile:
         executor.profile()
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-    app = build_app(executor, load_tokenizer(args.model), name, limits)
+    tokenizer = load_tokenizer(args.model)
+    app = build_app(EngineLoop(executor, name="rose-executor"), executor, tokenizer, name, limits)
     # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
                 limit_concurrency=limits.max_connections)

@@ -53,6 +53,10 @@ class TurnSlotsFull(RuntimeError):
     """Every lease slot (`ExecutorConfig.max_rollout_turns`) holds a turn: retry later."""
 
 
+class StaleVersion(ValueError):
+    """New rollout weights whose version is below the rollout model's: versions only move forward."""
+
+
 class Policy(enum.Enum):
     ROSE = "rose"
     NAIVE = "naive"
@@ -230,7 +234,14 @@ class CoServingExecutor:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
-        self._rollout().load_weights(named_tensors, version, in_flight)
+        """New rollout weights (between two iterations, like every call here: no other load passes
+        the version check meanwhile). The same version again is a re-sync (a full copy after a
+        failed delta, a restart); an older one raises StaleVersion."""
+        rollout = self._rollout()
+        if version < rollout.policy_version:
+            raise StaleVersion(f"version {version}: the rollout model already has version "
+                               f"{rollout.policy_version}; weight versions only move forward")
+        rollout.load_weights(named_tensors, version, in_flight)
 
     def has_unfinished(self) -> bool:
         return self.serving.has_unfinished() or bool(self.rollout and self.rollout.has_unfinished())
