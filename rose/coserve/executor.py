@@ -77,9 +77,9 @@ class ExecutorConfig:
     static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
     # "Serving never notices": rollouts may add at most this share of a serving request's own
-    # decode time to it (its TPOT), and of its own time to first token to its TTFT; a request
-    # arriving at an idle device waits at most ttft_inflation x B_TTFT for the rollout
-    # iteration in progress. inf: only the SLOs bound them.
+    # decode time to it (its TPOT), and of its own time to first token to its TTFT; a rollout
+    # step on an idle device is capped at ttft_inflation x B_TTFT (and an arriving request
+    # interrupts it between layers). inf: only the SLOs bound them.
     tpot_inflation: float = 0.10
     ttft_inflation: float = 0.03
     # Admission predicts iteration times at this quantile of the latency model's measured
