@@ -8,7 +8,7 @@ from typing import Any
 
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
-from rose.runtime.config import Mode, ServingConfig
+from rose.runtime.config import Mode, ServingDeviceConfig
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ class TrainStep:
     restarts: list[str] = dataclasses.field(default_factory=list)  # actors that died and came back
 
 
-def serving_summary(results: list[RequestResult], s: ServingConfig) -> dict[str, Any]:
+def serving_summary(results: list[RequestResult], s: ServingDeviceConfig) -> dict[str, Any]:
     if not results:
         return {}
     duration = max(r.scheduled_s + (r.latency_s or 0) for r in results) - min(r.scheduled_s for r in results)
@@ -63,7 +63,7 @@ def summarize(records: list[TrainStep], serving: dict[str, Any]) -> dict[str, An
 
 
 def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, RequestResult]],
-               s: ServingConfig, mode: Mode) -> Path:
+               s: ServingDeviceConfig, mode: Mode) -> Path:
     """Reward and success, step time split, serving latency against the SLO, where turns ran."""
     import matplotlib
 
