@@ -30,7 +30,7 @@ from rose.engine.async_engine import AsyncLLMEngine, EngineLoop
 from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rollout.workers import EngineWorker
-from rose.runtime.config import ServingConfig
+from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
 
@@ -141,7 +141,7 @@ class ServingDeviceActor(_Replica):
     process, through the engine loop the server runs on."""
 
     def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
-                 config: ExecutorConfig, replay_spec: ServingConfig, relay: str, group: str,
+                 config: ExecutorConfig, replay_spec: ServingDeviceConfig, relay: str, group: str,
                  limits: ServerLimits) -> None:
         pin(cores)
         import uvicorn

@@ -1,8 +1,9 @@
-"""`rose train`'s configuration: dataclass schemas, YAML files and dotted overrides (OmegaConf).
+"""`rose train`'s configuration: its dataclass schemas and the checks beyond types.
 
-Everything that can be wrong is checked before anything starts (no Ray, no model loads): an
-unknown key, a value of the wrong type, more cores than the machine has, a checkpoint that is
-not there. Each failure is one `ValueError` line naming the key and what is expected.
+YAML files and dotted overrides are merged by the shared loader (`rose.config`). Everything that
+can be wrong is checked before anything starts (no Ray, no model loads): an unknown key, a value
+of the wrong type, more cores than the machine has, a checkpoint that is not there. Each failure
+is one `ValueError` line naming the key and what is expected.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import dataclasses
 import enum
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
+from rose.config import load
+from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
@@ -111,7 +112,10 @@ class DevicesConfig:
 
 
 @dataclasses.dataclass
-class ServingConfig:
+class ServingDeviceConfig:
+    """What each serving device runs in rose mode: the serving model, the trace replayed against
+    it, and its co-serving executor's SLOs and admission settings."""
+
     arch: str = "qwen2"
     preset: str = "tiny"
     seed: int = 1
@@ -125,9 +129,9 @@ class ServingConfig:
     slo_ttft_ms: float = 500.0
     slo_tpot_ms: float = 100.0
     # Co-serving admission (docs/coserve.md, "Admission"): the executor's defaults.
-    admission_quantile: float = 0.95
-    tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.03
+    admission_quantile: float = ExecutorConfig.admission_quantile
+    tpot_inflation: float = ExecutorConfig.tpot_inflation
+    ttft_inflation: float = ExecutorConfig.ttft_inflation
     pool_mb: int = 64
 
 
@@ -138,49 +142,15 @@ class Config:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
-    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    serving: ServingDeviceConfig = dataclasses.field(default_factory=ServingDeviceConfig)
     ray_address: str | None = None  # None: a local Ray instance started on demand
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The embedded default, then the YAML file, then `key=value` overrides; validated."""
-    conf = OmegaConf.structured(Config)
-    if path is not None:
-        if not Path(path).is_file():
-            raise ValueError(f"config file {path} does not exist")
-        conf = _merge(conf, OmegaConf.load(path))
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ValueError(f"override {bad[0]!r} is not key=value")
-    conf = _merge(conf, OmegaConf.from_dotlist(list(overrides)))
-    try:
-        config: Config = OmegaConf.to_object(conf)
-    except OmegaConfBaseException as exc:
-        raise _config_error(exc, {}) from None
+    config = load(Config, [path] if path is not None else [], overrides)
     validate(config)
     return config
-
-
-def _merge(conf: Any, layer: Any) -> Any:
-    try:
-        return OmegaConf.merge(conf, layer)
-    except OmegaConfBaseException as exc:
-        raise _config_error(exc, OmegaConf.to_container(layer)) from None
-
-
-def _config_error(exc: OmegaConfBaseException, source: Any) -> ValueError:
-    """One line naming the full dotted key: OmegaConf names only the first level it does not
-    know (`no` for `no.such.key=1`), so an unknown key is followed down `source` to its leaf."""
-    key = getattr(exc, "full_key", None) or ""
-    if isinstance(exc, ConfigKeyError):
-        node = source
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        while isinstance(node, dict) and node:
-            first = next(iter(node))
-            key, node = f"{key}.{first}", node[first]
-    message = str(getattr(exc, "msg", exc)).splitlines()[0]
-    return ValueError(f"config: {key + ': ' if key else ''}{message}")
 
 
 def _check(ok: bool, message: str) -> None:
