@@ -28,6 +28,7 @@ from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import SamplingParams
+from rose.engine.async_engine import EngineLoop
 from rose.model import Tokenizer, init_model, load_tokenizer, random_model
 
 
@@ -66,11 +67,16 @@ def executor_of(checkpoints: tuple[Path, Path], **config: Any) -> CoServingExecu
     return CoServingExecutor.from_pretrained(*checkpoints, ExecutorConfig(pool_bytes=8 * 1024**2, **config))
 
 
+def app_of(executor: CoServingExecutor, checkpoints: tuple[Path, Path],
+           limits: ServerLimits | None = None) -> FastAPI:
+    return build_app(EngineLoop(executor), executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)
+
+
 @pytest.fixture(scope="module")
 def server(checkpoints: tuple[Path, Path]) -> Iterator[tuple[str, CoServingExecutor]]:
     executor = executor_of(checkpoints)
     executor.profile()
-    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving")) as url:
+    with running(app_of(executor, checkpoints)) as url:
         yield url, executor
 
 
@@ -351,7 +357,7 @@ def guarded(checkpoints: tuple[Path, Path]) -> Iterator[tuple[str, CoServingExec
     executor.step = lambda: (time.sleep(0.01), step())[1]
     limits = ServerLimits(api_key="api-secret", lease_key="lease-secret", max_body_bytes=4096,
                           max_weights_bytes=64 * 1024, max_waiting_per_model=1, queue_timeout_s=1.0)
-    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+    with running(app_of(executor, checkpoints, limits)) as url:
         yield url, executor
 
 
@@ -451,6 +457,21 @@ def test_the_lease_api_cannot_abort_serving_requests(guarded: tuple[str, CoServi
     assert _wait(lambda: not executor.has_unfinished())
 
 
+def test_the_lease_api_aborts_a_running_turn(guarded: tuple[str, CoServingExecutor]) -> None:
+    """The abort answers with the turn's last event, which also ends the turn's stream (the
+    route used to abort the turn, then fail with a 500 before ending the stream)."""
+    url, executor = guarded
+    body = {**TURN, "turn_id": "stopped", "max_tokens": 1500, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
+        events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
+        assert not next(events)["finished"]
+        aborted = httpx.post(f"{url}/v1/lease/turns/stopped/abort", headers=LEASE)
+        assert aborted.status_code == 200, aborted.text
+        assert aborted.json()["finished"] and aborted.json()["finish_reason"] == "abort"
+        assert list(events)[-1] == aborted.json()
+    assert _wait(lambda: not executor.has_unfinished())
+
+
 def test_lease_slots_are_enforced(guarded: tuple[str, CoServingExecutor]) -> None:
     url, executor = guarded
     body = {**TURN, "turn_id": "long", "max_tokens": 1500, "ignore_eos": True}
@@ -513,7 +534,7 @@ def test_health_and_heartbeat_report_a_stuck_engine_loop(checkpoints: tuple[Path
     executor = executor_of(checkpoints)
     stuck = _Stuck(executor, monkeypatch)
     limits = ServerLimits(health_timeout_s=0.5)
-    with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+    with running(app_of(executor, checkpoints, limits)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             hung = pool.submit(httpx.post, f"{url}/v1/completions", json=COMPLETION, timeout=60)
@@ -533,7 +554,7 @@ def test_shutdown_is_bounded_with_a_stuck_engine_loop(checkpoints: tuple[Path, P
     limits = ServerLimits(shutdown_timeout_s=1.0)
     start = 0.0
     try:
-        with running(build_app(executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)) as url:
+        with running(app_of(executor, checkpoints, limits)) as url:
             with contextlib.suppress(httpx.TimeoutException):
                 httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=1)
             start = time.monotonic()

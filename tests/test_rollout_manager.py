@@ -22,6 +22,7 @@ from rose.model import load_tokenizer
 from rose.rl import Episode, make_env
 from rose.rollout.manager import RolloutManager
 from rose.rollout.registry import WorkerRegistry
+from rose.rollout.routing import RoutingTable
 
 TOKEN = 50  # what fake workers generate
 
@@ -259,7 +260,7 @@ def test_a_timed_out_step_keeps_what_finished_frees_every_slot_and_the_next_step
 def test_a_refused_turn_fails_its_trajectory_not_the_workers(tokenizer, retries: int,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     suspected: list[str] = []
-    monkeypatch.setattr(WorkerRegistry, "suspect", lambda self, wid: suspected.append(wid))
+    monkeypatch.setattr(RoutingTable, "suspect", lambda self, wid: suspected.append(wid))
     refused = {"t1", "t4"}
     workers = [FakeWorker("a", cap=2, refuse=refused), FakeWorker("b", cap=2, refuse=refused)]
     eps = episodes(tokenizer, 6)
@@ -296,7 +297,7 @@ def test_an_environment_error_fails_its_trajectory_alone(tokenizer) -> None:
 
 def test_a_busy_executor_keeps_its_standing(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     suspected: list[str] = []
-    monkeypatch.setattr(WorkerRegistry, "suspect", lambda self, wid: suspected.append(wid))
+    monkeypatch.setattr(RoutingTable, "suspect", lambda self, wid: suspected.append(wid))
     busy = FakeWorker("s", WorkerKind.SERVING, cap=4, busy_calls=3)  # 429 to its first 3 turns
     dedicated = FakeWorker("d", cap=1, delay_s=0.01)
     eps = episodes(tokenizer, 4, max_turns=1)

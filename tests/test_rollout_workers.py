@@ -14,8 +14,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from rose.contracts import SamplingParams, Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected
-from rose.rollout.workers import Failure, LeaseWorker, classify
-from rose.runtime.actors import ActorWorker
+from rose.rollout.workers import Failure, LeaseWorker, RemoteWorker, classify
 
 URL = "http://executor.test"
 
@@ -26,7 +25,7 @@ def lease_worker(handler: Callable[[httpx.Request], httpx.Response]) -> LeaseWor
     return worker
 
 
-def run_turn(worker: LeaseWorker | ActorWorker, result: TurnOutput | None = None) -> TurnOutput:
+def run_turn(worker: LeaseWorker | RemoteWorker, result: TurnOutput | None = None) -> TurnOutput:
     turn = Turn("t0:0:0", "t0", [1, 2, 3], SamplingParams(max_tokens=4))
     return asyncio.run(worker.run_turn(turn, result if result is not None else TurnOutput()))
 
@@ -71,11 +70,11 @@ class _Method:
 
 
 class _Handle:
-    """A Ray actor handle's streaming `stream_turn`: one chunk, then `exc` as Ray raises it."""
+    """A Ray actor handle's streaming `stream`: one chunk, then `exc` as Ray raises it."""
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
-        self.stream_turn = _Method(self._stream)
+        self.stream = _Method(self._stream)
 
     async def _stream(self, *args: Any) -> AsyncIterator[Awaitable[TurnOutput]]:
         chunk = asyncio.get_running_loop().create_future()
@@ -85,13 +84,13 @@ class _Handle:
 
 
 def ray_error(cause: Exception) -> RayTaskError:
-    return RayTaskError("stream_turn", "Traceback: ...", cause, proctitle="worker", pid=1, ip="127.0.0.1")
+    return RayTaskError("stream", "Traceback: ...", cause, proctitle="worker", pid=1, ip="127.0.0.1")
 
 
 @pytest.mark.parametrize("wrap", [lambda e: e, RayTaskError.as_instanceof_cause], ids=["plain", "dual"])
 def test_a_dedicated_workers_value_error_is_the_turns(wrap: Callable[[RayTaskError], Exception]) -> None:
     cause = ValueError("prompt of 9000 tokens does not fit the context of 8192")
-    worker, result = ActorWorker("d0", _Handle(wrap(ray_error(cause))), 4), TurnOutput()
+    worker, result = RemoteWorker("d0", _Handle(wrap(ray_error(cause))), 4), TurnOutput()
     with pytest.raises(TurnRejected, match="turn 't0:0:0' on d0: prompt of 9000 tokens") as info:
         run_turn(worker, result)
     assert classify(info.value) is Failure.REJECTED and result.token_ids == [7]  # what came is kept
@@ -101,5 +100,5 @@ def test_a_dedicated_workers_value_error_is_the_turns(wrap: Callable[[RayTaskErr
                          ids=["crash", "died"])
 def test_a_dedicated_workers_crash_or_death_is_the_workers(exc: Exception) -> None:
     with pytest.raises(type(exc)) as info:
-        run_turn(ActorWorker("d0", _Handle(exc), 4))
+        run_turn(RemoteWorker("d0", _Handle(exc), 4))
     assert classify(info.value) is Failure.WORKER

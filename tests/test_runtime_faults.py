@@ -14,7 +14,7 @@ import pytest
 
 from rose.coserve.server import ServerLimits
 from rose.runtime.cluster import Cluster
-from rose.runtime.config import Mode, ServingConfig, load_config
+from rose.runtime.config import Mode, ServingDeviceConfig, load_config
 from rose.runtime.trainers import TrainerGroup
 
 ray = pytest.importorskip("ray")
@@ -112,7 +112,7 @@ def test_the_serving_replay_lives_through_windows_without_arrivals(monkeypatch: 
     import rose.runtime.actors as actors
 
     device = actors.ServingDeviceActor.__new__(actors.ServingDeviceActor)
-    device.spec, device.url, device.results = ServingConfig(window_s=2.0), "http://unused", []
+    device.spec, device.url, device.results = ServingDeviceConfig(window_s=2.0), "http://unused", []
     device.limits = ServerLimits(api_key="k")
     device._stop = threading.Event()
     waited: list[float] = []

@@ -4,15 +4,19 @@ is refused before anything starts."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
 import pytest
 
-from rose.rollout.manager import RolloutReport
+from rose.model import load_tokenizer
+from rose.rl import Trajectory, Turn
+from rose.rollout.manager import RolloutManager, RolloutReport
+from rose.rollout.registry import WorkerRegistry
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Mode, load_config
-from rose.runtime.rollouts import RolloutContext
+from rose.runtime.rollouts import RolloutContext, informative, multi_turn_rollout
 
 CALLS: list[tuple[int, int, str]] = []
 NOT_A_FUNCTION = 42
@@ -45,3 +49,35 @@ def test_a_bad_rollout_function_is_refused_with_its_name(function: str, error: s
     with pytest.raises(ValueError, match=re.escape(error)) as info:
         load_config(None, [f"rollout.function={function}"])
     assert str(info.value).startswith("config: rollout.function") and repr(function) in str(info.value)
+
+
+def _trajectories(rewards: dict[str, list[float]]) -> list[Trajectory]:
+    return [Trajectory(group, [Turn([1], [2], [0.0], [0], reward)], done=True)
+            for group, rs in rewards.items() for reward in rs]
+
+
+def test_informative_groups_are_those_whose_outcomes_differ() -> None:
+    assert informative(_trajectories({"a": [1, 0], "b": [1, 1], "c": [0, 0.5]})) == ["a", "c"]
+    assert informative([]) == []
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 0 holds one informative group of the two wanted; round 1 adds the first informative
+    one it finds, and no third round is played."""
+    rounds = {"s0-": {"a": [1, 0], "b": [1, 1]}, "s0r1-": {"c": [0, 1], "d": [1, 0], "e": [0, 0]}}
+    played: list[str] = []
+
+    async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
+                  timeout_s: float | None = None) -> RolloutReport:
+        played.append(prefix)
+        return RolloutReport(_trajectories(rounds[prefix]), [], 1.0)
+
+    monkeypatch.setattr(RolloutManager, "run", run)
+    config = load_config(None, ["rollout.groups=2", "rollout.max_sampling_rounds=3",
+                                f"train.out_dir={tmp_path}"])
+    ctx = RolloutContext(config, 0, 0, load_tokenizer(tiny_qwen3), WorkerRegistry())
+    report = asyncio.run(multi_turn_rollout(ctx))
+    assert played == ["s0-", "s0r1-"]
+    assert [t.group_id for t in report.trajectories] == ["a", "a", "b", "b", "c", "c"]
+    assert report.seconds == 2.0

@@ -24,21 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rose.bench.train import WORKLOAD
+from rose.bench.train import bench_config
 from rose.coserve.latency import nonnegative_lstsq
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
-from rose.runtime.config import Config, load_config
+from rose.runtime.config import Config
 from rose.runtime.devices import init_ray
 from rose.sim.costs import MODELS
 
 REPEATS = 3
-
-
-def bench_config() -> Config:
-    """`rose train`'s embedded default with `rose bench train`'s workload overrides."""
-    return load_config(None, WORKLOAD)
 
 
 def engine_fit(path: Path) -> np.ndarray:

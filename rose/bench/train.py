@@ -2,23 +2,32 @@
 
 Equal dedicated resources in every mode (the config's dedicated devices); elastic adds its
 devices on demand each step (paying the provisioning delay and a real start-up), rose borrows
-the serving devices, which serve a real trace replay meanwhile. The rollout workload is heavier
-than the learning default (longer turns), as agentic rollouts are: it is the part ROSE speeds up.
+the serving devices, which serve a real trace replay meanwhile. The workload is the named config
+`bench-train` (rose/data/configs/bench-train.yaml), which the simulator's `cpu-bench-train`
+scenario reads too: its rollouts are heavier than the learning default's (longer turns), as
+agentic rollouts are, the part ROSE speeds up.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
+from rose.config import named_config
 from rose.reporting import write_report
-from rose.runtime.config import Mode, load_config, validate
+from rose.runtime.config import Config, Mode, load_config, validate
 
-WORKLOAD = ["rollout.max_tokens=24", "serving.slo_ttft_ms=1000", "serving.slo_tpot_ms=200"]
+WORKLOAD = "bench-train"
+
+
+def bench_config(overrides: Sequence[str] = ()) -> Config:
+    """`rose train`'s embedded default under the `bench-train` workload, then `overrides`."""
+    return load_config(named_config(WORKLOAD), overrides)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides of the train config")
-    p.add_argument("--quick", action="store_true", help="3 steps per mode instead of 6")
+    p.add_argument("--quick", action="store_true", help="3 steps per mode instead of the workload's 6")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--out-dir", default="runs/bench-train")
 
@@ -26,11 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rose.runtime.driver import train
 
-    steps = 3 if args.quick else 6
+    quick = ["train.steps=3"] if args.quick else []
     runs = {}
     for mode in Mode:
-        run_dir = f"train.out_dir={args.out_dir}/{mode.value}"
-        config = load_config(None, [*WORKLOAD, f"train.steps={steps}", run_dir, *args.overrides])
+        config = bench_config([*quick, f"train.out_dir={args.out_dir}/{mode.value}", *args.overrides])
         validate(config, mode)
         result = train(config, mode)
         runs[mode.value] = {**result.summary, "elastic_alloc_s": result.elastic_alloc_s,
@@ -43,5 +51,5 @@ def run(args: argparse.Namespace) -> int:
         "serving_slo_attainment_rose": rose["serving_slo_attainment"],
         "lost_trajectories": sum(r["lost_trajectories"] for r in runs.values()),
     }
-    write_report(args.json, summary, modes=runs, workload=WORKLOAD, steps=steps)
+    write_report(args.json, summary, modes=runs, workload=WORKLOAD, steps=config.train.steps)
     return 0

@@ -53,6 +53,10 @@ class TurnSlotsFull(RuntimeError):
     """Every lease slot (`ExecutorConfig.max_rollout_turns`) holds a turn: retry later."""
 
 
+class StaleVersion(ValueError):
+    """New rollout weights whose version is below the rollout model's: versions only move forward."""
+
+
 class Policy(enum.Enum):
     ROSE = "rose"
     NAIVE = "naive"
@@ -73,9 +77,9 @@ class ExecutorConfig:
     static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
     # "Serving never notices": rollouts may add at most this share of a serving request's own
-    # decode time to it (its TPOT), and of its own time to first token to its TTFT; a request
-    # arriving at an idle device waits at most ttft_inflation x B_TTFT for the rollout
-    # iteration in progress. inf: only the SLOs bound them.
+    # decode time to it (its TPOT), and of its own time to first token to its TTFT; a rollout
+    # step on an idle device is capped at ttft_inflation x B_TTFT (and an arriving request
+    # interrupts it between layers). inf: only the SLOs bound them.
     tpot_inflation: float = 0.10
     ttft_inflation: float = 0.03
     # Admission predicts iteration times at this quantile of the latency model's measured
@@ -230,7 +234,14 @@ class CoServingExecutor:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
-        self._rollout().load_weights(named_tensors, version, in_flight)
+        """New rollout weights (between two iterations, like every call here: no other load passes
+        the version check meanwhile). The same version again is a re-sync (a full copy after a
+        failed delta, a restart); an older one raises StaleVersion."""
+        rollout = self._rollout()
+        if version < rollout.policy_version:
+            raise StaleVersion(f"version {version}: the rollout model already has version "
+                               f"{rollout.policy_version}; weight versions only move forward")
+        rollout.load_weights(named_tensors, version, in_flight)
 
     def has_unfinished(self) -> bool:
         return self.serving.has_unfinished() or bool(self.rollout and self.rollout.has_unfinished())

@@ -177,11 +177,13 @@ class EngineLoop:
             # caller was cancelled while `register` ran.
             self.submit(lambda: self._drop(request_id, stream))
 
-    async def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request; its stream ends with a last output (finish_reason 'abort')."""
+    async def abort(self, request_id: str,
+                    how: Callable[[str], RequestOutput | None] | None = None) -> RequestOutput | None:
+        """Stop a request with `how` (default: the target's `abort`; a target may have narrower
+        ones); its stream ends with a last output (finish_reason 'abort')."""
 
         def abort() -> RequestOutput | None:
-            out = self.target.abort(request_id)
+            out = (how or self.target.abort)(request_id)
             if out is not None:
                 self._deliver([out])
             return out

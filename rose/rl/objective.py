@@ -35,6 +35,8 @@ from rose.rl import losses
 from rose.rl.advantages import group_advantages, informative_groups, overlong_penalty, returns_to_go
 from rose.rl.trajectory import Trajectory
 
+OBJECTIVES = ("grpo", "dr_grpo", "dapo")
+
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -109,11 +111,10 @@ class Objective:
 
     @classmethod
     def named(cls, name: str, **overrides: Any) -> Objective:
-        """`grpo`, `dr_grpo` or `dapo`, with `overrides`."""
-        makers = {"grpo": cls.grpo, "dr_grpo": cls.dr_grpo, "dapo": cls.dapo}
-        if name not in makers:
-            raise ValueError(f"objective must be one of {', '.join(makers)}, got {name!r}")
-        return makers[name](**overrides)
+        """One of `OBJECTIVES`, with `overrides`."""
+        if name not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {name!r}")
+        return getattr(cls, name)(**overrides)
 
     def prepare(self, trajectories: Sequence[Trajectory]) -> Prepared:
         """Shape the rewards, drop uninformative groups (if dynamic sampling), and normalise

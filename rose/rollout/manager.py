@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import time
 import zlib
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
@@ -69,6 +69,15 @@ class RolloutReport:
     seconds: float
     failed: list[Unfinished] = dataclasses.field(default_factory=list)  # refused turn, environment error
     lost: list[Unfinished] = dataclasses.field(default_factory=list)  # unfinished at the deadline
+
+    def extend(self, later: RolloutReport, keep: Callable[[Trajectory], bool]) -> RolloutReport:
+        """This report followed by `later` (a run right after it, its times shifted to follow),
+        with those of `later`'s finished trajectories that `keep` passes."""
+        shifted = [dataclasses.replace(p, start_s=p.start_s + self.seconds, end_s=p.end_s + self.seconds)
+                   for p in later.placements]
+        return RolloutReport(self.trajectories + [t for t in later.trajectories if keep(t)],
+                             self.placements + shifted, self.seconds + later.seconds,
+                             self.failed + later.failed, self.lost + later.lost)
 
     @property
     def failed_trajectories(self) -> int:

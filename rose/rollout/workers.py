@@ -2,7 +2,8 @@
 rollout manager talks to.
 
 - `EngineWorker`: a dedicated rollout worker, an `AsyncLLMEngine` in this process (the runtime
-  wraps one per Ray actor; `rose.runtime.actors.ActorWorker` is its remote proxy);
+  hosts one per Ray actor, `rose.runtime.actors.DedicatedWorkerActor`);
+- `RemoteWorker`: the proxy of a worker in another process (a Ray actor handle's methods);
 - `LeaseWorker`: a co-serving executor reached over its lease HTTP API.
 
 `run_turn` writes tokens into its output as they arrive, so that a caller that loses the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import AsyncIterator
+from typing import Any
 
 from rose.contracts import Heartbeat, Turn, TurnOutput, WorkerKind
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected
@@ -74,6 +76,41 @@ class EngineWorker:
 
     async def close(self) -> None:
         self.engine.shutdown()
+
+
+class RemoteWorker:
+    """An `EngineWorker` in another process, through `handle` (a Ray actor handle: each method is
+    called as `handle.method.remote(...)`; `stream` yields one awaitable per chunk), so that a
+    worker that dies midway leaves every chunk it had sent."""
+
+    kind = WorkerKind.DEDICATED
+
+    def __init__(self, worker_id: str, handle: Any, max_concurrency: int) -> None:
+        self.worker_id, self.handle, self.max_concurrency = worker_id, handle, max_concurrency
+
+    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
+        """A ValueError in the worker (the engine refusing the prompt or its sampling, reaching
+        here as the `cause` of the transport's error) is the turn's failure; anything else the
+        worker's."""
+        try:
+            async for chunk in self.handle.stream.remote(turn):
+                output.extend(await chunk)
+        except Exception as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ValueError):
+                raise TurnRejected(f"turn {turn.turn_id!r} on {self.worker_id}: {cause}") from exc
+            raise
+        return output
+
+    async def heartbeat(self) -> Heartbeat:
+        return await self.handle.heartbeat.remote()
+
+    async def abort(self, turn_id: str) -> None:
+        with contextlib.suppress(Exception):  # a dead worker has nothing left to abort
+            await self.handle.abort.remote(turn_id)
+
+    async def close(self) -> None:
+        pass
 
 
 class LeaseWorker:

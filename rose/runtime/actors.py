@@ -2,37 +2,35 @@
 
 Each pins itself to its device's cores first (`devices.pin`). Weights travel from the trainer's
 `Sender` through the relay (Ray's object store) to a `Receiver` in every rollout replica, which
-hands them to its engine between two iterations. `ActorWorker` is the rollout manager's proxy
-for a dedicated worker: turns stream back chunk by chunk (a Ray streaming generator), so a
-worker that dies midway leaves the manager every token it had sent.
+hands them to its engine between two iterations. A dedicated worker's actor hosts an
+`EngineWorker` itself; the rollout manager reaches it through `rose.rollout.workers.RemoteWorker`:
+turns stream back chunk by chunk (a Ray streaming generator), so a worker that dies midway
+leaves the manager every token it had sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rose.contracts import Heartbeat, Turn, TurnOutput, WeightUpdate, WorkerKind
+from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
-from rose.coserve.lease_client import LeaseClient, TurnRejected
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import LLMEngine
-from rose.engine.async_engine import AsyncLLMEngine
+from rose.engine.async_engine import AsyncLLMEngine, EngineLoop
 from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rollout.workers import EngineWorker
-from rose.runtime.config import ServingConfig
+from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
 
@@ -97,10 +95,14 @@ class TrainerActor:
 
 
 class _Replica:
-    """A rollout replica's receiving end: joins the relay group; syncs go to `apply`."""
+    """A rollout replica's receiving end: joins the relay group; each sync's weights go to `load`,
+    which the replica's engine loop runs between two iterations."""
 
-    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
-              apply: WeightUpdate) -> None:
+    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module, loop: EngineLoop,
+              load: WeightUpdate) -> None:
+        def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+            loop.submit(lambda: load(named, version)).result()
+
         self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), apply,
                                  group=group)
         self.receiver.join()
@@ -113,76 +115,33 @@ class _Replica:
         self.receiver.leave()
 
 
-class DedicatedWorkerActor(_Replica):
-    """The rollout model alone on its device (an async actor: heartbeats answer while it works)."""
+class DedicatedWorkerActor(_Replica, EngineWorker):
+    """The rollout model alone on its device: an `EngineWorker` hosted by an async actor (its
+    `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
+    plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
     def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, int],
                  relay: str, group: str) -> None:
         pin(cores)
-        self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
-        self.worker = EngineWorker(worker_id, self.engine, max_concurrency=0)
-        self._join(relay, group, worker_id, self.engine.engine.model, self._apply)
-
-    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        tensors = list(named)
-        self.engine.submit(lambda: self.engine.engine.load_weights(tensors, version)).result()
+        engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
+        EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
+        self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
+                   self.engine.engine.load_weights)
 
     async def ready(self) -> bool:
         return True
-
-    async def stream_turn(self, turn: Turn) -> AsyncIterator[TurnOutput]:
-        async for chunk in self.worker.stream(turn):
-            yield chunk
-
-    async def heartbeat(self) -> Heartbeat:
-        return await self.worker.heartbeat()
-
-    async def abort(self, turn_id: str) -> None:
-        await self.worker.abort(turn_id)
 
     async def sync_weights(self, timeout: float) -> dict[str, Any]:
         return await asyncio.to_thread(self._synced, timeout)
 
 
-class ActorWorker:
-    """The rollout manager's handle on a `DedicatedWorkerActor`."""
-
-    kind = WorkerKind.DEDICATED
-
-    def __init__(self, worker_id: str, handle: Any, max_concurrency: int) -> None:
-        self.worker_id, self.handle, self.max_concurrency = worker_id, handle, max_concurrency
-
-    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
-        """A ValueError in the actor (the engine refusing the prompt or its sampling, reaching
-        here wrapped in a RayTaskError) is the turn's failure; anything else the worker's."""
-        from ray.exceptions import RayTaskError
-
-        try:
-            async for ref in self.handle.stream_turn.remote(turn):
-                output.extend(await ref)
-        except RayTaskError as exc:
-            if isinstance(exc.cause, ValueError):
-                raise TurnRejected(f"turn {turn.turn_id!r} on {self.worker_id}: {exc.cause}") from exc
-            raise
-        return output
-
-    async def heartbeat(self) -> Heartbeat:
-        return await self.handle.heartbeat.remote()
-
-    async def abort(self, turn_id: str) -> None:
-        with contextlib.suppress(Exception):  # a dead actor has nothing left to abort
-            await self.handle.abort.remote(turn_id)
-
-    async def close(self) -> None:
-        pass
-
-
 class ServingDeviceActor(_Replica):
     """A co-serving executor (serving model + rollout model) behind its HTTP server, with a trace
-    replay driving its serving side from this process."""
+    replay driving its serving side from this process. Synced weights reach the executor in
+    process, through the engine loop the server runs on."""
 
     def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
-                 config: ExecutorConfig, replay_spec: ServingConfig, relay: str, group: str,
+                 config: ExecutorConfig, replay_spec: ServingDeviceConfig, relay: str, group: str,
                  limits: ServerLimits) -> None:
         pin(cores)
         import uvicorn
@@ -190,7 +149,8 @@ class ServingDeviceActor(_Replica):
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
         executor.profile()
         self.limits = limits
-        app = build_app(executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
+        loop = EngineLoop(executor, name="rose-executor")
+        app = build_app(loop, executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -203,19 +163,7 @@ class ServingDeviceActor(_Replica):
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
-        self._join(relay, group, worker_id, executor.rollout.model, self._apply)
-
-    def _apply(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        async def load() -> None:
-            client = LeaseClient(self.url, key=self.limits.lease_key)
-            try:
-                await client.load_weights(named, version)
-            finally:
-                await client.aclose()
-
-        # Ray runs this method beside an event loop of its own: the HTTP call gets a thread.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pool.submit(asyncio.run, load()).result()
+        self._join(relay, group, worker_id, executor.rollout.model, loop, executor.load_weights)
 
     def address(self) -> str:
         return self.url

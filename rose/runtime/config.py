@@ -1,8 +1,9 @@
-"""`rose train`'s configuration: dataclass schemas, YAML files and dotted overrides (OmegaConf).
+"""`rose train`'s configuration: its dataclass schemas and the checks beyond types.
 
-Everything that can be wrong is checked before anything starts (no Ray, no model loads): an
-unknown key, a value of the wrong type, more cores than the machine has, a checkpoint that is
-not there. Each failure is one `ValueError` line naming the key and what is expected.
+YAML files and dotted overrides are merged by the shared loader (`rose.config`). Everything that
+can be wrong is checked before anything starts (no Ray, no model loads): an unknown key, a value
+of the wrong type, more cores than the machine has, a checkpoint that is not there. Each failure
+is one `ValueError` line naming the key and what is expected.
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ import dataclasses
 import enum
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
+from rose.config import load
+from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
 from rose.model.presets import ARCHS, PRESETS, preset_config
+from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
+from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
 from rose.runtime.rollouts import load_rollout_function
@@ -62,6 +65,9 @@ class RolloutConfig:
     stall_timeout_s: float = 2.0
     timeout_s: float = 900.0
     kv_cache_mb: int = 64
+    # DAPO's dynamic sampling: sample up to this many rounds of `groups` until that many groups
+    # have outcomes that differ (1: one round, the trainer drops the uninformative groups).
+    max_sampling_rounds: int = 1
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
@@ -70,13 +76,24 @@ class RolloutConfig:
 @dataclasses.dataclass
 class TrainConfig:
     steps: int = 100
-    objective: str = "grpo"
-    scale_advantages: bool = True  # divide by the group's reward std (GRPO); false: Dr. GRPO
+    objective: str = "grpo"  # grpo, dr_grpo or dapo (docs/rl.md, "The objective")
+    # The objective's settings; None keeps the named objective's own (docs/rl.md).
+    scale_advantages: bool | None = None  # divide by the group's reward std (GRPO; not Dr. GRPO)
+    kl_coef: float | None = None
+    clip_ratio_c: float | None = None  # dual clip
+    recompute_old_logprobs: bool | None = None  # and truncated importance sampling
+    tis_cap: float | None = None
+    max_version_lag: int | None = None  # tokens sampled more versions ago do not train (None: all do)
+    overlong_max_tokens: int | None = None  # DAPO's overlong penalty, per response
+    overlong_cache_tokens: int | None = None
     step_advantage_weight: float = 0.0  # GiGPO's step-level credit (rose.rl.objective); 0: off
     discount: float = 0.95  # of the returns-to-go the step level compares
     lr: float = 3e-3
     lr_schedule: str = "cosine"  # down to lr * min_lr_ratio at train.steps, or "constant"
     min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.01
     micro_batch_size: int = 32
     data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer (gloo)
     mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
@@ -95,7 +112,10 @@ class DevicesConfig:
 
 
 @dataclasses.dataclass
-class ServingConfig:
+class ServingDeviceConfig:
+    """What each serving device runs in rose mode: the serving model, the trace replayed against
+    it, and its co-serving executor's SLOs and admission settings."""
+
     arch: str = "qwen2"
     preset: str = "tiny"
     seed: int = 1
@@ -109,9 +129,9 @@ class ServingConfig:
     slo_ttft_ms: float = 500.0
     slo_tpot_ms: float = 100.0
     # Co-serving admission (docs/coserve.md, "Admission"): the executor's defaults.
-    admission_quantile: float = 0.95
-    tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.03
+    admission_quantile: float = ExecutorConfig.admission_quantile
+    tpot_inflation: float = ExecutorConfig.tpot_inflation
+    ttft_inflation: float = ExecutorConfig.ttft_inflation
     pool_mb: int = 64
 
 
@@ -122,49 +142,15 @@ class Config:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
-    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    serving: ServingDeviceConfig = dataclasses.field(default_factory=ServingDeviceConfig)
     ray_address: str | None = None  # None: a local Ray instance started on demand
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The embedded default, then the YAML file, then `key=value` overrides; validated."""
-    conf = OmegaConf.structured(Config)
-    if path is not None:
-        if not Path(path).is_file():
-            raise ValueError(f"config file {path} does not exist")
-        conf = _merge(conf, OmegaConf.load(path))
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ValueError(f"override {bad[0]!r} is not key=value")
-    conf = _merge(conf, OmegaConf.from_dotlist(list(overrides)))
-    try:
-        config: Config = OmegaConf.to_object(conf)
-    except OmegaConfBaseException as exc:
-        raise _config_error(exc, {}) from None
+    config = load(Config, [path] if path is not None else [], overrides)
     validate(config)
     return config
-
-
-def _merge(conf: Any, layer: Any) -> Any:
-    try:
-        return OmegaConf.merge(conf, layer)
-    except OmegaConfBaseException as exc:
-        raise _config_error(exc, OmegaConf.to_container(layer)) from None
-
-
-def _config_error(exc: OmegaConfBaseException, source: Any) -> ValueError:
-    """One line naming the full dotted key: OmegaConf names only the first level it does not
-    know (`no` for `no.such.key=1`), so an unknown key is followed down `source` to its leaf."""
-    key = getattr(exc, "full_key", None) or ""
-    if isinstance(exc, ConfigKeyError):
-        node = source
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        while isinstance(node, dict) and node:
-            first = next(iter(node))
-            key, node = f"{key}.{first}", node[first]
-    message = str(getattr(exc, "msg", exc)).splitlines()[0]
-    return ValueError(f"config: {key + ': ' if key else ''}{message}")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -182,7 +168,12 @@ def validate(config: Config, mode: Mode | None = None) -> None:
            f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
     _check_env(config.env)
     load_rollout_function(config.rollout.function)
-    _check(t.objective in ("grpo", "dapo"), f"train.objective must be grpo or dapo, got {t.objective!r}")
+    _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
+                                      f"got {t.objective!r}")
+    try:
+        Objective.named(t.objective, **objective_options(config))
+    except ValueError as exc:  # "objective: NAME must ...": NAME is the train key of that name
+        raise ValueError(f"config: {str(exc).replace('objective: ', 'train.', 1)}") from None
     _check(t.lr_schedule in ("constant", "cosine"),
            f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
     _check(s.trace in TRACE_NAMES or Path(s.trace).is_file(),
@@ -210,13 +201,16 @@ def validate(config: Config, mode: Mode | None = None) -> None:
 _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"rollout.{k}": (1, math.inf, True) for k in (
         "groups", "group_size", "max_tokens", "dedicated_concurrency", "serving_concurrency",
-        "max_context_tokens", "kv_cache_mb")},
+        "max_context_tokens", "kv_cache_mb", "max_sampling_rounds")},
     "rollout.temperature": (0, math.inf, True),  # 0: greedy
     "rollout.stall_timeout_s": (0, math.inf, False),
     "rollout.timeout_s": (0, math.inf, False),
     **{f"train.{k}": (1, math.inf, True) for k in (
         "steps", "checkpoint_every", "micro_batch_size", "data_parallel", "mini_batches")},
     "train.lr": (0, math.inf, False),
+    "train.warmup_steps": (0, math.inf, True),
+    "train.max_grad_norm": (0, math.inf, False),
+    "train.weight_decay": (0, math.inf, True),
     "train.min_lr_ratio": (0, 1, True),
     "train.step_advantage_weight": (0, math.inf, True),
     "train.discount": (0, 1, True),
@@ -228,6 +222,18 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "serving.tpot_inflation": (0, math.inf, True),
     "serving.ttft_inflation": (0, math.inf, True),
 }
+
+
+_OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
+                   "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",
+                   "discount")
+
+
+def objective_options(config: Config) -> dict[str, Any]:
+    """The settings the config gives `train.objective` (Dr. GRPO's length normaliser: the
+    longest trajectory, rollout.max_context_tokens)."""
+    given = {k: getattr(config.train, k) for k in _OBJECTIVE_KEYS if getattr(config.train, k) is not None}
+    return {"norm_tokens": config.rollout.max_context_tokens, **given}
 
 
 def _check_numbers(config: Config) -> None:

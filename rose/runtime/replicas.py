@@ -24,8 +24,8 @@ from rose.coserve.loadgen import RequestResult
 from rose.coserve.server import ServerLimits
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
-from rose.rollout.workers import LeaseWorker
-from rose.runtime.actors import ActorWorker, DedicatedWorkerActor, ServingDeviceActor
+from rose.rollout.workers import LeaseWorker, RemoteWorker
+from rose.runtime.actors import DedicatedWorkerActor, ServingDeviceActor
 from rose.runtime.config import Config
 from rose.runtime.trainers import TrainerGroup
 
@@ -83,7 +83,7 @@ class Replicas:
                                       key=self.server_limits.lease_key)
         else:
             await handle.ready.remote()
-            worker = ActorWorker(wid, handle, r.dedicated_concurrency)
+            worker = RemoteWorker(wid, handle, r.dedicated_concurrency)
         old = self.registry.workers.get(wid)
         if old is not None:
             self.registry.remove(wid)
@@ -204,7 +204,7 @@ class Replicas:
         except asyncio.CancelledError:
             self.elastic_cancelled_s.append(time.perf_counter() - start)
             raise
-        self.registry.add(ActorWorker(wid, handle, self.config.rollout.dedicated_concurrency),
+        self.registry.add(RemoteWorker(wid, handle, self.config.rollout.dedicated_concurrency),
                           self.trainers.version)
         self.elastic_alloc_s.append(time.perf_counter() - start)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
 from rose.rollout.manager import RolloutReport
-from rose.runtime.config import Mode, ServingConfig
+from rose.runtime.config import Mode, ServingDeviceConfig
 
 if TYPE_CHECKING:
     from rose.runtime.cluster import Cluster, SyncReport
@@ -78,7 +78,7 @@ def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutR
         restarts=cluster.restarts[clock.restarts:])
 
 
-def serving_summary(results: list[RequestResult], s: ServingConfig) -> dict[str, Any]:
+def serving_summary(results: list[RequestResult], s: ServingDeviceConfig) -> dict[str, Any]:
     if not results:
         return {}
     duration = max(r.scheduled_s + (r.latency_s or 0) for r in results) - min(r.scheduled_s for r in results)
@@ -107,7 +107,7 @@ def summarize(records: list[TrainStep], serving: dict[str, Any]) -> dict[str, An
 
 
 def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, RequestResult]],
-               s: ServingConfig, mode: Mode) -> Path:
+               s: ServingDeviceConfig, mode: Mode) -> Path:
     """Reward and success, step time split, serving latency against the SLO, where turns ran."""
     import matplotlib
 

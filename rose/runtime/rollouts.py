@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING
 
 from rose.engine import SamplingParams
 from rose.model.tokenizer import Tokenizer
-from rose.rl import Episode, make_env
+from rose.rl import Episode, Trajectory, informative_groups, make_env
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
 
@@ -54,19 +54,42 @@ def load_rollout_function(path: str) -> RolloutFunction:
     return function
 
 
-def episodes(ctx: RolloutContext) -> list[Episode]:
-    """The step's episodes: `rollout.groups` environment seeds, `rollout.group_size` each."""
+ROUND_SEED_STRIDE = 2**40  # a later sampling round's seeds lie far from any step's first round
+
+
+def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
+    """The step's episodes: `rollout.groups` environment seeds, `rollout.group_size` each (a
+    later sampling round draws new seeds)."""
     c, r = ctx.config, ctx.config.rollout
-    first = c.train.seed * 100003 + ctx.step * r.groups
+    first = c.train.seed * 100003 + ctx.step * r.groups + sampling_round * ROUND_SEED_STRIDE
     return [Episode(make_env(c.env.name, **c.env.options), ctx.tokenizer, seed=first + g,
-                    group_id=(ctx.step, g), max_context_tokens=r.max_context_tokens)
+                    group_id=(ctx.step, sampling_round, g), max_context_tokens=r.max_context_tokens)
             for g in range(r.groups) for _ in range(r.group_size)]
 
 
+def informative(trajectories: list[Trajectory]) -> list[Hashable]:
+    """The groups whose outcome returns differ (the others give no gradient), in order."""
+    groups = [t.group_id for t in trajectories]
+    keep = informative_groups([t.reward for t in trajectories], groups).tolist() if groups else []
+    return list(dict.fromkeys(g for g, k in zip(groups, keep, strict=True) if k))
+
+
 async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
-    """Every episode played to its end, each turn routed on its own (the default)."""
+    """Every episode played to its end, each turn routed on its own (the default). With
+    `rollout.max_sampling_rounds` > 1 (DAPO's dynamic sampling, section 3.2) more groups are
+    sampled while fewer than `rollout.groups` groups have outcomes that differ; a later round's
+    informative groups join the batch up to that count."""
     r = ctx.config.rollout
     params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                             stop_token_ids=tuple(ctx.tokenizer.stop_token_ids), logprobs_at_temperature=True)
     manager = RolloutManager(ctx.registry, params, seed=ctx.config.train.seed * 7919 + ctx.step)
-    return await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s)
+    report = await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s)
+    for sampling_round in range(1, r.max_sampling_rounds):
+        missing = r.groups - len(informative(report.trajectories))
+        if missing <= 0:
+            break
+        more = await manager.run(episodes(ctx, sampling_round), ctx.version,
+                                 prefix=f"s{ctx.step}r{sampling_round}-", timeout_s=r.timeout_s)
+        wanted = set(informative(more.trajectories)[:missing])
+        report = report.extend(more, keep=lambda t, wanted=wanted: t.group_id in wanted)
+    return report

@@ -1,18 +1,18 @@
-"""Scenario configurations: dataclasses with `key=value` dotted overrides, and the named ones.
+"""Scenario configurations: dataclasses, their checks, and the named scenarios.
 
 `load_scenario("paper-8b", ["cluster.serving_gpus=32", "rl.steps=4"])` returns a validated
-`Scenario`; unknown keys and values of the wrong type or range are one-line `ValueError`s.
+`Scenario`, the overrides merged by the shared loader (`rose.config`); unknown keys and values of
+the wrong type or range are one-line `ValueError`s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from rose.config import load, read_named_config
 from rose.sim.costs import DEVICES, MODELS
 from rose.sim.systems import SYSTEMS
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
@@ -56,7 +56,10 @@ class ModelsConfig:
 
 
 @dataclasses.dataclass
-class ServingConfig:
+class ServingFleetConfig:
+    """The simulated serving cluster (`rose.sim.serving.ServingFleet`): its traffic over the day,
+    and ROSE's admission on each replica."""
+
     trace: str = "azure-conv"
     load: float = 1.0                # x the trace's own mean request rate, per serving replica
     token_scale: float = 1.0         # x the trace's prompt and output lengths
@@ -158,7 +161,7 @@ class Scenario:
     description: str = ""
     cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
     models: ModelsConfig = dataclasses.field(default_factory=ModelsConfig)
-    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    serving: ServingFleetConfig = dataclasses.field(default_factory=ServingFleetConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
@@ -255,21 +258,9 @@ def validate(sc: Scenario) -> Scenario:
     return sc
 
 
-def apply_overrides(sc: Scenario, overrides: list[str]) -> Scenario:
-    """`key=value` dotted overrides (OmegaConf dotlist), type-checked against the dataclasses."""
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ValueError(f"override {item!r} is not key=value (for example rl.steps=4)")
-    try:
-        base = OmegaConf.structured(sc)
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(overrides))
-        out = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        msg = str(exc).splitlines()[0]
-        key = getattr(exc, "full_key", None)
-        raise ValueError(f"bad override{f' {key}' if key else ''}: {msg}") from None
-    assert isinstance(out, Scenario)
-    return validate(out)
+def apply_overrides(sc: Scenario, overrides: Sequence[str]) -> Scenario:
+    """`key=value` dotted overrides, type-checked against the dataclasses, then validated."""
+    return validate(load(sc, overrides=overrides, label=f"scenario {sc.name}"))
 
 
 # The paper's admission fills iterations up to the SLOs, with no inflation budget of its own;
@@ -284,7 +275,7 @@ def _paper_8b() -> Scenario:
         description="Qwen3-8B (thinking) on FrozenLake, GRPO, 256 prompts x group 16; 48 H800 training "
                     "GPUs, 64 H800 serving Qwen2.5-7B under the Azure conversation trace; 16 trajectories "
                     "per rollout GPU",
-        serving=ServingConfig(slo_ttft_ms=500.0, slo_tpot_ms=150.0, **PAPER_ADMISSION),
+        serving=ServingFleetConfig(slo_ttft_ms=500.0, slo_tpot_ms=150.0, **PAPER_ADMISSION),
         rl=RLConfig(steps=4, response_median=FROZENLAKE_THINKING_MEDIAN, max_response=8192,
                     fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU, cap_counts="trajectories"),
         sim=SimConfig(tick_s=4.0, slice=4),
@@ -298,7 +289,7 @@ def _paper_32b() -> Scenario:
                     "GPUs (TP 4), 64 H800 serving Qwen2.5-32B (TP 4); 16 trajectories per rollout GPU",
         cluster=ClusterConfig(rollout_tp=4, serving_tp=4),
         models=ModelsConfig(policy="qwen3-32b", serving="qwen2.5-32b"),
-        serving=ServingConfig(slo_ttft_ms=1000.0, slo_tpot_ms=450.0, **PAPER_ADMISSION),
+        serving=ServingFleetConfig(slo_ttft_ms=1000.0, slo_tpot_ms=450.0, **PAPER_ADMISSION),
         rl=RLConfig(env="alfworld", algorithm="dapo", trajectories=1024 * 16, group=16, steps=2,
                     fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU * 4,    # a TP-4 replica: 4 GPUs
                     cap_counts="trajectories"),
@@ -320,26 +311,34 @@ class Sweep:
 
 
 def _cpu_bench_train() -> Scenario:
-    # `rose bench train` on this machine (rose/bench/train.py over `rose train`'s embedded default;
-    # tests/test_sim_cpu.py checks these figures against that config): core 0 is the dedicated
-    # device, shared by the trainer, one rollout worker (16 turns in flight, an engine of 2,048
-    # batched tokens) and the driver (the rollout manager, pinned to the trainer's cores); core 1
-    # serves the tiny Qwen2 under the Azure conversation trace at x0.5 its rate, lengths x0.25
-    # clipped to 512 / 64 tokens, SLOs 1,000 / 200 ms, and lends its idle capacity in rose mode (16
-    # turns in flight). 8 groups x 8 FrozenLake episodes a step, GRPO, 6 steps (the full run, not
-    # --quick). Weights: a Ray relay publish and pull of a 0.4 MB model each step, assumed 0.2 s.
+    # `rose bench train` on this machine, its figures read from the workload it runs, the named
+    # config `bench-train` (rose/data/configs/bench-train.yaml; the full run, not --quick). Each
+    # core is a `cpu` device: the dedicated one shared by the trainer, one rollout worker and the
+    # driver (the rollout manager, pinned to the trainer's cores); the serving one replays the
+    # trace and lends its idle capacity in rose mode. Weights: a Ray relay publish and pull of a
+    # 0.4 MB model each step, assumed 0.2 s.
+    bench = read_named_config("bench-train")
+    m, r, t, d, s = bench["model"], bench["rollout"], bench["train"], bench["devices"], bench["serving"]
     return Scenario(
         name="cpu-bench-train",
         description="rose bench train on this 2-core machine: core 0 trains, rolls out the tiny Qwen3 and "
                     "runs the rollout manager; core 1 serves the tiny Qwen2 under the Azure conversation "
                     "trace",
-        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0,
-                              manager_on_dedicated=True),
-        models=ModelsConfig(policy="tiny-qwen3", serving="tiny-qwen2"),
-        serving=ServingConfig(load=0.5, token_scale=0.25, max_context=512, max_output=64,
-                              minute_peak_to_mean=1.0, slo_ttft_ms=1000.0, slo_tpot_ms=200.0),
-        rl=RLConfig(env="frozenlake-tiny", trajectories=64, group=8, steps=6, rollout_max_seqs=16,
-                    rollout_batched_tokens=2048, fixed_concurrency=16),
+        cluster=ClusterConfig(device="cpu", train_gpus=len(d["dedicated"]), serving_gpus=len(d["serving"]),
+                              cross_gbps=16.0, manager_on_dedicated=True),
+        models=ModelsConfig(policy=f"{m['preset']}-{m['arch']}", serving=f"{s['preset']}-{s['arch']}"),
+        serving=ServingFleetConfig(trace=s["trace"], load=s["load"], token_scale=s["prompt_scale"],
+                                   max_context=s["max_context"], max_output=s["max_output"],
+                                   minute_peak_to_mean=1.0, slo_ttft_ms=s["slo_ttft_ms"],
+                                   slo_tpot_ms=s["slo_tpot_ms"]),
+        # frozenlake-tiny: the measured profile of these episodes (rose.sim.workloads); a worker
+        # never runs more sequences than the turns it has in flight; 2,048 batched tokens: the
+        # engine's default (rose.engine.EngineConfig).
+        rl=RLConfig(env="frozenlake-tiny", algorithm=t["objective"], steps=t["steps"],
+                    trajectories=r["groups"] * r["group_size"], group=r["group_size"],
+                    rollout_max_seqs=r["dedicated_concurrency"],
+                    rollout_batched_tokens=2048, fixed_concurrency=r["dedicated_concurrency"],
+                    max_response=r["max_tokens"], max_turns=bench["env"]["options"]["max_turns"]),
         sync=SyncConfig(colocated_switch_s=0.2),
         sim=SimConfig(tick_s=0.02, systems=["fixed-sync", "rose", "naive-share"]),
     )

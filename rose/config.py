@@ -1,0 +1,92 @@
+"""One loader for every command's configuration: a dataclass schema, YAML files, dotted overrides.
+
+`rose train`, `rose serve`, `rose simulate` and `rose bench` each describe their settings as
+dataclasses. `load` starts from one (its defaults, or an instance such as a named scenario), then
+merges YAML files, `key=value` overrides and values set in code (command-line flags), in that
+order, type-checked by OmegaConf. Whatever OmegaConf refuses becomes one `ValueError` line that
+names the full dotted key and what was expected; each command's own checks (ranges, names, what
+fits where) stay beside its schema.
+
+Named configs ship in rose/data/configs: `named_config("bench-train")` is `rose bench train`'s
+workload, which the simulator's `cpu-bench-train` scenario reads too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+def load(schema: type[T] | T, files: Sequence[str | Path] = (), overrides: Sequence[str] = (),
+         values: Mapping[str, Any] | None = None, label: str = "config") -> T:
+    """`schema` (a dataclass, or an instance of one for its values), then each YAML file, then
+    `key=value` overrides, then `values` (dotted key -> value). Types are checked, nothing else;
+    errors start with `label`."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ValueError(f"override {item!r} is not key=value")
+    for path in files:
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path} does not exist")
+    layers = [*(OmegaConf.load(path) for path in files), OmegaConf.from_dotlist(list(overrides))]
+    if values:
+        layers.append(OmegaConf.create(_nested(values)))
+    conf = OmegaConf.structured(schema)
+    for layer in layers:
+        try:
+            conf = OmegaConf.merge(conf, layer)
+        except OmegaConfBaseException as exc:
+            raise _error(exc, OmegaConf.to_container(layer), label) from None
+    try:
+        return OmegaConf.to_object(conf)
+    except OmegaConfBaseException as exc:
+        raise _error(exc, {}, label) from None
+
+
+def _nested(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"a.b": 1}` as `{"a": {"b": 1}}`: merged as data, so a string value is never parsed as YAML."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _error(exc: OmegaConfBaseException, source: Any, label: str) -> ValueError:
+    """One line naming the full dotted key: OmegaConf names only the first level it does not
+    know (`no` for `no.such.key=1`), so an unknown key is followed down `source` to its leaf."""
+    key = getattr(exc, "full_key", None) or ""
+    if isinstance(exc, ConfigKeyError):
+        node = source
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        while isinstance(node, dict) and node:
+            first = next(iter(node))
+            key, node = f"{key}.{first}", node[first]
+    message = str(getattr(exc, "msg", exc)).splitlines()[0]
+    return ValueError(f"{label}: {key + ': ' if key else ''}{message}")
+
+
+def named_config(name: str) -> Path:
+    """The YAML file of a named config shipped with rose (rose/data/configs/NAME.yaml)."""
+    path = Path(str(resources.files("rose") / "data" / "configs" / f"{name}.yaml"))
+    if not path.is_file():
+        raise ValueError(f"no named config {name!r} (rose/data/configs)")
+    return path
+
+
+def read_named_config(name: str) -> dict[str, Any]:
+    """A named config's YAML as plain nested dicts, for a reader with its own schema."""
+    data = OmegaConf.to_container(OmegaConf.load(named_config(name)))
+    assert isinstance(data, dict)
+    return data

@@ -1,0 +1,111 @@
+"""What the OpenAI and lease routers share: the server's state (on `app.state`, handed to the
+routes as the `Served` dependency), each model's queue of requests waiting for their first
+token, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+
+from rose.coserve.api_errors import APIError, ClientGone, busy
+from rose.coserve.executor import ROLLOUT, SERVING, CoServingExecutor
+from rose.engine.async_engine import EngineDeadError, EngineLoop
+from rose.model import Tokenizer
+
+if TYPE_CHECKING:  # server.py assembles the app from the routers, which import this module
+    from rose.coserve.server import ServerLimits
+
+T = TypeVar("T")
+
+
+class WaitingQueue:
+    """One model's requests waiting for their first token (the event loop's thread alone
+    counts them); beyond `limit` new ones are refused with a 429."""
+
+    def __init__(self, model: str, limit: int) -> None:
+        self.model, self.limit, self.waiting = model, limit, 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        if self.waiting >= self.limit:
+            raise busy(429, f"{self.waiting} {self.model} requests already wait for their first token "
+                            f"(max_waiting_per_model {self.limit}); retry later", "queue_full")
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the client disconnects first: then cancel it (closing a request's
+    output stream aborts the request in the engine) and raise ClientGone."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        task.cancel()  # a no-op once done
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # its cleanup (the abort) runs before we answer
+    raise ClientGone
+
+
+@dataclasses.dataclass
+class ServerState:
+    """One app's state: the engine loop and the executor it drives, the served model's tokenizer
+    and name, the limits, each model's waiting queue."""
+
+    loop: EngineLoop
+    executor: CoServingExecutor
+    tokenizer: Tokenizer
+    model_name: str
+    limits: ServerLimits
+    queues: dict[str, WaitingQueue] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.queues = {m: WaitingQueue(m, self.limits.max_waiting_per_model) for m in (SERVING, ROLLOUT)}
+
+    async def first(self, request: Request, outputs: AsyncIterator[T], model: str) -> T:
+        """A request's first output (its first token): the request counts as waiting until
+        then, is dropped at `queue_timeout_s`, and aborted if its client leaves."""
+        timeout_s = self.limits.queue_timeout_s
+        with self.queues[model].slot():
+            try:
+                return await unless_gone(request, asyncio.wait_for(anext(outputs), timeout_s))
+            except TimeoutError:
+                raise busy(503, f"no first token within queue_timeout_s ({timeout_s} s): "
+                                f"the executor is overloaded; the request was dropped",
+                           "queue_timeout") from None
+
+    async def alive(self) -> None:
+        """Raise a 503 unless the engine loop answers within `health_timeout_s`."""
+        try:
+            await self.loop.ping(self.limits.health_timeout_s)
+        except EngineDeadError as exc:
+            raise APIError(503, f"the engine loop is down: {exc}", kind="server_error",
+                           code="engine_dead") from None
+
+
+async def _server_state(request: Request) -> ServerState:
+    return request.app.state.server  # async: FastAPI would run a plain function on a thread pool
+
+
+Served = Annotated[ServerState, Depends(_server_state)]
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"

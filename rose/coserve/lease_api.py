@@ -1,0 +1,109 @@
+"""The rollout scheduler's side, the lease API: `POST /v1/lease/turns` (SSE stream of a rollout
+turn's tokens), `POST /v1/lease/turns/{id}/abort`, `GET /v1/lease/capacity`,
+`POST /v1/lease/heartbeat`, `POST /v1/lease/new_rl_step`, `POST /v1/lease/weights` (a
+safetensors body)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from rose.coserve.api_errors import APIError, busy
+from rose.coserve.api_state import Served, ServerState, sse
+from rose.coserve.executor import ROLLOUT, StaleVersion, TurnSlotsFull
+from rose.coserve.protocol import INT64_MAX, TurnRequest
+from rose.engine import InFlight, RequestOutput
+
+LEASE_PREFIX = "/v1/lease/"
+WEIGHTS_PATH = "/v1/lease/weights"
+# The weights endpoint reads its body raw: the schema says so, for clients and fuzzers.
+_BINARY_BODY = {"requestBody": {"required": True, "content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+router = APIRouter()
+
+
+def _turn_event(out: RequestOutput) -> dict[str, Any]:
+    """A turn's new tokens (an abort's event has none: its tokens were streamed)."""
+    return {"turn_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
+            "versions": out.versions, "finished": out.finished,
+            "finish_reason": out.finish_reason, "num_tokens": out.num_output_tokens}
+
+
+async def _capacity(state: ServerState) -> dict[str, Any]:
+    try:
+        return dataclasses.asdict(await state.loop.call(state.executor.capacity))
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+# A route function's name makes its OpenAPI operation id: renaming one changes the schema.
+
+@router.post("/v1/lease/turns")
+async def submit_turn(body: TurnRequest, request: Request, state: Served) -> Response:
+    turn = body.turn()
+    outputs = state.loop.stream(turn.turn_id, lambda: state.executor.submit_turn(turn))
+    try:
+        first = await state.first(request, outputs, ROLLOUT)
+    except TurnSlotsFull as exc:
+        raise busy(429, str(exc), "lease_slots_full") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            yield sse(_turn_event(first))
+            async for out in outputs:
+                yield sse(_turn_event(out))
+        finally:
+            await outputs.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/v1/lease/turns/{turn_id}/abort")
+async def abort_turn(turn_id: str, state: Served) -> dict[str, Any]:
+    out = await state.loop.abort(turn_id, state.executor.abort_turn)  # rollout turns only; their streams end
+    if out is None:
+        raise APIError(404, f"no running turn {turn_id!r}", "turn_id", "not_found_error")
+    return _turn_event(out)
+
+
+@router.get("/v1/lease/capacity")
+async def capacity(state: Served) -> dict[str, Any]:
+    return await _capacity(state)
+
+
+@router.post("/v1/lease/heartbeat")
+async def heartbeat(state: Served) -> dict[str, Any]:
+    await state.alive()  # a dead or stuck engine loop must fail the heartbeat, not hang it
+    return {"time": time.time(), "capacity": await _capacity(state)}
+
+
+@router.post("/v1/lease/new_rl_step")
+async def new_rl_step(state: Served) -> dict[str, str]:
+    await state.loop.call(state.executor.new_rl_step)
+    return {"state": state.executor.burst.state.name.lower()}
+
+
+@router.post(WEIGHTS_PATH, openapi_extra=_BINARY_BODY)
+async def weights(request: Request, state: Served, version: int = Query(ge=0, le=INT64_MAX),
+                  in_flight: InFlight = InFlight.CONTINUE) -> dict[str, Any]:
+    try:
+        tensors = load_safetensors(await request.body())
+    except (ValueError, SafetensorError) as exc:
+        raise APIError(400, f"expected a safetensors body: {exc}") from None
+    try:
+        await state.loop.call(lambda: state.executor.load_weights(tensors.items(), version, in_flight))
+    except StaleVersion as exc:
+        raise APIError(409, str(exc), "version", code="stale_version") from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    return {"policy_version": version, "tensors": len(tensors)}
