@@ -561,3 +561,51 @@ def test_shutdown_is_bounded_with_a_stuck_engine_loop(checkpoints: tuple[Path, P
         assert time.monotonic() - start < 20  # graceful 2 s, then at most 1 s for the engine thread
     finally:
         stuck.release.set()
+
+
+def test_a_serving_request_interrupts_rollouts_from_its_first_byte_until_queued(
+        guarded: tuple[str, CoServingExecutor]) -> None:
+    """`serving_arrived` (what a rose rollout iteration is given up for) holds from the moment an
+    authorized serving request starts to arrive until the engine has it, whatever becomes of it:
+    queued, refused or abandoned by its client. Unauthorized requests never count."""
+    url, executor = guarded
+    arrived = executor.serving_arrived
+    assert not arrived()
+    start = b'{"model": "tiny-serving", '
+
+    def post(rest: bytes, sent: threading.Event, go: threading.Event) -> int:
+        def body() -> Iterator[bytes]:
+            yield start
+            sent.set()
+            go.wait(30)
+            yield rest
+
+        with httpx.stream("POST", f"{url}/v1/completions", content=body(), headers={**API, **JSON},
+                          timeout=30) as r:
+            if r.status_code == 200:
+                assert next(r.iter_lines()).startswith("data: ")
+                assert _wait(lambda: not arrived())  # queued, and still generating
+                assert executor.serving.has_unfinished()
+            return r.status_code
+
+    good = b'"prompt": "Hello", "max_tokens": 400, "ignore_eos": true, "stream": true}'
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for rest, status in ((good, 200), (b'"prompt": ', 400)):
+            sent, go = threading.Event(), threading.Event()
+            done = pool.submit(post, rest, sent, go)
+            assert sent.wait(30) and _wait(arrived)
+            go.set()
+            assert done.result(timeout=60) == status
+            assert _wait(lambda: not arrived())
+    address = httpx.URL(url)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 500\r\n")
+    with socket.create_connection((address.host, address.port)) as s:  # answered before its body
+        s.sendall(head + b"Authorization: Bearer wrong\r\n\r\n" + start)
+        assert s.recv(64).startswith(b"HTTP/1.1 401") and not arrived()
+    with socket.create_connection((address.host, address.port)) as s:  # leaves half-way through
+        s.sendall(head + b"Authorization: Bearer api-secret\r\n\r\n" + start)
+        assert _wait(arrived)
+    assert _wait(lambda: not arrived())
+    assert _wait(lambda: not executor.has_unfinished())
+    _still_serving(url, API)

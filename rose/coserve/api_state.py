@@ -1,6 +1,6 @@
 """What the OpenAI and lease routers share: the server's state (on `app.state`, handed to the
 routes as the `Served` dependency), each model's queue of requests waiting for their first
-token, and SSE framing."""
+token, the serving requests still on their way to the engine, and SSE framing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Awaitable, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -22,6 +23,35 @@ if TYPE_CHECKING:  # server.py assembles the app from the routers, which import 
     from rose.coserve.server import ServerLimits
 
 T = TypeVar("T")
+
+
+class Arrivals:
+    """Serving requests received but not yet queued on the engine: their bodies are still read,
+    parsed and tokenized. The executor gives up its rollout iteration for them as soon as they
+    arrive, not only once they are queued, so that the rollout work neither delays them by what
+    is left of its iteration nor competes with their parsing for the CPU meanwhile."""
+
+    def __init__(self) -> None:
+        self._pending = 0
+        self._lock = threading.Lock()  # released on the engine thread, held on the event loop's
+
+    def pending(self) -> bool:
+        return self._pending > 0
+
+    def arrive(self) -> Callable[[], None]:
+        """Count one arrival; the returned function (idempotent, any thread) ends it."""
+        with self._lock:
+            self._pending += 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            with self._lock:
+                if not done:
+                    done = True
+                    self._pending -= 1
+
+        return release
 
 
 class WaitingQueue:
@@ -75,6 +105,7 @@ class ServerState:
     model_name: str
     limits: ServerLimits
     queues: dict[str, WaitingQueue] = dataclasses.field(init=False)
+    arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
 
     def __post_init__(self) -> None:
         self.queues = {m: WaitingQueue(m, self.limits.max_waiting_per_model) for m in (SERVING, ROLLOUT)}

@@ -138,9 +138,9 @@ class CoServingExecutor:
         # first token (admission's inflation budgets and banked slack read them).
         self._waited: dict[str, list[float]] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
-        # Whether a serving request waits to be added (its server's engine loop sets this): a
-        # rollout iteration under `rose` is given up for it between two layers, so a request
-        # never waits out a whole rollout iteration.
+        # Whether a serving request is on its way in (its server sets this): a rollout iteration
+        # under `rose` is given up for it between two layers, so a request never waits out a
+        # whole rollout iteration.
         self.serving_arrived: Callable[[], bool] = lambda: False
         self.served = self.served_within_slo = 0
         if cfg.policy is Policy.STATIC:

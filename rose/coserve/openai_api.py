@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,6 +23,7 @@ from rose.engine.async_engine import EngineDeadError, RequestFailed
 from rose.engine.detokenize import IncrementalDetokenizer
 
 router = APIRouter()
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclasses.dataclass
@@ -41,11 +42,11 @@ def _check_model(state: ServerState, name: str) -> None:
 
 async def _generate(state: ServerState, prompt_ids: list[int],
                     body: CompletionRequest | ChatCompletionRequest,
-                    max_tokens: int | None) -> AsyncIterator[_Delta]:
+                    max_tokens: int | None, arrived: Callable[[], None]) -> AsyncIterator[_Delta]:
     """Run one serving request; yield one delta per engine output (detokenized incrementally:
     text is held back while a UTF-8 character or a stop string may still be incomplete, but
     the delta still goes out with its token ids, so that the client sees every token when
-    it is produced, as vLLM streams)."""
+    it is produced, as vLLM streams). `arrived` ends the request's arrival once it is queued."""
     executor = state.executor
     body_max = max_tokens or body.max_tokens
     # By default a request may grow to what the model's context and the KV pool hold.
@@ -54,9 +55,15 @@ async def _generate(state: ServerState, prompt_ids: list[int],
     params = body.model_copy(update={"max_tokens": body_max}).sampling(default, body.stop_token_ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
     text = IncrementalDetokenizer(state.tokenizer.decode, body.stop_strings)
+
+    def add() -> None:
+        try:
+            executor.add_serving(prompt_ids, params, rid)
+        finally:  # queued (or refused): from the next iteration on, admission sees it waiting
+            arrived()
+
     try:
-        # Urgent: a serving arrival interrupts the rollout iteration in progress.
-        stream = state.loop.stream(rid, lambda: executor.add_serving(prompt_ids, params, rid), urgent=True)
+        stream = state.loop.stream(rid, add)
         async for out in stream:
             delta = text.push(out.token_ids, out.finished)
             finish = "stop" if text.stopped else out.finish_reason if out.finished else None
@@ -81,7 +88,7 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
-    deltas = _generate(state, prompt_ids, body, max_tokens)
+    deltas = _generate(state, prompt_ids, body, max_tokens, request.state.arrived)
     # Bad input surfaces here, as a 4xx, before any byte is sent.
     first = await state.first(request, deltas, SERVING)
 

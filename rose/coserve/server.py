@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, ExceptionHandler, Message, Receive, Scope, 
 
 from rose.coserve import lease_api, openai_api
 from rose.coserve.api_errors import APIError, ClientGone
-from rose.coserve.api_state import ServerState
+from rose.coserve.api_state import Arrivals, ServerState
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_api import LEASE_PREFIX, WEIGHTS_PATH
 from rose.engine.async_engine import EngineLoop
@@ -63,10 +63,12 @@ class ServerLimits:
 class _Guard:
     """ASGI middleware in front of routing: the bearer keys, then the body-size cap (from
     Content-Length, and while the body streams in). The body is read here, whole, so that no
-    handler ever holds more than the cap; it is replayed to the app."""
+    handler ever holds more than the cap; it is replayed to the app. An authorized serving
+    request counts as arriving from here until the engine has it (`Arrivals`): the handler ends
+    its arrival (`scope["state"]["arrived"]`) once it is queued, this middleware at the latest."""
 
-    def __init__(self, app: ASGIApp, limits: ServerLimits) -> None:
-        self.app, self.limits = app, limits
+    def __init__(self, app: ASGIApp, limits: ServerLimits, arrivals: Arrivals) -> None:
+        self.app, self.limits, self.arrivals = app, limits, arrivals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,13 +77,23 @@ class _Guard:
         path: str = scope["path"]
         try:
             self._authorize(scope, path)
-            body = await _read_body(scope, receive, self.limits.max_weights_bytes if path == WEIGHTS_PATH
-                                    else self.limits.max_body_bytes)
         except APIError as exc:
             await exc.response()(scope, receive, send)
             return
-        if body is not None:  # None: the client left while sending it
-            await self.app(scope, _replay(body, receive), send)
+        arrived = (self.arrivals.arrive() if scope["method"] == "POST" and path in openai_api.GENERATE_PATHS
+                   else _nothing)
+        scope.setdefault("state", {})["arrived"] = arrived
+        try:
+            try:
+                body = await _read_body(scope, receive, self.limits.max_weights_bytes
+                                        if path == WEIGHTS_PATH else self.limits.max_body_bytes)
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
+                return
+            if body is not None:  # None: the client left while sending it
+                await self.app(scope, _replay(body, receive), send)
+        finally:
+            arrived()
 
     def _authorize(self, scope: Scope, path: str) -> None:
         if path in OPEN_PATHS:
@@ -99,6 +111,10 @@ class _Guard:
                                 f"<key>' with the server's {'lease key' if lease else 'API key'}",
                            kind="invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def _nothing() -> None:
+    pass
 
 
 def _too_large(cap: int, size: str) -> APIError:
@@ -193,8 +209,8 @@ def _stop_loop(loop: EngineLoop, timeout_s: float) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: ServerState = app.state.server
-    # Serving requests are urgent commands: one waiting interrupts the rollout iteration in progress.
-    state.executor.serving_arrived = state.loop.urgent_waiting
+    # A serving request on its way in interrupts the rollout iteration in progress.
+    state.executor.serving_arrived = state.arrivals.pending
     yield
     _stop_loop(state.loop, state.limits.shutdown_timeout_s)
 
@@ -222,8 +238,8 @@ def build_app(loop: EngineLoop, executor: CoServingExecutor, tokenizer: Tokenize
         raise ValueError("the engine loop must drive the executor the app serves")
     limits = limits or ServerLimits()
     app = FastAPI(title="ROSE co-serving executor", lifespan=_lifespan)
-    app.state.server = ServerState(loop, executor, tokenizer, model_name, limits)
-    app.add_middleware(_Guard, limits=limits)
+    app.state.server = state = ServerState(loop, executor, tokenizer, model_name, limits)
+    app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals)
     for kind, handler in _HANDLERS.items():
         app.add_exception_handler(kind, handler)
     app.include_router(openai_api.router)

@@ -93,9 +93,8 @@ class EngineLoop:
         self.target = target
         self.name = name
         self.max_queued_outputs = max_queued_outputs
-        self._commands: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future, bool]] = (
+        self._commands: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = (
             queue.SimpleQueue())
-        self._urgent = 0  # queued commands submitted as urgent (changed under `_lock`)
         self._streams: dict[str, _Stream] = {}  # the engine thread's, until it is closed
         self._wake = threading.Event()
         self._stop = False
@@ -116,27 +115,21 @@ class EngineLoop:
         stuck = " while an iteration was still running" if self._thread.is_alive() else ""
         self._close(f"{self.name} was shut down{stuck}")
 
-    def submit(self, fn: Callable[[], T], urgent: bool = False) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Queue `fn` to run on the engine thread between two iterations (a future that is
-        cancelled before it runs is skipped). While an `urgent` one waits, `urgent_waiting()`
-        is true: a target may give up the iteration in progress for it."""
+        cancelled before it runs is skipped)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._dead is None:
-                self._urgent += urgent
-                self._commands.put((fn, future, urgent))
+                self._commands.put((fn, future))
                 self._wake.set()
                 return future
         future.set_exception(EngineDeadError(self._dead))
         return future
 
-    async def call(self, fn: Callable[[], T], urgent: bool = False) -> T:
+    async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between two iterations and return its result."""
-        return await asyncio.wrap_future(self.submit(fn, urgent))
-
-    def urgent_waiting(self) -> bool:
-        """Any thread: whether an urgent command waits for the iteration in progress."""
-        return self._urgent > 0
+        return await asyncio.wrap_future(self.submit(fn))
 
     async def ping(self, timeout_s: float) -> None:
         """Raise EngineDeadError unless the engine thread runs a command within `timeout_s`."""
@@ -151,9 +144,8 @@ class EngineLoop:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def stream(self, request_id: str, add: Callable[[], object],
-                     urgent: bool = False) -> AsyncIterator[RequestOutput]:
-        """Run `add` (which queues `request_id`; `urgent` as in `submit`) on the engine thread,
+    async def stream(self, request_id: str, add: Callable[[], object]) -> AsyncIterator[RequestOutput]:
+        """Run `add` (which queues `request_id`) on the engine thread,
         then yield the request's outputs, one per iteration that advanced it (each with its new
         tokens); the last is finished. Whatever `add` raises (bad input) is raised here before
         anything is queued. Raises RequestFailed when the engine fails the request or this
@@ -166,7 +158,7 @@ class EngineLoop:
             self._streams[request_id] = stream  # only once accepted, before any step can answer
 
         try:
-            await self.call(register, urgent)
+            await self.call(register)
             while True:
                 out = await stream.get()
                 yield out
@@ -218,13 +210,9 @@ class EngineLoop:
 
     def _next_command(self) -> tuple[Callable[[], object], concurrent.futures.Future] | None:
         try:  # never blocks, even if `_close` drained it
-            fn, future, urgent = self._commands.get_nowait()
+            return self._commands.get_nowait()
         except queue.Empty:
             return None
-        if urgent:
-            with self._lock:
-                self._urgent -= 1
-        return fn, future
 
     def _run_commands(self) -> None:
         while (command := self._next_command()) is not None:
