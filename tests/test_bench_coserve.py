@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rose.bench.coserve import _across_runs, plot_tradeoff
+import numpy as np
+import pytest
+
+from rose.bench.coserve import _across_runs, _ttft_added, plot_tradeoff
+from rose.coserve.loadgen import RequestResult
 
 
 def _summary(k: float) -> dict:
@@ -31,3 +35,15 @@ def test_tradeoff_picture_is_written(tmp_path: Path) -> None:
     path = tmp_path / "tradeoff.png"
     plot_tradeoff([_summary(1.0), _summary(1.1)], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ttft_added_pairs_each_request_with_itself_serving_alone() -> None:
+    alone = [RequestResult(float(i), prompt_tokens=10 * (i + 1), ttft_s=0.1) for i in range(20)]
+    beside = [RequestResult(float(i), prompt_tokens=10 * (i + 1), ttft_s=0.1 + 0.001 * i) for i in range(20)]
+    beside[3].ttft_s = None  # failed: not paired
+    added = _ttft_added(alone, beside)
+    deltas = [float(i) for i in range(20) if i != 3]
+    assert added["ttft_added_mean_ms"] == pytest.approx(sum(deltas) / len(deltas), abs=0.01)
+    assert added["ttft_added_long_ms"] == pytest.approx(18.5, abs=0.01)  # the two longest prompts
+    assert added["ttft_added_p90_ms"] == pytest.approx(float(np.percentile(deltas, 90)), abs=0.01)
+    assert _ttft_added(alone[:1], [RequestResult(0.0, 10)]) == {}

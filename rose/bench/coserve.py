@@ -236,6 +236,7 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
     slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
            "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
     results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
+    added: dict[str, dict[str, float]] = {}
     print("serving_alone", alone, "slo", slo, flush=True)
     # rollout_alone runs under the same admission settings as rose: its capacity is what rose
     # could harvest from an idle device (the idle cap bounds each step).
@@ -247,7 +248,9 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
                for e in _floats(args.sweep_inflation))]
     for mode, policy, seconds, extra in modes:
         with _server(serving, rollout, policy, slo, core, extra) as url:
-            results[mode], _ = asyncio.run(_measure(url, mode, seconds, args, slo))
+            results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
+        if served and seconds == duration:  # the same trace requests as serving alone's
+            added[mode] = _ttft_added(requests, served)
         print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
 
     idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
@@ -260,12 +263,28 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
         if mode not in ("serving_alone", "rollout_alone"):
             summary[mode].update(ttft_vs_alone=round(r["p99_ttft_ms"] / alone["p99_ttft_ms"], 3),
                                  tpot_vs_alone=round(r["p99_tpot_ms"] / alone["p99_tpot_ms"], 3),
-                                 harvest_ratio=round(r["rollout_tokens_per_s"] / (idle * capacity), 3))
+                                 harvest_ratio=round(r["rollout_tokens_per_s"] / (idle * capacity), 3),
+                                 **added.get(mode, {}))
     summary["harvest_ratio"] = summary["rose"]["harvest_ratio"]
     summary["admission_quantile"] = args.admission_quantile
     summary["latency_model_error_rose"] = results["rose"]["latency_model_error"]
     summary["admission_overruns_rose"] = results["rose"]["admission_overruns"]
     return {"summary": summary, "modes": results}
+
+
+def _ttft_added(alone: list[RequestResult], beside: list[RequestResult]) -> dict[str, float]:
+    """What a mode added to each trace request's TTFT over serving alone (the same request, sent
+    at the same offset): a P99 rests on a few requests, these on all of them. `_long`: the
+    tenth of requests with the longest prompts, where the TTFT tail is."""
+    pairs = [(a.prompt_tokens, (b.ttft_s - a.ttft_s) * 1e3) for a, b in zip(alone, beside, strict=True)
+             if a.ttft_s is not None and b.ttft_s is not None]
+    if not pairs:
+        return {}
+    longest = np.percentile([p for p, _ in pairs], 90)
+    added = np.array([d for _, d in pairs])
+    return {"ttft_added_mean_ms": round(float(added.mean()), 2),
+            "ttft_added_p90_ms": round(float(np.percentile(added, 90)), 2),
+            "ttft_added_long_ms": round(float(np.mean([d for p, d in pairs if p >= longest])), 2)}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
