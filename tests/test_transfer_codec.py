@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import tracemalloc
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rose.transfer import codec
+from rose.transfer import codec, kernels
 from rose.transfer.codec import CorruptDelta, apply, encode
 
 DTYPES = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -241,3 +242,165 @@ def test_forged_counts_are_refused() -> None:
         header = codec._header(kind, target, n_changed, n_escapes, raw_len, body, 0, 0)
         with pytest.raises(CorruptDelta, match=re.escape(message)):
             codec.apply_into(target, header, body)
+
+
+# -------------------------------------------------------------------- the torch (device) path
+# The torch kernels run on any device, so on CPU tensors they are checked here against numba's:
+# the same bytes out, and each path applies what the other wrote.
+
+PATHS = {"numba": kernels.NUMBA, "torch": kernels.TorchKernels(torch.device("cpu"))}
+
+
+def _encode_both(old: torch.Tensor, new: torch.Tensor, zstd: int | None = None) -> codec.Encoded:
+    """The payload both paths write (asserted equal), each advancing its own copy of `old` to `new`."""
+    out = {}
+    for name, k in PATHS.items():
+        base = old.clone()
+        out[name] = codec.encode_delta(base, new, zstd_level=zstd, kernels=k)
+        assert torch.equal(bits(base), bits(new)), f"{name} did not advance the baseline"
+    assert out["numba"].to_bytes() == out["torch"].to_bytes()
+    assert out["numba"].changed == out["torch"].changed
+    return out["numba"]
+
+
+def _apply_both(old: torch.Tensor, enc: codec.Encoded, new: torch.Tensor) -> None:
+    for name, k in PATHS.items():
+        target = old.clone()
+        codec.apply_into(target, enc.header, enc.body, kernels=k)
+        assert torch.equal(bits(target), bits(new)), f"{name} applied it wrong"
+
+
+@settings(max_examples=150, deadline=None)
+@given(pair=pairs(), zstd=st.sampled_from([None, 1]))
+def test_torch_and_numba_paths_write_and_apply_the_same_payloads(pair: tuple[torch.Tensor, torch.Tensor],
+                                                                 zstd: int | None) -> None:
+    old, new = pair
+    _apply_both(old, _encode_both(old, new, zstd), new)
+    full = {name: codec.encode_full(new, kernels=k).to_bytes() for name, k in PATHS.items()}
+    assert full["numba"] == full["torch"]
+
+
+def test_torch_path_mixes_gaps_bitmaps_and_escapes_like_numba() -> None:
+    n = 5 * codec.CHUNK + 123
+    old = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    rng = np.random.default_rng(1)
+    sparse = rng.choice(codec.CHUNK, codec.CHUNK // 100, replace=False)
+    dense = codec.CHUNK + rng.choice(codec.CHUNK, codec.CHUNK // 2, replace=False)
+    tail = 5 * codec.CHUNK + rng.choice(123, 100, replace=False)  # the partial last chunk as a bitmap
+    lonely = [3 * codec.CHUNK + 7]
+    for idx in (sparse, dense, tail, lonely):
+        new[torch.as_tensor(idx)] = -new[torch.as_tensor(idx)] - 1
+    new[17] = torch.nan
+    new[18] = -0.0
+    enc = _encode_both(old, new)
+    assert not enc.full and enc.changed == len(sparse) + len(dense) + len(tail) + len(lonely) + 2
+    _apply_both(old, enc, new)
+
+
+def test_torch_path_applies_and_advances_through_strides() -> None:
+    old = (torch.randn(256, 96) * 0.02).to(torch.float16)
+    new = old.clone()
+    new[torch.rand(old.shape) < 0.05] = torch.inf
+    k = PATHS["torch"]
+    base = old.t().clone().t()  # same values, column-major strides
+    enc = codec.encode_delta(base, new, kernels=k)
+    assert torch.equal(bits(base), bits(new))
+    big = torch.zeros(256, 192, dtype=torch.float16)
+    big[:, 96:] = old
+    codec.apply_into(big[:, 96:], enc.header, enc.body, kernels=k)
+    assert torch.equal(bits(big[:, 96:]), bits(new)) and not big[:, :96].any()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_forged_gaps_are_refused_on_every_path(path: str) -> None:
+    """The checks run on the host before either path writes: a forged delta never reaches the device."""
+    n = 4096
+    old = torch.zeros(n, dtype=torch.bfloat16)
+    new = old.clone()
+    new[[3, 900, n - 1]] = 1.0
+    header, body = codec.split_payload(encode(old, new))
+    forged = body.copy()
+    forged[-3] = 200  # the first gap now points past the end
+    with pytest.raises(CorruptDelta, match="index out of range"):
+        codec.apply_into(old, _reseal(header, forged), forged, kernels=PATHS[path])
+    assert not old.any()
+
+
+# ----------------------------------------------------------- on a CUDA device (`pytest -m gpu`)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(pair=pairs(), zstd=st.sampled_from([None, 1]))
+def test_cuda_payloads_are_the_cpu_payloads_and_apply_across_devices(pair: tuple[torch.Tensor, torch.Tensor],
+                                                                     zstd: int | None) -> None:
+    old, new = pair
+    on_cpu = codec.encode_delta(old.clone(), new, zstd_level=zstd)
+    base = old.cuda()
+    on_gpu = codec.encode_delta(base, new.cuda(), zstd_level=zstd)
+    assert on_gpu.to_bytes() == on_cpu.to_bytes() and torch.equal(bits(base.cpu()), bits(new))
+    for enc in (on_cpu, on_gpu):
+        target = old.cuda()
+        codec.apply_into(target, enc.header, enc.body)  # encoded on either device, applied on CUDA
+        assert torch.equal(bits(target.cpu()), bits(new))
+        assert torch.equal(bits(apply(old, enc.to_bytes())), bits(new))  # ... and on the CPU
+    assert codec.tensor_hash(new.cuda()) == codec.tensor_hash(new)
+    assert codec.encode_full(new.cuda()).to_bytes() == codec.encode_full(new).to_bytes()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_path_mixes_gaps_bitmaps_and_escapes_and_strides() -> None:
+    n = 3 * codec.CHUNK + 4
+    old = (torch.randn(n) * 0.02).to(torch.bfloat16)
+    new = old.clone()
+    new[: codec.CHUNK // 2] += 1  # a bitmap chunk
+    new[codec.CHUNK + 3 :: 97] = torch.nan  # gaps, the first an escape
+    new[n - 1] = -0.0
+    enc = codec.encode_delta(old.cuda(), new.cuda(), advance=False)
+    assert enc.to_bytes() == encode(old, new)
+    t = old.reshape(-1, 4).cuda().t().contiguous().t()  # column-major on the device
+    codec.apply_into(t, enc.header, enc.body)
+    assert torch.equal(bits(t.cpu().reshape(-1)), bits(new))
+
+
+@pytest.mark.gpu
+@cuda
+def test_sync_from_cuda_senders_to_cpu_and_cuda_receivers() -> None:
+    from rose.bench.transfer import Trainer
+    from rose.model import preset_config
+    from rose.transfer import (
+        LocalRelay,
+        Receiver,
+        ReceiverSpec,
+        Sender,
+        TrainerSpec,
+        model_spec,
+        trainer_layout,
+    )
+    from rose.transfer.layouts import receiver_layout, shard
+
+    trainer = Trainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=16, lr=1e-5, device="cuda")
+    spec, tspec, relay = model_spec(trainer.model), TrainerSpec(fsdp=2), LocalRelay()
+    senders = [Sender(relay, spec, shard(trainer.policy, trainer_layout(spec, tspec).rank_boxes(r)),
+                      trainer=tspec, rank=r, bucket_bytes=16 << 10) for r in range(2)]
+    receivers = [Receiver(relay, spec, ReceiverSpec("gpu", tp=2, rank=r), device="cuda") for r in range(2)]
+    receivers.append(Receiver(relay, spec, ReceiverSpec("cpu")))
+    for r in receivers:
+        r.join()
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        for version in range(1, 5):
+            if version > 1:
+                trainer.step()
+            pulls = [pool.submit(r.sync, 30) for r in receivers]
+            for s in senders:
+                s.publish(version)
+            assert [f.result() for f in pulls] == [version] * 3
+    assert [r.last.kind for r in receivers] == ["delta"] * 3
+    for r in receivers:
+        want = shard(trainer.policy, receiver_layout(spec, r.me.tp, r.me.pp).rank_boxes(r.me.rank))
+        assert r.digests() == {n: codec.tensor_hash(want[n]) for n in r.tensors}

@@ -13,6 +13,9 @@ Gbps, through the Ray object store relay. After every step, in rotating order:
 The `small` preset with `--quick`; a synthetic ~0.5 B-parameter model (Qwen2.5-0.5B's shape)
 otherwise. Sync time runs from "the new weights are ready" until every receiver has applied
 and verified them. Codec throughput is measured single-threaded on the same real deltas.
+With `--device cuda` the trainer, the senders' weights and baselines and the receivers' mirrors
+live on the GPU, so the codec runs there (torch ops) and payloads cross to the relay through
+pinned host memory.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from rose.model import ModelConfig, preset_config, random_model
@@ -69,13 +73,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relay", choices=["ray", "local"], default="ray")
     p.add_argument("--zstd-level", type=int, help="compress delta bodies with zstd at this level")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the weights live and the codec runs (default cuda when available, else cpu)")
 
 
 class Trainer:
     """fp32 master weights, AdamW, and the bf16 policy weights the senders publish."""
 
-    def __init__(self, config: ModelConfig, seed: int, batch: int, seq: int, lr: float = 1e-6) -> None:
-        self.model = random_model(config, seed).train()
+    def __init__(self, config: ModelConfig, seed: int, batch: int, seq: int, lr: float = 1e-6,
+                 device: torch.device | str = "cpu") -> None:
+        self.model = random_model(config, seed).to(device).train()
         # AdamW per parameter, stepped from the parameter's gradient hook: each fp32 gradient is
         # freed once used, so they never all exist at once (2 GB less at 0.5 B). The update is the
         # same as one AdamW over all parameters: AdamW treats every parameter on its own.
@@ -83,15 +90,15 @@ class Trainer:
         for p in self.opts:
             p.register_post_accumulate_grad_hook(self._update)
         self.policy = {n: p.detach().to(torch.bfloat16) for n, p in self.model.named_parameters()}
-        self.gen = torch.Generator().manual_seed(seed)
-        self.batch, self.seq, self.vocab = batch, seq, config.vocab_size
+        self.gen = torch.Generator().manual_seed(seed)  # on the CPU: the same batches on any device
+        self.batch, self.seq, self.vocab, self.device = batch, seq, config.vocab_size, device
 
     def _update(self, p: torch.Tensor) -> None:
         self.opts[p].step()
         p.grad = None
 
     def step(self) -> float:
-        ids = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.gen)
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.gen).to(self.device)
         logits = self.model(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
@@ -108,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     bucket_bytes = (args.bucket_mb or (8 if args.quick else 64)) << 20
     preset = args.preset or ("small" if args.quick else "0.5b")
     config = ModelConfig(**HALF_B) if preset == "0.5b" else preset_config("qwen3", preset)
-    trainer = Trainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)))
+    device = torch.device(args.device)
+    trainer = Trainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)), device=device)
     spec = model_spec(trainer.model)
     tspec = TrainerSpec(fsdp=2)
     tlayout = trainer_layout(spec, tspec)
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         senders = [Sender(relay, spec, shard(trainer.policy, tlayout.rank_boxes(r)), trainer=tspec, rank=r,
                           group="bench", policy=SyncPolicy(full_every=0), link=link, keep_syncs=1,
                           bucket_bytes=bucket_bytes, zstd_level=args.zstd_level) for r in range(tspec.world)]
-        receivers = [Receiver(relay, spec, ReceiverSpec(name, tp, 1, r), group="bench")
+        receivers = [Receiver(relay, spec, ReceiverSpec(name, tp, 1, r), group="bench", device=device)
                      for name, tp in REPLICAS for r in range(tp)]
         for r in receivers:
             r.join()
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         "model_params": sum(p.numel for p in spec.params), "model_bytes_bf16": spec.nbytes,
         "trainer": "fsdp=2", "receivers": [f"{n} tp={tp}" for n, tp in REPLICAS], "gbps": args.gbps,
         "bucket_bytes": bucket_bytes, "relay": args.relay, "zstd_level": args.zstd_level,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "optimizer": "AdamW lr=1e-6, fp32 master, bf16 policy", "torch": torch.__version__,
         "cpus": os.cpu_count(), "machine": platform.machine(),
         # The machine may be shared: its load says how much of it this run had.
@@ -223,9 +232,8 @@ def _naive(pool: ThreadPoolExecutor, relay: Relay, link: Link, senders: list[Sen
     def push() -> None:
         for i, group in enumerate(buckets):
             # The all-gather: rank 0 concatenates every rank's dim-0 shard.
-            full = [torch.cat([s.tensors[n] for s in senders if n in s.tensors]).view(-1).view(torch.uint8)
-                    for n in group]
-            parts = [t.numpy() for t in full]
+            parts = [codec.host_bits(torch.cat([s.tensors[n] for s in senders if n in s.tensors]))
+                     for n in group]
             for r in receivers:
                 key = f"naive/{version}/{r.id}/{i}"
                 link.transmit(key, sum(p.nbytes for p in parts))
@@ -238,9 +246,8 @@ def _naive(pool: ThreadPoolExecutor, relay: Relay, link: Link, senders: list[Sen
             parts = relay.get(key, 120)
             for n, raw in zip(group, parts, strict=True):
                 if n in boxes:  # keep our slice of the full tensor (copied on the raw bits)
-                    dst = r.tensors[n].view(torch.int16).numpy()
-                    dst[...] = raw.view(dst.dtype).reshape(policy[n].shape)[local_slices(boxes[n], full_box(
-                        policy[n].shape))]
+                    codec.load_bits(r.tensors[n], raw.view(np.int16).reshape(policy[n].shape)[local_slices(
+                        boxes[n], full_box(policy[n].shape))])
             relay.delete(key)
 
     jobs = [pool.submit(push)] + [pool.submit(pull, r) for r in receivers]

@@ -27,9 +27,13 @@ and, for a delta, the stored body, so corruption is caught before anything is wr
 body is the resulting tensor itself: `result_hash` checks it before the copy, and hashing it a
 second time (for `check`, or after the copy) would only double the cost of full syncs. The
 checks are no MAC, so every size a header declares (and a zstd frame's declared content size)
-is checked against the target tensor before anything is allocated for it. The two
-per-element loops (finding changed elements, scattering gap-coded ones) are compiled
-(`kernels.py`); the rest is vectorised numpy: no Python loop runs per element or per chunk.
+is checked against the target tensor before anything is allocated for it, and every check
+runs on the host before a byte goes to the device.
+
+The format is written once, here, against `kernels.Kernels`: where the tensors live chooses the
+kernels (numba loops and numpy for CPU tensors, torch ops on the device for any other), and every
+path writes the same bytes, so a delta encoded on one device applies on any other. No Python
+loop runs per element or per chunk.
 """
 
 from __future__ import annotations
@@ -37,14 +41,14 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import xxhash
 import zstandard
 
-from rose.transfer import kernels
+from rose.transfer.kernels import NUMBA, Kernels, for_device
 
 MAGIC = b"RSD1"
 FULL, DELTA = 0, 1
@@ -86,7 +90,22 @@ class Encoded:
 
 def tensor_hash(t: torch.Tensor) -> int:
     """xxh3-64 of a tensor's bytes in row-major order (the streaming form releases the GIL)."""
-    return xxhash.xxh3_64(_flat(t).view(np.uint8)).intdigest()
+    k = for_device(t.device)
+    return k.hash(k.flat(_array(t, k)))
+
+
+def host_bits(t: torch.Tensor) -> np.ndarray:
+    """A tensor's raw bytes in row-major order as a flat host array: a view of a contiguous CPU
+    tensor, else a copy (through pinned memory from a CUDA device)."""
+    k = for_device(t.device)
+    return k.to_host(k.view(k.flat(_array(t, k)), "uint8"))
+
+
+def load_bits(dst: torch.Tensor, src: np.ndarray) -> None:
+    """dst[...] = src on the raw bits: `src` a host array of `dst`'s shape and element width
+    (any strides, on both sides); a device `dst` receives it through pinned memory."""
+    k = for_device(dst.device)
+    _array(dst, k)[...] = k.from_host(src)
 
 
 def encode(old: torch.Tensor, new: torch.Tensor, *, zstd_level: int | None = None) -> bytes:
@@ -102,44 +121,52 @@ def apply(old: torch.Tensor, payload: bytes | bytearray | memoryview | np.ndarra
     return out
 
 
-def encode_full(new: torch.Tensor) -> Encoded:
-    """A payload holding all of `new` (for new or late receivers and periodic full syncs)."""
-    src = _flat(new)
-    body = src.view(np.uint8)
-    return Encoded(_header(FULL, new, src.size, 0, body.nbytes, body, xxhash.xxh3_64(body).intdigest(), 0),
-                   body, src.size, True)
+def encode_full(new: torch.Tensor, *, kernels: Kernels | None = None) -> Encoded:
+    """A payload holding all of `new` (for new or late receivers and periodic full syncs).
+
+    `kernels` (default: by the tensor's device, see `kernels.for_device`) chooses the code path;
+    every path writes the same bytes."""
+    k = kernels or for_device(new.device)
+    body = k.to_host(k.view(k.flat(_array(new, k)), "uint8"))
+    numel = new.numel()
+    return Encoded(_header(FULL, new, numel, 0, body.nbytes, body, xxhash.xxh3_64(body).intdigest(), 0),
+                   body, numel, True)
 
 
 def encode_delta(base: torch.Tensor, new: torch.Tensor, *, zstd_level: int | None = None,
-                 advance: bool = True) -> Encoded:
-    """Encode `new` against `base`; with `advance`, also bring `base` to `new` in place.
+                 advance: bool = True, kernels: Kernels | None = None) -> Encoded:
+    """Encode `new` against `base` (on the same device); with `advance`, also bring `base` to
+    `new` in place.
 
-    The sender keeps `base` as its baseline: advancing it rewrites only the 8-byte words that
-    changed (a strided baseline is copied out and written back whole).
+    The sender keeps `base` as its baseline: on CPU, advancing it rewrites only the 8-byte words
+    that changed (a strided baseline is copied out and written back whole).
     """
     _check_pair(base, new)
-    b = _flat(new)
+    k = kernels or for_device(new.device)
+    b = k.flat(_array(new, k))
     if advance:
-        idx, vals = _in_place(base, lambda a: _changed(a, b, True))
+        idx, vals = _in_place(base, k, lambda a: k.changed(a, b, True))
     else:
-        idx, vals = _changed(_flat(base), b, False)
-    result_hash = xxhash.xxh3_64(b.view(np.uint8)).intdigest()
-    body, n_escapes = _delta_body(idx, vals, b.size)
+        idx, vals = k.changed(k.flat(_array(base, k)), b, False)
+    result_hash = k.hash(b)
+    body, n_escapes = _delta_body(idx, vals, b.shape[0], k)
     if body.nbytes >= b.nbytes:  # dense change: the raw tensor is smaller
-        return dataclasses.replace(encode_full(new), changed=idx.size)
+        return dataclasses.replace(encode_full(new, kernels=k), changed=len(idx))
+    body = k.to_host(body)
     flags, stored = 0, body
     if zstd_level is not None:
         packed = zstandard.ZstdCompressor(level=zstd_level).compress(body)
         if len(packed) < body.nbytes:
             flags, stored = ZSTD, np.frombuffer(packed, np.uint8)
-    header = _header(DELTA, new, idx.size, n_escapes, body.nbytes, stored, result_hash, flags)
-    return Encoded(header, stored, idx.size, False)
+    header = _header(DELTA, new, len(idx), n_escapes, body.nbytes, stored, result_hash, flags)
+    return Encoded(header, stored, len(idx), False)
 
 
 def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src on the raw bits (any strides), without torch's thread pool."""
+    """dst[...] = src on the raw bits (any strides, same device; on CPU without torch's thread pool)."""
     _check_pair(dst, src)
-    np.copyto(_raw(dst), _raw(src))
+    k = for_device(dst.device)
+    _array(dst, k)[...] = _array(src, k)
 
 
 def split_payload(payload: bytes | bytearray | memoryview | np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -158,16 +185,18 @@ def split_payload(payload: bytes | bytearray | memoryview | np.ndarray) -> tuple
     return buf[:head_len].tobytes(), buf[head_len:]
 
 
-def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray) -> int:
-    """Apply one payload to `target` in place (any strides) and verify the result's checksum.
+def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray, *,
+               kernels: Kernels | None = None) -> int:
+    """Apply one payload to `target` in place (any strides, any device) and verify the result's
+    checksum; `kernels` as for `encode_full`.
 
     Returns the number of elements the payload carries. Header, checksum and index checks all
-    run before the first write; a result mismatch after writing means `target` was not the
-    sender's baseline, and the caller needs a full sync.
+    run on the host before the first write; a result mismatch after writing means `target` was
+    not the sender's baseline, and the caller needs a full sync.
     """
     h = _parse(header, body)
     _check_fits(h, target)
-    numel = target.numel()
+    k = kernels or for_device(target.device)
     if h.flags & ZSTD:
         body = _decompress(body, h.raw_len)
     if body.nbytes != h.raw_len:
@@ -175,10 +204,10 @@ def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray) -> int:
     if h.kind == FULL:
         if xxhash.xxh3_64(body).intdigest() != h.result_hash:
             raise CorruptDelta("payload checksum mismatch: full body corrupted in transit")
-        np.copyto(_bits(target).numpy(), body.view(_np_int(target)).reshape(target.shape))
+        _array(target, k)[...] = k.from_host(body.view(_np_int(target)).reshape(target.shape))
         return h.n_changed
-    delta = _parse_delta(body, h.n_changed, h.n_escapes, numel, target)
-    if _in_place(target, lambda flat: _apply_delta(flat, *delta)) != h.result_hash:
+    layout = _parse_delta(body, h.n_changed, h.n_escapes, target.numel(), target.element_size())
+    if _in_place(target, k, lambda flat: _apply_delta(flat, k.from_host(body), layout, k)) != h.result_hash:
         raise CorruptDelta("result checksum mismatch: the tensor the delta was applied to is not the "
                            "sender's baseline; a full sync is needed")
     return h.n_changed
@@ -187,21 +216,11 @@ def apply_into(target: torch.Tensor, header: bytes, body: np.ndarray) -> int:
 # ----------------------------------------------------------------------------------- internals
 
 
-def _raw(t: torch.Tensor) -> np.ndarray:
-    """The integer numpy view sharing `t`'s memory (strided views stay strided)."""
+def _array(t: torch.Tensor, k: Kernels) -> Any:
+    """The integer array of `k` sharing `t`'s memory (strided views stay strided)."""
     if t.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {t.dtype}; expected one of bfloat16, float16, float32")
-    return _bits(t).numpy()
-
-
-def _flat(t: torch.Tensor) -> np.ndarray:
-    """The raw bits as a flat array: a view when `t` is contiguous, else a copy (numpy's, single-threaded:
-    torch's copy would wake its thread pool inside every sync thread)."""
-    return np.ascontiguousarray(_raw(t)).reshape(-1)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(_DTYPES[t.dtype][1])
+    return k.array(t.detach().view(_DTYPES[t.dtype][1]))
 
 
 def _np_int(t: torch.Tensor) -> type:
@@ -213,31 +232,20 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
         raise ValueError(f"dtype mismatch: old is {old.dtype}, new is {new.dtype}")
     if old.shape != new.shape:
         raise ValueError(f"shape mismatch: old is {tuple(old.shape)}, new is {tuple(new.shape)}")
+    if old.device != new.device:
+        raise ValueError(f"device mismatch: old is on {old.device}, new on {new.device}")
     if new.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {new.dtype}; expected one of bfloat16, float16, float32")
 
 
-def _changed(a: np.ndarray, b: np.ndarray, advance: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted flat indices where the raw bits differ, and `b`'s bits there; with `advance`,
-    `a` takes `b`'s bits. The output buffers are sized for the worst case but only the
-    entries written are ever touched (and so backed by memory)."""
-    lanes = 8 // a.itemsize
-    words = a.size // lanes * lanes  # the elements in whole 8-byte words
-    idx, vals = np.empty(a.size, np.int64), np.empty(a.size, a.dtype)
-    k = kernels.find_changed(a, b, a[:words].view(np.uint64), b[:words].view(np.uint64), lanes, idx, vals,
-                             advance)
-    return idx[:k], vals[:k]
-
-
-def _in_place(t: torch.Tensor, fn: Callable[[np.ndarray], _T]) -> _T:
+def _in_place(t: torch.Tensor, k: Kernels, fn: Callable[[Any], _T]) -> _T:
     """`fn` of `t`'s raw bits as a flat array it may write to: a view of a contiguous tensor,
     else a copy written back afterwards."""
-    raw = _raw(t)
-    if raw.flags.c_contiguous:
-        return fn(raw.reshape(-1))
-    flat = raw.flatten()
+    raw = _array(t, k)
+    flat = k.flat(raw)
     out = fn(flat)
-    raw[...] = flat.reshape(raw.shape)
+    if not k.contiguous(raw):
+        raw[...] = flat.reshape(raw.shape)
     return out
 
 
@@ -322,75 +330,107 @@ def _decompress(body: np.ndarray, raw_len: int) -> np.ndarray:
     return np.frombuffer(raw, np.uint8)
 
 
-def _delta_body(idx: np.ndarray, vals: np.ndarray, numel: int) -> tuple[np.ndarray, int]:
-    """The delta body for sorted changed indices `idx` and their new bits `vals`; and its escape count."""
+def _delta_body(idx: Any, vals: Any, numel: int, k: Kernels) -> tuple[Any, int]:
+    """The delta body (uint8, where `k` works) for sorted changed indices `idx` and their new
+    bits `vals`; and its escape count."""
     n_chunks = -(-numel // CHUNK)
     # A gap costs at least one byte, so a chunk with more than CHUNK / 8 changes is smaller as
     # a bitmap; below that gaps win.
-    is_bitmap = np.zeros(n_chunks, bool)
-    if idx.size > CHUNK // 8:  # idx is sorted: count per chunk by bisection, not a pass over idx
-        bounds = np.searchsorted(idx, np.arange(n_chunks + 1, dtype=np.int64) << CHUNK_SHIFT)
-        is_bitmap = np.diff(bounds) > CHUNK // 8
-    bitmap = np.empty(0, np.uint8)
+    is_bitmap = k.zeros(n_chunks, "bool")
+    if len(idx) > CHUNK // 8:  # idx is sorted: count per chunk by bisection, not a pass over idx
+        bounds = k.searchsorted(idx, k.arange(n_chunks + 1) << CHUNK_SHIFT)
+        is_bitmap = bounds[1:] - bounds[:-1] > CHUNK // 8
+    bitmap = k.zeros(0, "uint8")
     gap_idx = idx
     if is_bitmap.any():
         chunk = idx >> CHUNK_SHIFT
         in_bitmap = is_bitmap[chunk]
-        bits = np.zeros(int(is_bitmap.sum()) * CHUNK, bool)
-        rank = np.cumsum(is_bitmap) - 1  # position of each bitmap chunk among the bitmaps
+        bits = k.zeros(int(is_bitmap.sum()) * CHUNK, "bool")
+        rank = is_bitmap.cumsum(0) - 1  # position of each bitmap chunk among the bitmaps
         bits[(rank[chunk[in_bitmap]] << CHUNK_SHIFT) | (idx[in_bitmap] & (CHUNK - 1))] = True
-        bitmap = np.packbits(bits, bitorder="little")
+        bitmap = k.packbits(bits)
         gap_idx = idx[~in_bitmap]
-        vals = np.concatenate([vals[in_bitmap], vals[~in_bitmap]])
-    dist = np.diff(gap_idx, prepend=-1)
-    escaped = np.flatnonzero(dist > 255)
-    gaps = dist.astype(np.uint8)
+        vals = k.cat([vals[in_bitmap], vals[~in_bitmap]])
+    dist = k.diff(gap_idx, -1)
+    escaped = dist > 255
+    gaps = k.astype(dist, "uint8")
     gaps[escaped] = 0
-    escapes = dist[escaped].astype(_escape_dtype(numel))
-    parts = [escapes.view(np.uint8), vals.view(np.uint8), is_bitmap.view(np.uint8), bitmap, gaps]
-    return np.concatenate(parts), escapes.size
+    escapes = dist[escaped]
+    # The low bytes of each int64 (little-endian): torch has no uint32 arithmetic.
+    escape_bytes = k.view(escapes, "uint8").reshape(-1, 8)[:, :_escape_width(numel)].reshape(-1)
+    parts = [escape_bytes, k.view(vals, "uint8"), k.view(is_bitmap, "uint8"), bitmap, gaps]
+    return k.cat(parts), len(escapes)
 
 
-def _escape_dtype(numel: int) -> type:
-    return np.uint32 if numel < 1 << 32 else np.uint64
+def _escape_width(numel: int) -> int:
+    return 4 if numel < 1 << 32 else 8
 
 
-def _parse_delta(body: np.ndarray, n_changed: int, n_escapes: int, numel: int,
-                 target: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Checks a delta body against its header and the tensor before anything is written.
-    Returns the bitmap chunks' positions, the gaps, the escapes, and the values (bitmap ones
-    first)."""
+@dataclasses.dataclass(frozen=True)
+class _DeltaLayout:
+    """Where the fields of a delta body lie (the module docstring lists them)."""
+
+    n_changed: int
+    n_escapes: int
+    escape_width: int  # bytes
+    itemsize: int
+    n_chunks: int
+    n_bitmaps: int
+
+    @property
+    def gaps_at(self) -> int:
+        return (self.n_escapes * self.escape_width + self.n_changed * self.itemsize + self.n_chunks
+                + self.n_bitmaps * CHUNK // 8)
+
+    def fields(self, body: Any, k: Kernels) -> tuple[Any, Any, Any, Any, Any]:
+        """(escapes as int64, values, chunk kinds, bitmaps, gaps) of `body`, a byte array where `k` works."""
+        vals_at = self.n_escapes * self.escape_width
+        kinds_at = vals_at + self.n_changed * self.itemsize
+        bitmaps_at = kinds_at + self.n_chunks
+        escapes = k.astype(k.view(body[:vals_at], f"int{8 * self.escape_width}"), "int64")
+        if self.escape_width == 4:  # uint32 on the wire, read as int32: torch has no uint32 arithmetic
+            escapes &= 0xFFFFFFFF
+        return (escapes, k.view(body[vals_at:kinds_at], f"int{8 * self.itemsize}"),
+                body[kinds_at:bitmaps_at], body[bitmaps_at:self.gaps_at], body[self.gaps_at:])
+
+
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
+
+
+def _parse_delta(body: np.ndarray, n_changed: int, n_escapes: int, numel: int, itemsize: int) -> _DeltaLayout:
+    """Checks a delta body against its header and the tensor before anything is written (on the
+    host, whichever kernels apply it); returns where its fields lie."""
     n_chunks = -(-numel // CHUNK)
-    esc_dtype = _escape_dtype(numel)
-    esc_bytes = n_escapes * np.dtype(esc_dtype).itemsize
-    pos = esc_bytes + n_changed * target.element_size()  # the chunk kinds
-    if body.size < pos + n_chunks:
+    width = _escape_width(numel)
+    kinds_at = n_escapes * width + n_changed * itemsize
+    if body.size < kinds_at + n_chunks:
         raise CorruptDelta(f"delta body of {body.size} bytes cannot hold its values and chunk kinds")
-    kinds = body[pos:pos + n_chunks]
+    kinds = body[kinds_at:kinds_at + n_chunks]
     if (kinds > 1).any():
         raise CorruptDelta("delta chunk kind out of range")
-    bitmap_chunks = np.flatnonzero(kinds)
-    start, pos = pos + n_chunks, pos + n_chunks + bitmap_chunks.size * CHUNK // 8
-    set_bits = np.flatnonzero(np.unpackbits(body[start:pos], bitorder="little"))
-    n_gaps = n_changed - set_bits.size
-    if n_gaps < 0 or body.size != pos + n_gaps:
-        raise CorruptDelta(f"delta body is {body.size} bytes, its fields need {pos + max(n_gaps, 0)}")
-    idx_b = (bitmap_chunks[set_bits >> CHUNK_SHIFT] << CHUNK_SHIFT) | (set_bits & (CHUNK - 1))
-    gaps, escapes = body[pos:], body[:esc_bytes].view(esc_dtype)
+    layout = _DeltaLayout(n_changed, n_escapes, width, itemsize, n_chunks, int(np.count_nonzero(kinds)))
+    escapes, _, _, bitmaps, gaps = layout.fields(body, NUMBA)
+    n_gaps = n_changed - int(_POPCOUNT[bitmaps].sum(dtype=np.int64))
+    need = layout.gaps_at + max(n_gaps, 0)
+    if n_gaps < 0 or body.size != need:
+        raise CorruptDelta(f"delta body is {body.size} bytes, its fields need {need}")
     if np.count_nonzero(gaps == 0) != n_escapes or (escapes <= 255).any() or (escapes > numel).any():
         raise CorruptDelta("delta gap escapes do not match their markers")
-    # Every distance is at least 1, so positions rise and the last one bounds them all.
-    last = int(gaps.sum(dtype=np.int64)) + int(escapes.sum(dtype=np.int64)) - 1
-    if (idx_b.size and idx_b[-1] >= numel) or last >= numel:
+    # Every distance is at least 1, so positions rise and the last one bounds them all; only the
+    # last chunk can be partial, so only its bitmap can reach past the end.
+    last = int(gaps.sum(dtype=np.int64)) + int(escapes.sum()) - 1
+    tail = numel % CHUNK
+    past_end = tail and kinds[-1] and np.unpackbits(bitmaps[-CHUNK // 8:], bitorder="little")[tail:].any()
+    if last >= numel or past_end:
         raise CorruptDelta(f"delta index out of range for a tensor of {numel} elements")
-    return idx_b, gaps, escapes, body[esc_bytes:esc_bytes + n_changed * target.element_size()].view(
-        _np_int(target))
+    return layout
 
 
-def _apply_delta(flat: np.ndarray, idx_b: np.ndarray, gaps: np.ndarray, escapes: np.ndarray,
-                 vals: np.ndarray) -> int:
-    """Writes a checked delta into `flat`; returns xxh3 of the result (hashed here, so that a
-    strided tensor's flat copy serves the check too)."""
-    flat[idx_b] = vals[:idx_b.size]
-    kernels.scatter_gaps(flat, gaps, escapes.astype(np.int64), vals[idx_b.size:])
-    return xxhash.xxh3_64(flat.view(np.uint8)).intdigest()
+def _apply_delta(flat: Any, body: Any, layout: _DeltaLayout, k: Kernels) -> int:
+    """Writes a checked delta `body` (where `k` works) into `flat`; returns xxh3 of the result
+    (hashed here, so that a strided tensor's flat copy serves the check too)."""
+    escapes, vals, kinds, bitmaps, gaps = layout.fields(body, k)
+    chunks, bits = k.flatnonzero(kinds), k.flatnonzero(k.unpackbits(bitmaps))
+    flat[(chunks[bits >> CHUNK_SHIFT] << CHUNK_SHIFT) | (bits & (CHUNK - 1))] = vals[:len(bits)]
+    k.scatter_gaps(flat, gaps, escapes, vals[len(bits):])
+    return k.hash(flat)

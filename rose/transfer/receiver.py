@@ -1,11 +1,12 @@
 """The rollout side: one `Receiver` per rollout process (one TP/PP rank of one replica).
 
-A receiver keeps a CPU mirror of its shard of every parameter (in the transfer dtype), joins
-its group by writing a `MemberState` to the relay, and on `sync()` pulls the buckets of the
-next announced sync that hold its slices (prefetching the next bucket while applying one),
-applies them to the mirror and verifies every fragment's checksum. Only when all of them check
-out does it hand the changed tensors to `on_apply(named_tensors, version)` -- the shape of
-`LLMEngine.load_weights` -- and acknowledge the version. Any failure (checksum mismatch, a
+A receiver keeps a mirror of its shard of every parameter (in the transfer dtype) on its
+`device` (payloads are checked on the host, then applied there), joins its group by writing a
+`MemberState` to the relay, and on `sync()` pulls the buckets of the next announced sync that
+hold its slices (prefetching the next bucket while applying one), applies them to the mirror
+and verifies every fragment's checksum. Only when all of them check out does it hand the
+changed tensors to `on_apply(named_tensors, version)` -- the shape of `LLMEngine.load_weights`
+-- and acknowledge the version. Any failure (checksum mismatch, a
 bucket that never arrives) leaves the engine on its old version and asks for a full sync.
 """
 
@@ -69,12 +70,12 @@ def load_into(module: nn.Module) -> WeightUpdate:
 class Receiver:
     def __init__(self, relay: Relay, spec: ModelSpec, me: ReceiverSpec,
                  on_apply: WeightUpdate | None = None, *, group: str = "default", timeout: float = 60.0,
-                 prefetch: int = 2) -> None:
+                 prefetch: int = 2, device: torch.device | str = "cpu") -> None:
         self.relay, self.spec, self.me, self.group = relay, spec, me, group
         self.on_apply, self.timeout, self.prefetch = on_apply, timeout, prefetch
         self._boxes = receiver_layout(spec, me.tp, me.pp).rank_boxes(me.rank)
         dtypes = {p.name: p.dtype for p in spec.params}
-        self.tensors = {name: torch.zeros(box_shape(box), dtype=dtypes[name])
+        self.tensors = {name: torch.zeros(box_shape(box), dtype=dtypes[name], device=device)
                         for name, box in self._boxes.items()}
         self.version: int | None = None
         self.last: ReceiveReport | None = None

@@ -8,8 +8,10 @@ while a pusher thread moves finished buckets over the (emulated) link into the r
 encode and transfer overlap bucket by bucket. A lost bucket is pushed again under the same
 key (payloads are idempotent).
 
-The baseline is a CPU copy of this rank's shards as of the last published version. Encoding a
-delta advances it in place, in the same pass that finds the changes.
+The baseline is a copy of this rank's shards as of the last published version, on their device:
+the codec finds the changes where the weights live (numba on CPU, torch ops on an accelerator,
+whose payload bodies reach the relay through pinned host memory). Encoding a delta advances the
+baseline in place, in the same pass that finds the changes.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class Sender:
         _check_tensors(spec, self._owned, tensors, f"trainer rank {rank}")
         self.tensors = dict(tensors)
         # This rank's shards as of `baseline_version`; pages are first touched by the first full sync.
-        self.baseline = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in self.tensors.items()}
+        self.baseline = {n: torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                         for n, t in self.tensors.items()}
         self.baseline_version: int | None = None
         self._last_full: int | None = None
         self._last_published: int | None = None
