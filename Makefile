@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= /tmp/rose-demo
 
-.PHONY: install demo test test-slow chaos fuzz lint clean
+.PHONY: install demo test test-slow test-gpu chaos fuzz lint clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The checks that need a CUDA device (marked `gpu`; `make test` skips them without one). Needs a
+# CUDA build of torch in the venv: `install` puts the CPU build there.
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu
 
 # Fault injection: a short rose train whose dedicated worker, serving executor and trainer are
 # killed mid-step (also part of `make test`).

@@ -342,10 +342,11 @@ def _delta_body(idx: Any, vals: Any, numel: int, k: Kernels) -> tuple[Any, int]:
         is_bitmap = bounds[1:] - bounds[:-1] > CHUNK // 8
     bitmap = k.zeros(0, "uint8")
     gap_idx = idx
-    if is_bitmap.any():
+    n_bitmaps = int(is_bitmap.sum())  # one read of a device's result, not two (any, then sum)
+    if n_bitmaps:
         chunk = idx >> CHUNK_SHIFT
         in_bitmap = is_bitmap[chunk]
-        bits = k.zeros(int(is_bitmap.sum()) * CHUNK, "bool")
+        bits = k.zeros(n_bitmaps * CHUNK, "bool")
         rank = is_bitmap.cumsum(0) - 1  # position of each bitmap chunk among the bitmaps
         bits[(rank[chunk[in_bitmap]] << CHUNK_SHIFT) | (idx[in_bitmap] & (CHUNK - 1))] = True
         bitmap = k.packbits(bits)
