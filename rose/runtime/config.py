@@ -250,9 +250,8 @@ class ModelDefaults:
 # The recipe measured in docs/rl.md: a random 0.1 M-parameter policy learns FrozenLake at 3e-3.
 RANDOM_MODEL_DEFAULTS = ModelDefaults(3e-3, 0, "a random model.preset initialised by the run: the tiny-model "
                                                "recipe of docs/rl.md")
-# verl's actor default lr (actor.optim.lr), the one DeepSeekMath's GRPO (section 4.1) and DAPO
-# (section 4.1, after a 20-step warmup) trained at, with the 10 warmup steps of verl's DAPO recipe
-# (recipe/dapo): Adam's first moments are noise, and full-size steps at the tiny recipe's 3e-3
+# verl's actor default lr (actor.optim.lr), the one DeepSeekMath's GRPO and DAPO (after a 20-step
+# warmup) trained their policies at, with the 10 warmup steps of verl's DAPO recipe (recipe/dapo): Adam's first moments are noise, and full-size steps at the tiny recipe's 3e-3
 # would wreck a pretrained policy.
 PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path is a pretrained checkpoint: verl's actor lr and "
                                               "its DAPO recipe's warmup")
