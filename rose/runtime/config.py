@@ -251,8 +251,9 @@ class ModelDefaults:
 RANDOM_MODEL_DEFAULTS = ModelDefaults(3e-3, 0, "a random model.preset initialised by the run: the tiny-model "
                                                "recipe of docs/rl.md")
 # verl's actor default lr (actor.optim.lr), the one DeepSeekMath's GRPO and DAPO (after a 20-step
-# warmup) trained their policies at, with the 10 warmup steps of verl's DAPO recipe (recipe/dapo): Adam's first moments are noise, and full-size steps at the tiny recipe's 3e-3
-# would wreck a pretrained policy.
+# warmup) trained their policies at, with the 10 warmup steps of verl's DAPO recipe (recipe/dapo):
+# Adam's first moments are noise, and full-size steps at the tiny recipe's 3e-3 would wreck a
+# pretrained policy.
 PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path is a pretrained checkpoint: verl's actor lr and "
                                               "its DAPO recipe's warmup")
 
