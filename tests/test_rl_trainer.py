@@ -40,7 +40,7 @@ def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> l
 def _on_policy(batch: list[Trajectory], model: torch.nn.Module, temperature: float = 1.0) -> list[Trajectory]:
     """Replace the behaviour logprobs with the model's own (at `temperature`)."""
     for t in batch:
-        flat = t.flatten()
+        [flat] = t.flatten()
         with torch.no_grad():
             logp = (model(flat.token_ids[None, :-1]).float() / temperature).log_softmax(-1)[0]
         own = [0.0, *logp.gather(-1, flat.token_ids[1:, None])[:, 0].tolist()]
