@@ -3,15 +3,14 @@
 `Trainer.step(trajectories)` is one RL step: the objective turns rewards into advantages, each
 trajectory is flattened to its sequences (one, unless its chat template rewrote earlier turns:
 `Trajectory.flatten`; each counts as a sequence in the sequence-level aggregations), the current
-policy's per-token logprobs are
-recomputed for the ratio against the old policy's (the behaviour logprobs recorded at rollout,
-or with `recompute_old_logprobs` the trainer's own before the step, the behaviour ones then
-giving truncated importance weights), tokens older than `max_version_lag` versions are left
-out, and the batch is split into `mini_batches` optimizer updates of `micro_batch_size`-sequence
-forward/backward passes. The policy version then goes up by one and `export_weights()` yields the new weights
-as bf16 for the rollout engines (`LLMEngine.load_weights(trainer.export_weights(),
-trainer.version)`); training itself stays in fp32, the fast dtype on CPUs without bf16
-arithmetic and the precision AdamW's small updates need.
+policy's per-token logprobs are recomputed for the ratio against the old policy's (the behaviour
+logprobs recorded at rollout, or with `recompute_old_logprobs` the trainer's own before the step,
+the behaviour ones then giving truncated importance weights), tokens older than
+`max_version_lag` versions are left out, and the batch is split into `mini_batches` optimizer
+updates of `micro_batch_size`-sequence forward/backward passes. The policy version then goes up
+by one and `export_weights()` yields the new weights as bf16 for the rollout engines
+(`LLMEngine.load_weights(trainer.export_weights(), trainer.version)`); training itself stays in
+fp32, the fast dtype on CPUs without bf16 arithmetic and the precision AdamW's small updates need.
 
 Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
 (gloo on CPU) and give each rank whole GRPO groups (`shard_by_group`). Losses are divided by the
