@@ -40,7 +40,7 @@ def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> l
 def _on_policy(batch: list[Trajectory], model: torch.nn.Module, temperature: float = 1.0) -> list[Trajectory]:
     """Replace the behaviour logprobs with the model's own (at `temperature`)."""
     for t in batch:
-        flat = t.flatten()
+        [flat] = t.flatten()
         with torch.no_grad():
             logp = (model(flat.token_ids[None, :-1]).float() / temperature).log_softmax(-1)[0]
         own = [0.0, *logp.gather(-1, flat.token_ids[1:, None])[:, 0].tolist()]
@@ -354,16 +354,21 @@ def test_bad_model_and_batch(tiny_qwen3: Path) -> None:
 
 # -- data parallelism -----------------------------------------------------------------------------
 
-OBJECTIVE = Objective.dapo(overlong_max_tokens=10, overlong_cache_tokens=4)
 CONFIG = TrainerConfig(lr=1e-2, micro_batch_size=3)
+# One objective per aggregation; Dr. GRPO's constant small enough that its loss is not tiny.
+PARALLEL_OBJECTIVES = {
+    "token-mean": Objective.dapo(overlong_max_tokens=10, overlong_cache_tokens=4),
+    "seq-mean-token-mean": Objective.grpo(),
+    "seq-mean-token-sum-norm": Objective.dr_grpo(norm_tokens=8),
+}
 
 
-def _rank(rank: int, world: int, port: int, path: Path, batches: list[list[list[Trajectory]]],
-          out: Path) -> None:
+def _rank(rank: int, world: int, port: int, path: Path, objective: Objective,
+          batches: list[list[list[Trajectory]]], out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = Trainer(path, OBJECTIVE, CONFIG)
+        trainer = Trainer(path, objective, CONFIG)
         gradients = _record_gradients(trainer)
         metrics = [trainer.step(shards[rank]) for shards in batches]
         if rank == 0:
@@ -376,27 +381,63 @@ def _rank(rank: int, world: int, port: int, path: Path, batches: list[list[list[
     os._exit(0)
 
 
-def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp_path: Path) -> None:
+def _loss_by_hand(model: torch.nn.Module, batch: list[Trajectory], objective: Objective) -> float:
+    """The step's loss token by token in floats: each generated token's ratio to its behaviour
+    logprob, the clip and the dual clip, then the objective's aggregation."""
+    prepared = objective.prepare(batch)
+    sequences = []  # each trajectory's token losses
+    for t, advantages in zip(prepared.trajectories, prepared.advantages, strict=True):
+        ids = [i for turn in t.turns for i in turn.prompt_ids + turn.output_ids]
+        with torch.no_grad():
+            logp = model(torch.tensor([ids[:-1]])).float().log_softmax(-1)[0]
+        losses, pos = [], 0
+        for turn, a in zip(t.turns, advantages, strict=True):
+            pos += len(turn.prompt_ids)
+            for token, old in zip(turn.output_ids, turn.logprobs, strict=True):
+                ratio = math.exp(float(logp[pos - 1, token]) - old)
+                clipped = min(max(ratio, 1 - objective.clip_low), 1 + objective.clip_high)
+                loss = -min(ratio * a, clipped * a)
+                losses.append(min(loss, -objective.clip_ratio_c * a) if a < 0 else loss)
+                pos += 1
+        sequences.append(losses)
+    if objective.aggregation == "token-mean":
+        return sum(map(sum, sequences)) / sum(map(len, sequences))
+    mean = objective.aggregation == "seq-mean-token-mean"
+    return sum(sum(s) / (len(s) if mean else objective.norm_tokens) for s in sequences) / len(sequences)
+
+
+@pytest.mark.parametrize("aggregation", list(PARALLEL_OBJECTIVES))
+def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp_path: Path,
+                                                           aggregation: str) -> None:
+    """Off policy (behaviour logprobs away from the model's: ratios != 1, some clipped): two
+    ranks take one rank's step, whose loss is the one computed by hand."""
+    objective = PARALLEL_OBJECTIVES[aggregation]
+    assert objective.aggregation == aggregation
     # Five groups (uneven over two ranks), one of them uninformative (dropped by DAPO).
     steps = [_batch(groups=5, seed=s) for s in (0, 1)]
     _flatten_rewards(steps[0], ("g", 4))  # and its lengths stay under the overlong penalty's 6
     assert any(t.num_generated_tokens > 6 for t in steps[0])  # others are penalised
-    single = Trainer(tiny_qwen3, OBJECTIVE, CONFIG)
+    single = Trainer(tiny_qwen3, objective, CONFIG)
+    by_hand = _loss_by_hand(single.model, steps[0], objective)
     gradients = _record_gradients(single)
     expected = [single.step(batch) for batch in steps]
+    assert expected[0]["loss"] == pytest.approx(by_hand, rel=1e-5)
+    assert expected[0]["clip_fraction"] > 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(2, port, tiny_qwen3, [shard_by_group(b, 2) for b in steps], out), nprocs=2)
+    shards = [shard_by_group(b, 2) for b in steps]
+    mp.spawn(_rank, args=(2, port, tiny_qwen3, objective, shards, out), nprocs=2)
     got = torch.load(out, weights_only=False)
     # The first step's gradients match to fp32 summation order; the second step starts from
     # weights that Adam's near-sign first update moved by that noise, so it matches less tightly.
     _assert_same(got["gradients"][:1], gradients[:1])
     for want, have, rel in zip(expected, got["metrics"], (1e-5, 1e-3), strict=True):
-        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "tokens", "groups_kept", "reward_mean"):
+        for key in ("loss", "grad_norm", "clip_fraction", "entropy", "tokens", "sequences", "groups_kept",
+                    "reward_mean"):
             assert have[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
-    assert expected[0]["groups_kept"] == 4
+    assert expected[0]["groups_kept"] == (4 if objective.dynamic_sampling else 5)
 
 
 def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -> None:

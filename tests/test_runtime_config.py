@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from rose.cli import main
-from rose.runtime.config import Config, Mode, load_config, resume_checkpoint, validate
+from rose.runtime.config import (
+    Config,
+    Mode,
+    chosen_defaults,
+    load_config,
+    resume_checkpoint,
+    trainer_options,
+    validate,
+)
 from rose.runtime.devices import available_cores
 
 
@@ -85,6 +93,48 @@ def test_model_path_context_comes_from_its_config_json(tiny_qwen3: Path) -> None
     with pytest.raises(ValueError, match=rf"rollout\.max_context_tokens \({limit + 1}\) exceeds the model's "
                                          rf"context \({limit} tokens"):
         load_config(None, [f"model.path={tiny_qwen3}", f"rollout.max_context_tokens={limit + 1}"])
+
+
+@pytest.mark.parametrize("pretrained, given, lr, warmup", [
+    (False, [], 3e-3, 0),  # the random tiny preset: the tiny-model recipe
+    (True, [], 1e-6, 10),  # a real checkpoint: a real model's
+    (True, ["train.lr=1e-5"], 1e-5, 10),  # what the config sets is kept
+    (True, ["train.lr=1e-5", "train.warmup_steps=0"], 1e-5, 0),
+    (False, ["train.warmup_steps=3"], 3e-3, 3),
+])
+def test_unset_lr_and_warmup_follow_the_policy(tiny_qwen3: Path, pretrained: bool, given: list[str],
+                                               lr: float, warmup: int) -> None:
+    config = load_config(None, [*given, *([f"model.path={tiny_qwen3}"] if pretrained else [])])
+    options = trainer_options(config)
+    assert (options["lr"], options["warmup_steps"]) == (lr, warmup)
+    chosen = chosen_defaults(config)
+    unset = [k for k in ("train.lr", "train.warmup_steps") if not any(g.startswith(f"{k}=") for g in given)]
+    assert [k for k in chosen if k != "why"] == unset
+    why = "model.path is a pretrained checkpoint" if pretrained else "a random model.preset"
+    assert chosen.get("why", why).startswith(why)
+
+
+def test_the_run_says_which_defaults_it_chose(tiny_qwen3: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import rose.runtime.driver
+    from rose.runtime.driver import TrainRun
+
+    seen = {}
+
+    def fake_train(config: Config, *_: object) -> TrainRun:  # the driver, stopped before Ray starts
+        seen["lr"] = trainer_options(config)["lr"]
+        return TrainRun({}, [], {}, [], [], [], "report.png")
+
+    monkeypatch.setattr(rose.runtime.driver, "train", fake_train)
+    report = tmp_path / "run.json"
+    assert main(["train", f"model.path={tiny_qwen3}", "train.steps=1", "--json", str(report)]) == 0
+    assert seen["lr"] == 1e-6
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert "defaults: train.lr 1e-06, train.warmup_steps 10 (model.path is a pretrained checkpoint" in out
+    defaults = json.loads(report.read_text())["defaults"]
+    assert (defaults["train.lr"], defaults["train.warmup_steps"]) == (1e-6, 10)
+    assert defaults["why"].startswith("model.path is a pretrained checkpoint")
 
 
 @pytest.mark.parametrize("override, key", [

@@ -29,7 +29,7 @@ from rose.coserve.latency import nonnegative_lstsq
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
-from rose.runtime.config import Config
+from rose.runtime.config import Config, trainer_options
 from rose.runtime.devices import init_ray
 from rose.sim.costs import MODELS
 
@@ -97,10 +97,9 @@ def ray_chunk_cpu_s() -> tuple[float, float]:
 
 
 def workload_and_trainer(policy: Path, config: Config) -> None:
-    tok, r, t = load_tokenizer(policy), config.rollout, config.train
+    tok, r = load_tokenizer(policy), config.rollout
     engine = LLMEngine.from_pretrained(policy, kv_cache_bytes=r.kv_cache_mb << 20)
-    trainer = Trainer(policy, Objective.grpo(), TrainerConfig(lr=t.lr, micro_batch_size=t.micro_batch_size,
-                                                              mini_batches=t.mini_batches))
+    trainer = Trainer(policy, Objective.grpo(), TrainerConfig(**trainer_options(config)))
     params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                             stop_token_ids=tuple(tok.stop_token_ids))
     env_s, train_s, tokens, trajs = [], [], [], []

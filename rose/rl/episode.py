@@ -1,12 +1,20 @@
 """Episodes: an environment's conversation kept as tokens, turn by turn.
 
-An `Episode` is one trajectory in progress. `prompt_ids` is what the policy generates from next
-(the whole conversation so far, so that an engine's prefix cache, or the scheduler's cache
-affinity, reuses every earlier turn); `record(output)` hands the reply to the environment and
-appends the turn. Only new tokens are ever appended: the reply's own tokens stay as generated
-(re-encoding decoded text could tokenize differently and break the logprobs' alignment), and the
-next observation is encoded on its own, wrapped the way the tokenizer's chat template closes an
-assistant message and opens the next user turn.
+An `Episode` is one trajectory in progress. Each turn's prompt is the chat template's rendering
+of the conversation so far, with the generation prompt, as an inference server renders it;
+`record(output)` hands the reply to the environment and appends the turn. The reply's tokens stay
+as sampled: the template gets the reply as text, but the policy continues from and trains on the
+tokens it drew (re-encoding decoded text could tokenize differently and break the logprobs'
+alignment).
+
+When the new rendering extends the previous turn's context (that turn's rendering and the reply,
+as text), only the new text is encoded and appended to it: `prompt_ids` grows, so an engine's
+prefix cache, or the scheduler's cache affinity, reuses every earlier turn. ChatML does this. A
+template that rewrites earlier turns does not (Qwen3's drops the reasoning of the replies before
+the last user message): that turn's prompt is the whole new rendering and it starts a new training
+sequence (`Turn.new_sequence`), as PRIME-RL's interleaved rollouts start a new sample where the
+prefix breaks and ROLL's step-wise environment manager trains each turn as its own: every
+sampled token is trained in the context the policy sampled it in.
 
 `run_episodes` is the plain synchronous rollout on one engine; the elastic rollout manager
 drives the same `Episode` objects, routing each turn to a worker.
@@ -23,23 +31,6 @@ from rose.model import Tokenizer
 from rose.rl.envs.base import StepResult, TextEnv
 from rose.rl.trajectory import Trajectory, Turn
 
-_MARK = "\x00ROSE-MARK\x00"  # a placeholder no chat template would produce on its own
-
-
-def _observation_wrapper(tokenizer: Tokenizer) -> tuple[str, str]:
-    """The text before and after a user message that follows an assistant reply, ending with
-    the next assistant header, as the chat template renders it."""
-    head = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
-    closed = tokenizer.apply_chat_template(head, add_generation_prompt=False)
-    opened = tokenizer.apply_chat_template([*head, {"role": "user", "content": _MARK}],
-                                           add_generation_prompt=True)
-    start = closed.index(_MARK) + len(_MARK)
-    if opened[:start] != closed[:start] or opened.count(_MARK) != 2:
-        raise ValueError("the tokenizer's chat template does not render a conversation as a prefix of its "
-                         "continuation; multi-turn episodes need one that does (ChatML does)")
-    before, after = opened[start:].split(_MARK)
-    return before, after
-
 
 class Episode:
     def __init__(self, env: TextEnv, tokenizer: Tokenizer, seed: int | None = None,
@@ -49,14 +40,13 @@ class Episode:
         `max_context_tokens`."""
         self.env, self.tokenizer = env, tokenizer
         self.max_context_tokens = max_context_tokens
-        self._before, self._after = _observation_wrapper(tokenizer)
-        first = [{"role": "system", "content": env.system_prompt},
-                 {"role": "user", "content": env.reset(seed)}]
-        self._pending = tokenizer.encode(tokenizer.apply_chat_template(first))
-        self._context: list[int] = []
+        self.messages = [{"role": "system", "content": env.system_prompt},
+                         {"role": "user", "content": env.reset(seed)}]
+        self._context: list[int] = []  # the current sequence's tokens before the pending prompt
+        self._text = ""  # the current sequence as text: its renderings' new text and the replies
         self.trajectory = Trajectory(group_id if group_id is not None else (env.name, seed),
                                      env=env.name, seed=seed)
-        self._check_context()
+        self._render()
 
     @property
     def done(self) -> bool:
@@ -72,24 +62,37 @@ class Episode:
         """Play one generated reply (with each token's logprob and policy version)."""
         if self.done:
             raise RuntimeError("episode: record() after the episode ended")
-        text = self.tokenizer.decode(list(output_ids))
+        output_ids = list(output_ids)
+        text = self.tokenizer.decode(output_ids)
         result = self.env.step(text)
-        self.trajectory.turns.append(Turn(self._pending, list(output_ids), list(logprobs), list(versions),
-                                          result.reward, text, result.observation, result.info))
-        self._context += self._pending + list(output_ids)
+        self.trajectory.turns.append(Turn(self._pending, output_ids, list(logprobs), list(versions),
+                                          result.reward, text, result.observation, result.info,
+                                          new_sequence=self._new_sequence))
+        self._context += self._pending + output_ids
+        # The reply as the policy wrote it, special tokens too (Qwen3's template looks for
+        # </think>); the end-of-message token is the template's to add.
+        reply = self.tokenizer.decode(output_ids, skip_special_tokens=False)
+        self._text += reply
         if result.done:
             self.trajectory.done = True
             self.trajectory.success = bool(result.info.get("success", False))
             self.trajectory.truncated = bool(result.info.get("truncated", False))
             self._pending = []
         else:
-            closed = bool(output_ids) and output_ids[-1] == self.tokenizer.eos_token_id
-            before = self._before.removeprefix(self.tokenizer.eos_token) if closed else self._before
-            self._pending = self.tokenizer.encode(before + result.observation + self._after)
-            self._check_context()
+            self.messages += [{"role": "assistant", "content": reply.removesuffix(self.tokenizer.eos_token)},
+                              {"role": "user", "content": result.observation}]
+            self._render()
         return result
 
-    def _check_context(self) -> None:
+    def _render(self) -> None:
+        """The next prompt: the conversation's rendering past the current sequence's text, or,
+        where the rendering does not extend it, all of it, starting a new sequence."""
+        rendered = self.tokenizer.apply_chat_template(self.messages)
+        self._new_sequence = not rendered.startswith(self._text)
+        if self._new_sequence:
+            self._context, self._text = [], ""
+        self._pending = self.tokenizer.encode(rendered[len(self._text):])
+        self._text = rendered
         if self.max_context_tokens is not None and len(self.prompt_ids) >= self.max_context_tokens:
             self.trajectory.truncated = True
 

@@ -1,15 +1,16 @@
 """The policy trainer: fp32 master weights, AdamW, gradient accumulation, data parallelism.
 
 `Trainer.step(trajectories)` is one RL step: the objective turns rewards into advantages, each
-trajectory is flattened to one sequence, the current policy's per-token logprobs are
-recomputed for the ratio against the old policy's (the behaviour logprobs recorded at rollout,
-or with `recompute_old_logprobs` the trainer's own before the step, the behaviour ones then
-giving truncated importance weights), tokens older than `max_version_lag` versions are left
-out, and the batch is split into `mini_batches` optimizer updates of `micro_batch_size`-sequence
-forward/backward passes. The policy version then goes up by one and `export_weights()` yields the new weights
-as bf16 for the rollout engines (`LLMEngine.load_weights(trainer.export_weights(),
-trainer.version)`); training itself stays in fp32, the fast dtype on CPUs without bf16
-arithmetic and the precision AdamW's small updates need.
+trajectory is flattened to its sequences (one, unless its chat template rewrote earlier turns:
+`Trajectory.flatten`; each counts as a sequence in the sequence-level aggregations), the current
+policy's per-token logprobs are recomputed for the ratio against the old policy's (the behaviour
+logprobs recorded at rollout, or with `recompute_old_logprobs` the trainer's own before the step,
+the behaviour ones then giving truncated importance weights), tokens older than
+`max_version_lag` versions are left out, and the batch is split into `mini_batches` optimizer
+updates of `micro_batch_size`-sequence forward/backward passes. The policy version then goes up
+by one and `export_weights()` yields the new weights as bf16 for the rollout engines
+(`LLMEngine.load_weights(trainer.export_weights(), trainer.version)`); training itself stays in
+fp32, the fast dtype on CPUs without bf16 arithmetic and the precision AdamW's small updates need.
 
 Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
 (gloo on CPU) and give each rank whole GRPO groups (`shard_by_group`). Losses are divided by the
@@ -100,12 +101,6 @@ def _chunks(items: list[Any], n: int) -> list[list[Any]]:
     return [items[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
-def _per_token(t: Trajectory, turn_advantages: list[float]) -> torch.Tensor:
-    """Each turn's advantage over its tokens, aligned with `t.flatten()` `[L]`."""
-    lengths = [len(turn.prompt_ids) + len(turn.output_ids) for turn in t.turns]
-    return torch.repeat_interleave(torch.tensor(turn_advantages, dtype=torch.float32), torch.tensor(lengths))
-
-
 def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                   torch.Tensor | None]:
     """Right-pad to `[B, L]`; padding is masked out (causal attention never looks ahead). The
@@ -159,7 +154,9 @@ class Trainer:
         prepared = self.objective.prepare(trajectories)
         # A trajectory cut before its first turn counts in its group's statistics only.
         kept = [(t, a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True) if t.turns]
-        samples = [(self._flatten(t), _per_token(t, a)) for t, a in kept]
+        # Each sequence's tokens carry their turn's advantage.
+        samples = [(seq, torch.tensor(a, dtype=torch.float32)[seq.turns]) for t, a in kept
+                   for seq in self._flatten(t)]
         stale = sum(int(s.loss_mask.sum()) for s, _ in samples)
         samples = [(self._fresh(s), a) for s, a in samples]
         stale -= sum(int(s.loss_mask.sum()) for s, _ in samples)
@@ -223,16 +220,17 @@ class Trainer:
         progress = min(self.version / c.lr_decay_steps, 1.0)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    def _flatten(self, t: Trajectory) -> TokenSequence:
-        seq = t.flatten()
+    def _flatten(self, t: Trajectory) -> list[TokenSequence]:
+        sequences = t.flatten()
         limit, vocab = self.model.config.max_position_embeddings, self.model.config.vocab_size
-        if len(seq.token_ids) > limit:
-            raise ValueError(f"trajectory {t.group_id!r} has {len(seq.token_ids)} tokens; the model's "
-                             f"context is {limit}")
-        if int(seq.token_ids.min()) < 0 or int(seq.token_ids.max()) >= vocab:
-            raise ValueError(f"trajectory {t.group_id!r} holds token ids outside the vocabulary "
-                             f"[0, {vocab})")
-        return seq
+        for seq in sequences:
+            if len(seq.token_ids) > limit:
+                raise ValueError(f"trajectory {t.group_id!r} has a sequence of {len(seq.token_ids)} tokens; "
+                                 f"the model's context is {limit}")
+            if int(seq.token_ids.min()) < 0 or int(seq.token_ids.max()) >= vocab:
+                raise ValueError(f"trajectory {t.group_id!r} holds token ids outside the vocabulary "
+                                 f"[0, {vocab})")
+        return sequences
 
     def _fresh(self, seq: TokenSequence) -> TokenSequence:
         """Without the tokens sampled more than `max_version_lag` versions before this one."""

@@ -4,9 +4,11 @@ A trajectory is one conversation. Turn k's `prompt_ids` are the tokens added to 
 before its generation (the whole chat prompt for turn 0, then the closing of the previous reply
 and the new observation); its `output_ids` are what the policy generated, with the behaviour
 policy's log-probability and version of each token. Concatenating every turn's prompt and
-output gives the conversation exactly as the policy saw it, which `flatten` turns into one
+output gives the conversation exactly as the policy saw it, which `flatten` turns into a
 training sequence: generated tokens are trained on (mask 1), prompt and observation tokens are
-context only (mask 0).
+context only (mask 0). A turn whose chat template rewrote the earlier turns (`new_sequence`)
+was prompted with the whole new rendering instead: it starts a sequence of its own, so a
+trajectory flattens into one sequence per run of turns that continue each other.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Turn:
     text: str = ""  # the reply as the environment read it
     observation: str = ""  # the environment's answer to it
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # `prompt_ids` are a whole context (the template's rendering of the conversation so far, which
+    # did not extend the previous turn's context), not a continuation: a new training sequence.
+    new_sequence: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.output_ids) == len(self.logprobs) == len(self.versions):
@@ -44,6 +49,7 @@ class TokenSequence:
     loss_mask: torch.Tensor  # bool
     old_logprobs: torch.Tensor  # float32
     versions: torch.Tensor  # int64
+    turns: torch.Tensor  # int64: the index in its trajectory of the turn each token belongs to
     # The sampling engine's logprobs, where `old_logprobs` were recomputed by the trainer.
     behaviour_logprobs: torch.Tensor | None = None
 
@@ -74,21 +80,42 @@ class Trajectory:
     def num_tokens(self) -> int:
         return sum(len(t.prompt_ids) + len(t.output_ids) for t in self.turns)
 
-    def flatten(self) -> TokenSequence:
-        ids: list[int] = []
-        mask: list[bool] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        for t in self.turns:
-            ids += t.prompt_ids + t.output_ids
-            mask += [False] * len(t.prompt_ids) + [True] * len(t.output_ids)
-            logprobs += [0.0] * len(t.prompt_ids) + list(t.logprobs)
-            versions += [-1] * len(t.prompt_ids) + list(t.versions)
-        if not ids:
+    def segments(self) -> list[list[Turn]]:
+        """The runs of turns that continue each other: one per training sequence."""
+        runs: list[list[Turn]] = []
+        for turn in self.turns:
+            if turn.new_sequence or not runs:
+                runs.append([])
+            runs[-1].append(turn)
+        return runs
+
+    def flatten(self) -> list[TokenSequence]:
+        """One training sequence per segment (one, where no turn starts a new sequence)."""
+        sequences, first = [], 0
+        for run in self.segments():
+            sequences.append(_sequence(run, first))
+            first += len(run)
+        if not sequences or any(len(s.token_ids) == 0 for s in sequences):
             raise ValueError(f"trajectory {self.group_id!r} has no tokens")
-        return TokenSequence(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool),
-                             torch.tensor(logprobs, dtype=torch.float32),
-                             torch.tensor(versions, dtype=torch.int64))
+        return sequences
+
+
+def _sequence(turns: list[Turn], first: int) -> TokenSequence:
+    """`turns` (the trajectory's from index `first` on) as one sequence."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    index: list[int] = []
+    for k, t in enumerate(turns, start=first):
+        ids += t.prompt_ids + t.output_ids
+        mask += [False] * len(t.prompt_ids) + [True] * len(t.output_ids)
+        logprobs += [0.0] * len(t.prompt_ids) + list(t.logprobs)
+        versions += [-1] * len(t.prompt_ids) + list(t.versions)
+        index += [k] * (len(t.prompt_ids) + len(t.output_ids))
+    return TokenSequence(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool),
+                         torch.tensor(logprobs, dtype=torch.float32),
+                         torch.tensor(versions, dtype=torch.int64), torch.tensor(index, dtype=torch.int64))
 
 
 def shard_by_group(trajectories: Sequence[Trajectory], world_size: int) -> list[list[Trajectory]]:

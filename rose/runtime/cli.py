@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rose.reporting import write_report
-from rose.runtime.config import Mode, load_config, resume_checkpoint, validate
+from rose.runtime.config import Mode, chosen_defaults, load_config, resume_checkpoint, validate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,10 +51,14 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  [yellow]{restart}[/]")
 
     console.print(f"rose train: mode {mode.value}, {config.train.steps} steps, out {config.train.out_dir}")
+    defaults = chosen_defaults(config)
+    if defaults:
+        chosen = ", ".join(f"{k} {v:g}" for k, v in defaults.items() if k != "why")
+        console.print(f"defaults: {chosen} ({defaults['why']}; set them in the config to choose)")
     result = train(config, mode, resume, show)
     console.print(f"report: {result.plot}; checkpoints: {', '.join(result.checkpoints)}")
     write_report(args.json, result.summary, mode=mode.value, serving=result.serving,
                  elastic_alloc_s=result.elastic_alloc_s, elastic_cancelled_s=result.elastic_cancelled_s,
-                 checkpoints=result.checkpoints,
+                 checkpoints=result.checkpoints, defaults=defaults,
                  steps=[{k: v for k, v in vars(r).items() if k != "placements"} for r in result.steps])
     return 0

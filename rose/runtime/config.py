@@ -88,10 +88,12 @@ class TrainConfig:
     overlong_cache_tokens: int | None = None
     step_advantage_weight: float = 0.0  # GiGPO's step-level credit (rose.rl.objective); 0: off
     discount: float = 0.95  # of the returns-to-go the step level compares
-    lr: float = 3e-3
+    # None: the policy's default (`model_defaults`: a random preset's or a pretrained checkpoint's);
+    # `rose train` says which it chose.
+    lr: float | None = None
     lr_schedule: str = "cosine"  # down to lr * min_lr_ratio at train.steps, or "constant"
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
+    warmup_steps: int | None = None  # None: the policy's default, as lr
     max_grad_norm: float = 1.0
     weight_decay: float = 0.01
     micro_batch_size: int = 32
@@ -236,6 +238,49 @@ def objective_options(config: Config) -> dict[str, Any]:
     return {"norm_tokens": config.rollout.max_context_tokens, **given}
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelDefaults:
+    """The optimizer settings a run gets where its config gives none, and why."""
+
+    lr: float
+    warmup_steps: int
+    why: str
+
+
+# The recipe measured in docs/rl.md: a random 0.1 M-parameter policy learns FrozenLake at 3e-3.
+RANDOM_MODEL_DEFAULTS = ModelDefaults(3e-3, 0, "a random model.preset initialised by the run: the tiny-model "
+                                               "recipe of docs/rl.md")
+# verl's actor default lr (actor.optim.lr), the one DeepSeekMath's GRPO and DAPO (after a 20-step
+# warmup) trained their policies at, with the 10 warmup steps of verl's DAPO recipe (recipe/dapo):
+# Adam's first moments are noise, and full-size steps at the tiny recipe's 3e-3 would wreck a
+# pretrained policy.
+PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path is a pretrained checkpoint: verl's actor lr and "
+                                              "its DAPO recipe's warmup")
+
+
+def model_defaults(model: ModelConfig) -> ModelDefaults:
+    return RANDOM_MODEL_DEFAULTS if model.path is None else PRETRAINED_DEFAULTS
+
+
+def chosen_defaults(config: Config) -> dict[str, Any]:
+    """The keys the config leaves to the policy's default, with the values chosen and why
+    (empty when it sets them all): what the run prints and reports."""
+    defaults, t = model_defaults(config.model), config.train
+    chosen = {f"train.{k}": getattr(defaults, k) for k in ("lr", "warmup_steps") if getattr(t, k) is None}
+    return {**chosen, "why": defaults.why} if chosen else {}
+
+
+def trainer_options(config: Config) -> dict[str, Any]:
+    """The run's `TrainerConfig` settings: train.* as given, the policy's defaults where unset."""
+    t, defaults = config.train, model_defaults(config.model)
+    return {"lr": defaults.lr if t.lr is None else t.lr,
+            "warmup_steps": defaults.warmup_steps if t.warmup_steps is None else t.warmup_steps,
+            "micro_batch_size": t.micro_batch_size, "mini_batches": t.mini_batches,
+            "min_lr_ratio": t.min_lr_ratio, "lr_decay_steps": t.steps if t.lr_schedule == "cosine" else 0,
+            "temperature": config.rollout.temperature, "max_grad_norm": t.max_grad_norm,
+            "weight_decay": t.weight_decay}
+
+
 def _check_numbers(config: Config) -> None:
     for section in dataclasses.fields(config):
         value = getattr(config, section.name)
@@ -243,6 +288,8 @@ def _check_numbers(config: Config) -> None:
             continue
         for field in dataclasses.fields(value):
             key, number = f"{section.name}.{field.name}", getattr(value, field.name)
+            if number is None:  # left to a default
+                continue
             if isinstance(number, float):
                 _check(math.isfinite(number), f"{key} must be a finite number, got {number}")
             if key in _RANGES:
