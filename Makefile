@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= /tmp/rose-demo
 
-.PHONY: install demo test test-slow chaos fuzz lint clean
+.PHONY: install demo test test-slow test-gpu chaos fuzz lint clean
 
 install: $(STAMP)
 
@@ -25,13 +25,21 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/rose train train.steps=5 train.out_dir=$(DEMO_DIR) --json $(DEMO_DIR)/summary.json
 
-# The layers contract (pyproject.toml, [tool.importlinter]) first: a few seconds.
+# The layers contract (pyproject.toml, [tool.importlinter]) first: a few seconds. The CPU suite:
+# on a machine with CUDA too, the gpu tests are left to `make test-gpu`.
 test: install
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# The checks on a CUDA device (tests/test_gpu.py): engine parity with transformers in fp32 and
+# bf16, seeded sampling, a trainer step, the co-serving executor. Skipped without CUDA. The
+# Makefile installs the CPU build of torch: on a GPU machine install a CUDA build into .venv first
+# (e.g. `.venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cu128`).
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu
 
 # Fault injection: a short rose train whose dedicated worker, serving executor and trainer are
 # killed mid-step (also part of `make test`).

@@ -120,7 +120,7 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
     `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
     plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
-    def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, int],
+    def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, Any],
                  relay: str, group: str) -> None:
         pin(cores)
         engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))

@@ -21,6 +21,7 @@ from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
+from rose.model.device import resolve_device, resolve_dtype
 from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
@@ -65,6 +66,8 @@ class RolloutConfig:
     stall_timeout_s: float = 2.0
     timeout_s: float = 900.0
     kv_cache_mb: int = 64
+    # The dedicated workers' engines (None: cuda if there is one, else cpu; bfloat16 on cuda).
+    device: str | None = None
     # DAPO's dynamic sampling: sample up to this many rounds of `groups` until that many groups
     # have outcomes that differ (1: one round, the trainer drops the uninformative groups).
     max_sampling_rounds: int = 1
@@ -95,7 +98,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.01
     micro_batch_size: int = 32
-    data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer (gloo)
+    data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer
+    # fp32 master weights there, bf16 compute on cuda (None: cuda if there is one, else cpu)
+    device: str | None = None
     mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
     checkpoint_every: int = 10
     out_dir: str = "runs/train"
@@ -133,6 +138,7 @@ class ServingDeviceConfig:
     tpot_inflation: float = ExecutorConfig.tpot_inflation
     ttft_inflation: float = ExecutorConfig.ttft_inflation
     pool_mb: int = 64
+    device: str | None = None  # both models (None: cuda if there is one, else cpu; bfloat16 on cuda)
 
 
 @dataclasses.dataclass
@@ -161,6 +167,12 @@ def _check(ok: bool, message: str) -> None:
 def validate(config: Config, mode: Mode | None = None) -> None:
     m, t, d, s = config.model, config.train, config.devices, config.serving
     _check_numbers(config)
+    for key in DEVICE_KEYS:
+        section, name = key.split(".")
+        try:
+            resolve_device(getattr(getattr(config, section), name))
+        except ValueError as exc:
+            raise ValueError(f"config: {key}: {exc}") from None
     for name, arch, preset in (("model", m.arch, m.preset), ("serving", s.arch, s.preset)):
         _check(arch in ARCHS, f"{name}.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
         _check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -224,6 +236,15 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
 }
 
 
+# Where a model runs: the dedicated workers, the trainer, the serving devices.
+DEVICE_KEYS = ("rollout.device", "train.device", "serving.device")
+
+
+def actor_device(device: str | None) -> str:
+    """The device an actor runs its model on, resolved by the driver (None: its default) so that
+    every actor of the run gets the same one, whatever its own process sees."""
+    return str(resolve_device(device))
+
 _OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
                    "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",
                    "discount")
@@ -275,8 +296,8 @@ def _context(arch: str, preset: str, path: str | None) -> ModelShape:
         raise ValueError(f"config: model.path: {exc}") from None
 
 
-def _pages(config: ModelShape, tokens: int) -> int:
-    spec = KVSpec.of(config)  # the engines run in float32
+def _pages(config: ModelShape, tokens: int, device: str | None) -> int:
+    spec = KVSpec.of(config, resolve_dtype(None, resolve_device(device)))  # the device's default dtype
     return -(-tokens // spec.block_size) * spec.block_bytes
 
 
@@ -294,11 +315,11 @@ def _check_fits(config: Config) -> None:
     _check(r.max_tokens < r.max_context_tokens,
            f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_context_tokens "
            f"({r.max_context_tokens}): a turn's prompt needs at least one token")
-    need = _pages(policy, r.max_context_tokens)
+    need = _pages(policy, r.max_context_tokens, r.device)
     _check(r.kv_cache_mb << 20 >= need,
            f"rollout.kv_cache_mb ({r.kv_cache_mb}) cannot hold one sequence of rollout.max_context_tokens "
            f"({r.max_context_tokens}); it needs at least {-(-need // (1 << 20))} MB")
-    need += _pages(serving, s.max_context)
+    need = _pages(policy, r.max_context_tokens, s.device) + _pages(serving, s.max_context, s.device)
     _check(s.pool_mb << 20 >= need,
            f"serving.pool_mb ({s.pool_mb}) cannot hold one serving request of serving.max_context "
            f"({s.max_context}) beside one rollout turn of rollout.max_context_tokens; it needs at least "

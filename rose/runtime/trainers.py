@@ -16,7 +16,7 @@ from typing import Any
 from rose.rl import shard_by_group
 from rose.rl.trainer import is_complete
 from rose.runtime.actors import TrainerActor
-from rose.runtime.config import Config, objective_options
+from rose.runtime.config import Config, actor_device, objective_options
 
 RESTARTS = 1  # per call: a trainer that dies again right after a restart stops the run
 
@@ -47,7 +47,8 @@ class TrainerGroup:
                        "mini_batches": c.train.mini_batches, "min_lr_ratio": c.train.min_lr_ratio,
                        "lr_decay_steps": c.train.steps if c.train.lr_schedule == "cosine" else 0,
                        "temperature": c.rollout.temperature, "warmup_steps": c.train.warmup_steps,
-                       "max_grad_norm": c.train.max_grad_norm, "weight_decay": c.train.weight_decay}
+                       "max_grad_norm": c.train.max_grad_norm, "weight_decay": c.train.weight_decay,
+                       "device": actor_device(c.train.device)}
         # Data-parallel ranks share out the trainer's cores (all of them each, if too few).
         n, own = c.train.data_parallel, c.devices.trainer
         actor = ray.remote(TrainerActor).options(num_cpus=0)
