@@ -45,7 +45,7 @@ def test_a_device_that_cannot_be_used_is_named(no_cuda: None, device: str, error
 
 
 def test_a_dtype_outside_the_choices_is_named() -> None:
-    with pytest.raises(ValueError, match=r"dtype 'float16': expected float32 or bfloat16"):
+    with pytest.raises(ValueError, match=r"dtype must be one of float32, bfloat16, got 'float16'"):
         resolve_dtype("float16", torch.device("cpu"))
 
 

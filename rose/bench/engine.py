@@ -29,7 +29,7 @@ import torch
 
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model
-from rose.model.device import add_device_arguments, resolve_device, resolve_dtype
+from rose.model.device import add_device_arguments, resolve
 from rose.reporting import write_report
 from rose.traces import load_trace
 
@@ -128,8 +128,7 @@ def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int], dtyp
 
 
 def run(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    device, dtype = resolve(args.device, args.dtype)
     import transformers  # the oracle; imported here so that `rose --help` stays fast
 
     transformers.utils.logging.disable_progress_bar()

@@ -45,7 +45,7 @@ from rose.engine.llm_engine import eos_ids
 from rose.engine.sequence import Sequence
 from rose.model import load_model
 from rose.model.decoder import CausalLM
-from rose.model.device import resolve_device, resolve_dtype
+from rose.model.device import resolve
 
 SERVING, ROLLOUT = "serving", "rollout"
 
@@ -112,7 +112,7 @@ class ExecutorConfig:
         if not (self.tpot_inflation >= 0 and self.ttft_inflation >= 0):
             raise ValueError(f"inflation budgets must be >= 0, got tpot_inflation={self.tpot_inflation}, "
                              f"ttft_inflation={self.ttft_inflation}")
-        resolve_dtype(self.dtype, resolve_device(self.device))
+        resolve(self.device, self.dtype)
 
     @property
     def slo(self) -> SLOBudgets:
@@ -167,8 +167,7 @@ class CoServingExecutor:
                         config: ExecutorConfig | None = None) -> CoServingExecutor:
         """Both checkpoints loaded on the config's device, in its dtype."""
         config = config or ExecutorConfig()
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        device, dtype = resolve(config.device, config.dtype)
         serving = load_model(serving_path, dtype, device)
         rollout = load_model(rollout_path, dtype, device) if rollout_path else None
         return cls(serving, rollout, config, eos_ids(serving_path, serving.config),

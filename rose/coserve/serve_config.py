@@ -13,6 +13,7 @@ from typing import Any
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig, Policy
 from rose.coserve.server import ServerLimits
+from rose.model.device import resolve
 
 MB = 1024**2
 POLICIES = tuple(p.value for p in Policy)
@@ -74,4 +75,5 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
         raise ValueError("config: model: a serving checkpoint is required (--model, or model: in --config)")
     if config.policy not in POLICIES:
         raise ValueError(f"config: policy must be one of {', '.join(POLICIES)}, got {config.policy!r}")
+    resolve(config.device, config.dtype, label="config: ")
     return config

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.decoder import CausalLM, RotaryEmbedding
-from rose.model.device import resolve_device, resolve_dtype
+from rose.model.device import resolve
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that carry no learned state.
@@ -43,8 +43,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
     """Load a checkpoint directory (Llama, Qwen2 or Qwen3) onto `device` in `dtype` (None: the
     defaults of `rose.model.device`); any mismatch raises `CheckpointError`."""
     path = Path(path)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    device, dtype = resolve(device, dtype)
 
     def tensors() -> Iterator[tuple[str, str, torch.Tensor]]:
         for file in _tensor_files(path):

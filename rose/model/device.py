@@ -49,8 +49,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected {' or '.join(DTYPES)}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def resolve(device: str | torch.device | None, dtype: str | torch.dtype | None = None,
+            label: str = "") -> tuple[torch.device, torch.dtype]:
+    """`resolve_device` then `resolve_dtype` on it; an error's message starts with `label`."""
+    try:
+        resolved = resolve_device(device)
+        return resolved, resolve_dtype(dtype, resolved)
+    except ValueError as exc:
+        raise ValueError(f"{label}{exc}") from None
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from rose.contracts.sampling import MIN_TEMPERATURE
 from rose.model import CausalLM, load_model, save_model
 from rose.model.checkpoint import fsync_dir, fsync_file
-from rose.model.device import resolve_device, resolve_dtype
+from rose.model.device import resolve
 from rose.rl.logprobs import token_logprobs
 from rose.rl.objective import Objective
 from rose.rl.trajectory import TokenSequence, Trajectory
@@ -103,10 +103,7 @@ class TrainerConfig:
             raise ValueError(f"trainer: temperature must be >= 0, got {self.temperature}")
         if not 0 <= number("min_lr_ratio", self.min_lr_ratio) <= 1:
             raise ValueError(f"trainer: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        try:
-            resolve_dtype(self.dtype, resolve_device(self.device))
-        except ValueError as exc:
-            raise ValueError(f"trainer: {exc}") from None
+        resolve(self.device, self.dtype, label="trainer: ")
 
 
 def _chunks(items: list[Any], n: int) -> list[list[Any]]:
@@ -147,8 +144,7 @@ class Trainer:
         in fp32). With a process group initialised, this is one data-parallel rank of `group`
         (default: the whole world); rank 0's weights are broadcast to the others."""
         self.config = config or TrainerConfig()
-        self.device = resolve_device(self.config.device)
-        self.compute_dtype = resolve_dtype(self.config.dtype, self.device)
+        self.device, self.compute_dtype = resolve(self.config.device, self.config.dtype)
         self.model = (load_model(model, torch.float32, self.device) if isinstance(model, (str, Path))
                       else model.to(self.device))
         wrong = {str(p.dtype) for p in self.model.parameters() if p.dtype != torch.float32}

@@ -86,9 +86,12 @@ class Trajectory:
             versions += [-1] * len(t.prompt_ids) + list(t.versions)
         if not ids:
             raise ValueError(f"trajectory {self.group_id!r} has no tokens")
-        return TokenSequence(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool),
-                             torch.tensor(logprobs, dtype=torch.float32),
-                             torch.tensor(versions, dtype=torch.int64))
+        # On the CPU: the trainer takes a whole padded batch to its device at once.
+        cpu = torch.device("cpu")
+        return TokenSequence(torch.tensor(ids, dtype=torch.int64, device=cpu),
+                             torch.tensor(mask, dtype=torch.bool, device=cpu),
+                             torch.tensor(logprobs, dtype=torch.float32, device=cpu),
+                             torch.tensor(versions, dtype=torch.int64, device=cpu))
 
 
 def shard_by_group(trajectories: Sequence[Trajectory], world_size: int) -> list[list[Trajectory]]:

@@ -21,7 +21,7 @@ from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
-from rose.model.device import resolve_device, resolve_dtype
+from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
@@ -169,10 +169,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
     _check_numbers(config)
     for key in DEVICE_KEYS:
         section, name = key.split(".")
-        try:
-            resolve_device(getattr(getattr(config, section), name))
-        except ValueError as exc:
-            raise ValueError(f"config: {key}: {exc}") from None
+        resolve(getattr(getattr(config, section), name), label=f"config: {key}: ")
     for name, arch, preset in (("model", m.arch, m.preset), ("serving", s.arch, s.preset)):
         _check(arch in ARCHS, f"{name}.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
         _check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -243,7 +240,7 @@ DEVICE_KEYS = ("rollout.device", "train.device", "serving.device")
 def actor_device(device: str | None) -> str:
     """The device an actor runs its model on, resolved by the driver (None: its default) so that
     every actor of the run gets the same one, whatever its own process sees."""
-    return str(resolve_device(device))
+    return str(resolve(device)[0])
 
 _OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
                    "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",
@@ -297,7 +294,7 @@ def _context(arch: str, preset: str, path: str | None) -> ModelShape:
 
 
 def _pages(config: ModelShape, tokens: int, device: str | None) -> int:
-    spec = KVSpec.of(config, resolve_dtype(None, resolve_device(device)))  # the device's default dtype
+    spec = KVSpec.of(config, resolve(device)[1])  # the device's default dtype
     return -(-tokens // spec.block_size) * spec.block_bytes
 
 
