@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_model
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn, shard_by_group
+from rose.rl.trainer import process_group_backend
 from rose.runtime.config import resume_checkpoint
 
 
@@ -240,6 +241,11 @@ def test_the_device_dtype_and_chunks_named_are_honoured(tiny_qwen3: Path) -> Non
     assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
     assert m["entropy"] == pytest.approx(default["entropy"], rel=1e-2)
     assert m["loss"] == pytest.approx(default["loss"], rel=0.1, abs=1e-2)
+
+
+def test_ranks_on_cuda_use_nccl_and_on_the_cpu_gloo() -> None:
+    assert process_group_backend(torch.device("cuda", 1)) == "nccl"
+    assert process_group_backend(torch.device("cpu")) == "gloo"
 
 
 def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:

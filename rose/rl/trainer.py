@@ -17,9 +17,10 @@ are computed a chunk of tokens at a time (`rose.rl.logprobs`): the `[B, T, vocab
 log-softmax is never built. The KL penalty's reference policy exists only with kl_coef > 0.
 
 Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
-(gloo on CPU) and give each rank whole GRPO groups (`shard_by_group`). Losses are divided by the
-token or sequence count of the whole batch (all ranks), gradients are summed across ranks in one
-all-reduce, so N ranks with 1/N of the batch each take the same step as one rank with all of it.
+(`process_group_backend`: NCCL on CUDA, one device per rank; gloo on the CPU) and give each rank
+whole GRPO groups (`shard_by_group`). Losses are divided by the token or sequence count of the
+whole batch (all ranks), gradients are summed across ranks in one all-reduce, so N ranks with 1/N
+of the batch each take the same step as one rank with all of it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ from rose.rl.trajectory import TokenSequence, Trajectory
 STATE_FILE = "trainer_state.pt"
 REFERENCE_DIR = "reference"  # the KL penalty's reference policy, beside the weights
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: its presence vouches for the rest
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The collectives' backend for ranks training on `device`."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def is_complete(path: str | Path) -> bool:

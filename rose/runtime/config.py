@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
@@ -191,6 +193,12 @@ def validate(config: Config, mode: Mode | None = None) -> None:
                                               f"(a prompt of at least one token), got {s.max_context} "
                                               f"and {s.max_output}")
     _check_fits(config)
+    trainer_device = resolve(t.device)[0]
+    if trainer_device.type == "cuda" and t.data_parallel > 1:
+        gpus = torch.cuda.device_count()
+        _check(trainer_device.index is None and t.data_parallel <= gpus,
+               f"train.data_parallel ({t.data_parallel}) ranks on cuda take one CUDA device each, cuda:0 "
+               f"to cuda:{t.data_parallel - 1}: give train.device=cuda and at most {gpus} ranks")
     _check(bool(d.dedicated), "devices.dedicated needs at least one device")
     cores = available_cores()
     for name, devices in (("trainer", [d.trainer]), ("dedicated", d.dedicated), ("serving", d.serving),
@@ -241,6 +249,13 @@ def actor_device(device: str | None) -> str:
     """The device an actor runs its model on, resolved by the driver (None: its default) so that
     every actor of the run gets the same one, whatever its own process sees."""
     return str(resolve(device)[0])
+
+
+def rank_device(device: str | None, rank: int, world: int) -> str:
+    """Data-parallel trainer rank `rank`'s device: on CUDA one each (cuda:RANK; NCCL needs
+    distinct devices), else `device` for all."""
+    resolved = actor_device(device)
+    return f"cuda:{rank}" if world > 1 and resolved.startswith("cuda") else resolved
 
 _OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
                    "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",

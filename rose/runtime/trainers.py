@@ -16,7 +16,7 @@ from typing import Any
 from rose.rl import shard_by_group
 from rose.rl.trainer import is_complete
 from rose.runtime.actors import TrainerActor
-from rose.runtime.config import Config, actor_device, objective_options
+from rose.runtime.config import Config, objective_options, rank_device
 
 RESTARTS = 1  # per call: a trainer that dies again right after a restart stops the run
 
@@ -47,16 +47,16 @@ class TrainerGroup:
                        "mini_batches": c.train.mini_batches, "min_lr_ratio": c.train.min_lr_ratio,
                        "lr_decay_steps": c.train.steps if c.train.lr_schedule == "cosine" else 0,
                        "temperature": c.rollout.temperature, "warmup_steps": c.train.warmup_steps,
-                       "max_grad_norm": c.train.max_grad_norm, "weight_decay": c.train.weight_decay,
-                       "device": actor_device(c.train.device)}
+                       "max_grad_norm": c.train.max_grad_norm, "weight_decay": c.train.weight_decay}
         # Data-parallel ranks share out the trainer's cores (all of them each, if too few).
         n, own = c.train.data_parallel, c.devices.trainer
         actor = ray.remote(TrainerActor).options(num_cpus=0)
         self.ranks = [actor.remote(own[r::n] if len(own) >= n else own) for r in range(n)]
         master = await self.leader.address.remote() if n > 1 else None
         objective = objective_options(c)
-        return [t.start.remote(path, c.train.objective, objective, trainer_cfg, self.relay, self.group,
-                               is_complete(path), rank, n, master)
+        return [t.start.remote(path, c.train.objective, objective,
+                               {**trainer_cfg, "device": rank_device(c.train.device, rank, n)}, self.relay,
+                               self.group, is_complete(path), rank, n, master)
                 for rank, t in enumerate(self.ranks)]
 
     async def call(self, call: Callable[[list[Any]], list[Any]]) -> list[Any]:
