@@ -15,7 +15,7 @@ from rose.model.device import resolve_device, resolve_dtype
 from rose.rl import TrainerConfig
 from rose.runtime.config import load_config
 
-NO_CUDA = r"device 'cuda': no CUDA device is available here .*use --device cpu"
+NO_CUDA = r"device 'cuda': no CUDA device is available here .*name cpu instead"
 
 
 @pytest.fixture

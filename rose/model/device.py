@@ -35,7 +35,7 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     if not torch.cuda.is_available():
         build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise ValueError(f"device {name!r}: no CUDA device is available here (torch {torch.__version__} is "
-                         f"{build}, torch.cuda.is_available() is False); use --device cpu")
+                         f"{build}, torch.cuda.is_available() is False); name cpu instead")
     if resolved.index is not None and resolved.index >= torch.cuda.device_count():
         raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
