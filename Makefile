@@ -25,16 +25,20 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/rose train train.steps=5 train.out_dir=$(DEMO_DIR) --json $(DEMO_DIR)/summary.json
 
-# The layers contract (pyproject.toml, [tool.importlinter]) first: a few seconds.
+# The layers contract (pyproject.toml, [tool.importlinter]) first: a few seconds. The CPU suite:
+# on a machine with CUDA too, the gpu tests are left to `make test-gpu`.
 test: install
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
-# The checks that need a CUDA device (marked `gpu`; `make test` skips them without one). Needs a
-# CUDA build of torch in the venv: `install` puts the CPU build there.
+# The checks on a CUDA device (marked `gpu`, skipped without one): engine parity with
+# transformers in fp32 and bf16, seeded sampling, a trainer step, the co-serving executor, the
+# delta codec's device path. The Makefile installs the CPU build of torch: on a GPU machine install
+# a CUDA build into .venv first (e.g. `.venv/bin/pip install torch --index-url
+# https://download.pytorch.org/whl/cu128`).
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
 

@@ -7,9 +7,30 @@ from pathlib import Path
 import pytest
 import torch
 
+import rose.model.device as model_device
 from rose.model import init_model, preset_config, random_model, save_model
 
 torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu are skipped without a CUDA device (`make test-gpu` runs them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_by_default() -> Iterator[None]:
+    """The CPU suite stays on the CPU on a machine with CUDA too: where no device is named the
+    default is cpu (the driver of a `rose train` names its actors' devices, so they follow).
+    The gpu tests name theirs."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_device, "default_device", lambda: "cpu")
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@ partial tokens handed back, the latency model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -225,6 +227,15 @@ def test_bad_admission_settings_are_refused() -> None:
         ExecutorConfig(admission_quantile=0.0)
     with pytest.raises(ValueError, match="inflation"):
         ExecutorConfig(tpot_inflation=-0.1)
+
+
+def test_both_models_run_on_one_device_in_the_dtype_named(tiny_qwen2: Path, tiny_qwen3: Path) -> None:
+    config = ExecutorConfig(pool_bytes=4 << 20, device="cpu", dtype="bfloat16")
+    ex = CoServingExecutor.from_pretrained(tiny_qwen2, tiny_qwen3, config)
+    assert ex.pool.device == torch.device("cpu")
+    assert {next(e.model.parameters()).dtype for e in (ex.serving, ex.rollout)} == {torch.bfloat16}
+    with pytest.raises(ValueError, match=r"the serving model is on cpu, the rollout model on meta"):
+        CoServingExecutor(ex.serving.model, ex.rollout.model.to("meta"))
 
 
 def test_tail_latency_covers_the_quantile_of_fresh_measurements() -> None:

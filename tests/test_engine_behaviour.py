@@ -128,6 +128,22 @@ def test_seeds_reproduce_whatever_the_batch(ckpt: Path) -> None:
     assert top1 == greedy
 
 
+def test_the_device_named_is_where_the_engine_runs(ckpt: Path) -> None:
+    """device="cpu" named (`--device cpu`) gives the default's tokens here, seeded sampling
+    included, with the pool, the attention's indices and each request's generator on it; a
+    pool on another device than the model is refused."""
+    named = LLMEngine.from_pretrained(ckpt, dtype="float32", device="cpu")
+    assert named.device == named.pool.device == named.runner.attention.device == torch.device("cpu")
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=3, ignore_eos=True)
+    prompts = [_prompt(9), _prompt(30, 1)]
+    default = LLMEngine.from_pretrained(ckpt).generate(prompts, params)
+    assert [o.token_ids for o in named.generate(prompts, params)] == [o.token_ids for o in default]
+    rid = named.add_request(_prompt(5), params)
+    assert named._seqs[rid].generator.device == named.device
+    with pytest.raises(ValueError, match=r"its model is on cpu, the KV pool on meta"):
+        LLMEngine(named.model, pool=KVPool(1 << 20, 1 << 16, device="meta"))
+
+
 def test_an_interrupted_iteration_changes_nothing(ckpt: Path) -> None:
     """Iterations given up between layers (at the first layer or part way) leave every
     sequence as it was: the same tokens come out, seeded sampling included, and no page leaks."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_parity import assert_matches_hf
+from hf_parity import assert_matches_hf, chosen_logprobs, hf_logits
 
 from rose.engine import InFlight, LLMEngine, SamplingParams
 from rose.model import load_model, preset_config, random_model, save_model
@@ -158,8 +158,5 @@ def test_sampled_logprobs_are_raw_softmax(ckpt: Path, hf_models: dict) -> None:
     prompt = _prompts(1, [12], seed=7)[0]
     out = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.7, top_p=0.9,
                                                    seed=3, ignore_eos=True))[0]
-    hf = _hf(hf_models, ckpt)
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1]
-    ref = logits.log_softmax(-1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    ref = chosen_logprobs(hf_logits(_hf(hf_models, ckpt), prompt, out.token_ids), out.token_ids)
     assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)

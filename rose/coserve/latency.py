@@ -160,7 +160,7 @@ def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,
     """Measure prefill chunks of `prompt_lens` and decode batches of `batch_sizes` at
     `context_lens` on an idle engine (a few seconds on a CPU), fit `model`'s term, and start the
     error count afresh. Leaves the engine empty."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # token ids: the same prompts on any device
     limit = engine.max_model_len - decode_steps - 1
     jobs = [(1, length, 1) for length in prompt_lens]
     jobs += [(batch, ctx, decode_steps) for batch in batch_sizes for ctx in context_lens]
@@ -168,7 +168,7 @@ def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,
         params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
         for _ in range(batch):
             engine.add_request(torch.randint(0, engine.vocab_size, (min(length, limit),),
-                                             generator=gen).tolist(), params)
+                                             generator=gen, device="cpu").tolist(), params)
         while engine.has_unfinished():
             engine.step()
             latency.observe(model, engine.last_step.load, engine.last_step.seconds)

@@ -13,9 +13,9 @@ from typing import Any
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig, Policy
 from rose.coserve.server import ServerLimits
+from rose.model.device import resolve
 
 MB = 1024**2
-DTYPES = ("float32", "bfloat16")
 POLICIES = tuple(p.value for p in Policy)
 
 
@@ -35,7 +35,8 @@ class ServeConfig:
     headroom: float = ExecutorConfig.headroom
     policy: str = ExecutorConfig.policy.value
     max_rollout_turns: int = ExecutorConfig.max_rollout_turns
-    dtype: str = "float32"
+    device: str | None = ExecutorConfig.device  # None: cuda if there is one, else cpu
+    dtype: str | None = ExecutorConfig.dtype  # None: bfloat16 on cuda, float32 on cpu
     threads: int | None = None  # None: torch's default
     cores: str | None = None  # pin the process to these cores, e.g. "1" or "0-1"
     no_profile: bool = False
@@ -52,7 +53,7 @@ class ServeConfig:
                               slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
                               tpot_inflation=self.tpot_inflation, ttft_inflation=self.ttft_inflation,
                               admission_quantile=self.admission_quantile, policy=Policy(self.policy),
-                              max_rollout_turns=self.max_rollout_turns)
+                              max_rollout_turns=self.max_rollout_turns, device=self.device, dtype=self.dtype)
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(api_key=self.api_key, lease_key=self.lease_key,
@@ -72,7 +73,7 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
     config = load(environment, files, overrides, flags)
     if config.model is None:
         raise ValueError("config: model: a serving checkpoint is required (--model, or model: in --config)")
-    for key, value, allowed in (("dtype", config.dtype, DTYPES), ("policy", config.policy, POLICIES)):
-        if value not in allowed:
-            raise ValueError(f"config: {key} must be one of {', '.join(allowed)}, got {value!r}")
+    if config.policy not in POLICIES:
+        raise ValueError(f"config: policy must be one of {', '.join(POLICIES)}, got {config.policy!r}")
+    resolve(config.device, config.dtype, label="config: ")
     return config

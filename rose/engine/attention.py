@@ -32,6 +32,7 @@ class PagedAttention:
         self.keys = [kv[:, layer, 0] for layer in range(kv.shape[1])]  # [pages, block, kv_heads, D]
         self.values = [kv[:, layer, 1] for layer in range(kv.shape[1])]
         self.block_size, self.kv_heads, self.head_dim = kv.shape[3:]
+        self.device = kv.device  # where the plan's indices and masks are built
         self.gqa = num_heads != self.kv_heads
         # Gathered pages land in buffers reused across layers and iterations: allocating tens
         # of MB afresh per layer costs more (page faults) than the copy itself.
@@ -48,7 +49,9 @@ class PagedAttention:
             for pos in range(c, c + n):
                 pages.append(table[pos // bs])
                 offsets.append(pos % bs)
-        self.slot_pages, self.slot_offsets = torch.tensor(pages), torch.tensor(offsets)
+        dev = self.device
+        self.slot_pages = torch.tensor(pages, device=dev)
+        self.slot_offsets = torch.tensor(offsets, device=dev)
 
         self.segments = []
         decodes = num_tokens.count(1)
@@ -59,12 +62,13 @@ class PagedAttention:
             end = start + 1
             while end < decodes and 2 * (computed[end] + 1) > width * bs:
                 end += 1
-            lengths = torch.tensor([c + 1 for c in computed[start:end]])
+            lengths = [c + 1 for c in computed[start:end]]
             mask = None
-            if lengths.min() < width * bs:
-                mask = (torch.arange(width * bs)[None, :] < lengths[:, None])[:, None, None, :]
+            if min(lengths) < width * bs:
+                mask = (torch.arange(width * bs, device=dev)[None, :]
+                        < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
             tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[start:end]]
-            self.segments.append(_Segment(start, end - start, True, torch.tensor(tables),
+            self.segments.append(_Segment(start, end - start, True, torch.tensor(tables, device=dev),
                                           width * bs, mask))
             start = end
         for table, c, n in zip(block_tables[decodes:], computed[decodes:], num_tokens[decodes:],
@@ -73,9 +77,9 @@ class PagedAttention:
             if c == 0:
                 self.segments.append(_Segment(start, n, False, None, ctx, None))
             else:
-                mask = torch.arange(ctx)[None, :] <= torch.arange(c, ctx)[:, None]
-                self.segments.append(_Segment(start, n, False, torch.tensor(table[:-(-ctx // bs)]),
-                                              ctx, mask))
+                mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(c, ctx, device=dev)[:, None]
+                pages = torch.tensor(table[:-(-ctx // bs)], device=dev)
+                self.segments.append(_Segment(start, n, False, pages, ctx, mask))
             start += n
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from rose.contracts import SamplingParams
 from rose.engine.llm_engine import LLMEngine
 from rose.model import load_tokenizer
+from rose.model.device import add_device_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,12 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--logprobs", action="store_true", help="print each token with its logprob")
+    add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = LLMEngine.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    engine = LLMEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device)
     tok = load_tokenizer(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,

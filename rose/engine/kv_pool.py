@@ -59,9 +59,13 @@ class KVPool:
         self._reclaimers: dict[str, Callable[[], bool]] = {}
 
     @classmethod
-    def for_specs(cls, total_bytes: int, *specs: KVSpec) -> KVPool:
-        """A pool whose page fits the largest block among `specs`."""
-        return cls(total_bytes, max(s.block_bytes for s in specs))
+    def for_specs(cls, total_bytes: int, *specs: KVSpec, device: str | torch.device = "cpu") -> KVPool:
+        """A pool on `device` whose page fits the largest block among `specs`."""
+        return cls(total_bytes, max(s.block_bytes for s in specs), device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
 
     def register(self, owner: str, reclaim: Callable[[], bool]) -> None:
         if owner in self._reclaimers:

@@ -76,14 +76,19 @@ class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] = (), pool: KVPool | None = None,
                  name: str = "model") -> None:
-        """`pool`: a KV pool shared with other engines (one is made from the config if None);
-        `name` owns this engine's pages in it."""
+        """The engine runs where `model` is, its KV in the model's dtype. `pool`: a KV pool on
+        that device shared with other engines (one is made from the config if None); `name` owns
+        this engine's pages in it."""
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.name = name
-        dtype = next(model.parameters()).dtype
-        spec = KVSpec.of(model.config, dtype, self.config.block_size)
-        self.pool = pool or KVPool.for_specs(self.config.kv_cache_bytes, spec)
+        weight = next(model.parameters())
+        self.device = weight.device
+        spec = KVSpec.of(model.config, weight.dtype, self.config.block_size)
+        self.pool = pool or KVPool.for_specs(self.config.kv_cache_bytes, spec, device=self.device)
+        if self.pool.device != self.device:
+            raise ValueError(f"engine {name!r}: its model is on {self.device}, the KV pool on "
+                             f"{self.pool.device}")
         self.blocks = BlockManager(self.pool, spec, name)
         self.scheduler = Scheduler(self.blocks, self.config.scheduler)
         self.runner = ModelRunner(model, self.pool.view(spec))
@@ -96,13 +101,16 @@ class LLMEngine:
         self.last_step = EngineStep()
         self._staged_weights: tuple[list[tuple[torch.Tensor, torch.Tensor]], int] | None = None
         self._seqs: dict[str, Sequence] = {}
-        self._seeds = torch.Generator().manual_seed(0)
+        # Seeds for unseeded requests, drawn on the CPU: the same sequence of seeds on any device.
+        self._seeds = torch.Generator(device="cpu").manual_seed(0)
         self._ids = itertools.count()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        **config: int) -> LLMEngine:
-        model = load_model(path, dtype=dtype)
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: str | torch.device | None = None, **config: int) -> LLMEngine:
+        """The checkpoint at `path` on `device` in `dtype` (None: `rose.model.device`'s defaults:
+        CUDA if there is one, in bfloat16; else the CPU, in float32)."""
+        model = load_model(path, dtype=dtype, device=device)
         return cls(model, EngineConfig(**config), eos_token_ids=eos_ids(path, model.config))
 
     # -- requests ------------------------------------------------------------------------------
@@ -129,9 +137,9 @@ class LLMEngine:
             raise ValueError(f"{where}: {exc}") from None
         self._check_fits(where, len(prompt_token_ids), params.max_tokens)
         seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seeds))
+            torch.randint(0, 2**62, (1,), generator=self._seeds, device="cpu"))
         seq = Sequence(request_id, prompt_token_ids, params, priority,
-                       torch.Generator().manual_seed(seed))
+                       torch.Generator(device=self.device).manual_seed(seed))
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -276,8 +284,8 @@ class LLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
-        """Take new weights (any dtype: bf16 bits are upcast; the tensors are copied, the caller
-        keeps its own) as policy `version`. Call between iterations. The prefix cache is dropped
+        """Take new weights (any dtype, on any device: cast to the model's and copied there, the
+        caller keeps its own) as policy `version`. Call between iterations. The prefix cache is dropped
         when they apply: its KV is stale. A token carries the version its sequence's KV was
         computed under: with CONTINUE a running sequence's later tokens keep the old version."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -288,7 +296,7 @@ class LLMEngine:
             if params[name].shape != tensor.shape:
                 raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(params[name].shape)}")
-            staged.append((params[name], tensor.to(params[name].dtype, copy=True)))
+            staged.append((params[name], tensor.to(params[name].device, params[name].dtype, copy=True)))
         self._staged_weights = (staged, version)
         if in_flight is InFlight.ABORT_RESUME:
             for seq in list(self.scheduler.running):

@@ -47,7 +47,8 @@ class ModelRunner:
             if interrupt is not None and interrupt():
                 raise IterationInterrupted
 
-        hidden = self.model.model(torch.tensor([ids]), torch.tensor([positions]), self.attention,
-                                  between_layers)[0]
+        device = self.attention.device
+        hidden = self.model.model(torch.tensor([ids], device=device),
+                                  torch.tensor([positions], device=device), self.attention, between_layers)[0]
         logits = self.model.lm_head(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         return sampling, logits.float()

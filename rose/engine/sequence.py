@@ -34,7 +34,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.last_token_time: float | None = None  # when the latest output token was sampled
         self.first_token_time: float | None = None
-        self.generator = generator or torch.Generator()
+        self.generator = generator or torch.Generator(device="cpu")
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash of each full block, chained from the first

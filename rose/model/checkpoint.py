@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.decoder import CausalLM, RotaryEmbedding
+from rose.model.device import resolve
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that carry no learned state.
@@ -37,10 +38,12 @@ def _tensor_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> CausalLM:
-    """Load a checkpoint directory (Llama, Qwen2 or Qwen3); any mismatch raises `CheckpointError`."""
+def load_model(path: str | Path, dtype: torch.dtype | str | None = None,
+               device: str | torch.device | None = None) -> CausalLM:
+    """Load a checkpoint directory (Llama, Qwen2 or Qwen3) onto `device` in `dtype` (None: the
+    defaults of `rose.model.device`); any mismatch raises `CheckpointError`."""
     path = Path(path)
+    device, dtype = resolve(device, dtype)
 
     def tensors() -> Iterator[tuple[str, str, torch.Tensor]]:
         for file in _tensor_files(path):

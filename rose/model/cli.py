@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rose.model.gguf_import import DTYPES
+from rose.model.device import DTYPES
 from rose.model.presets import ARCHS, PRESETS, init_model
 from rose.model.pretrained import PRETRAINED, init_pretrained
 

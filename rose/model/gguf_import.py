@@ -25,10 +25,10 @@ from gguf.quants import dequantize
 
 from rose.model.checkpoint import assemble_model, save_model
 from rose.model.config import CheckpointError, ModelConfig
+from rose.model.device import DTYPES
 from rose.model.gguf_tokenizer import build_gguf_tokenizer, required
 from rose.model.tokenizer import CHAT_TEMPLATE, Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # general.architecture (the same name as HF's model_type) -> whether llama.cpp permuted q/k rows.
 PERMUTED_QK = {"llama": True, "qwen2": False, "qwen3": False}
 

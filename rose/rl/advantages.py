@@ -25,9 +25,9 @@ from collections.abc import Hashable, Sequence
 import torch
 
 
-def _group_index(groups: Sequence[Hashable]) -> tuple[torch.Tensor, int]:
+def _group_index(groups: Sequence[Hashable], device: torch.device) -> tuple[torch.Tensor, int]:
     ids: dict[Hashable, int] = {}
-    index = torch.tensor([ids.setdefault(g, len(ids)) for g in groups], dtype=torch.int64)
+    index = torch.tensor([ids.setdefault(g, len(ids)) for g in groups], dtype=torch.int64, device=device)
     return index, len(ids)
 
 
@@ -44,11 +44,11 @@ def group_advantages(rewards: Sequence[float] | torch.Tensor, groups: Sequence[H
     """`(r - mean_g) / (std_g + eps)` for each reward `r` of group `g`, as float32; without
     `scale`, `r - mean_g` (Dr. GRPO)."""
     r = _as_rewards(rewards, groups)
-    index, n = _group_index(groups)
-    count = torch.zeros(n, dtype=torch.float64).index_add_(0, index, torch.ones_like(r))
-    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, index, r) / count
+    index, n = _group_index(groups, r.device)
+    count = r.new_zeros(n).index_add_(0, index, torch.ones_like(r))
+    mean = r.new_zeros(n).index_add_(0, index, r) / count
     centred = r - mean[index]
-    var = torch.zeros(n, dtype=torch.float64).index_add_(0, index, centred**2) / (count - 1).clamp(min=1)
+    var = r.new_zeros(n).index_add_(0, index, centred**2) / (count - 1).clamp(min=1)
     adv = centred / (var.sqrt()[index] + eps) if scale else centred
     return torch.where(count[index] > 1, adv, torch.zeros_like(adv)).float()
 
@@ -57,9 +57,9 @@ def informative_groups(rewards: Sequence[float] | torch.Tensor, groups: Sequence
                        tol: float = 1e-9) -> torch.Tensor:
     """A bool per sample: whether its group's rewards differ (max - min > `tol`)."""
     r = _as_rewards(rewards, groups)
-    index, n = _group_index(groups)
-    high = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, index, r, "amax")
-    low = torch.full((n,), torch.inf, dtype=torch.float64).scatter_reduce_(0, index, r, "amin")
+    index, n = _group_index(groups, r.device)
+    high = r.new_full((n,), -torch.inf).scatter_reduce_(0, index, r, "amax")
+    low = r.new_full((n,), torch.inf).scatter_reduce_(0, index, r, "amin")
     return (high - low)[index] > tol
 
 

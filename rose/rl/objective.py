@@ -121,7 +121,8 @@ class Objective:
         the rest per group. Whole groups must be present."""
         trajectories = list(trajectories)
         groups = [t.group_id for t in trajectories]
-        outcome = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+        # Per-trajectory figures, on the CPU (the trainer's batch goes to the device later).
+        outcome = torch.tensor([t.reward for t in trajectories], dtype=torch.float64, device="cpu")
         rewards = outcome.clone()
         if self.overlong_max_tokens is not None:  # each response (turn) on its own length
             for i, t in enumerate(trajectories):
@@ -130,7 +131,7 @@ class Objective:
                                                      self.overlong_cache_tokens).sum())
         # Dynamic sampling judges the outcome: a group that differs only by shaping has no signal.
         keep = (informative_groups(outcome, groups) if self.dynamic_sampling
-                else torch.ones(len(trajectories), dtype=torch.bool))
+                else torch.ones(len(trajectories), dtype=torch.bool, device="cpu"))
         kept = [t for t, k in zip(trajectories, keep.tolist(), strict=True) if k]
         episode = group_advantages(rewards[keep], [t.group_id for t in kept], self.advantage_eps,
                                    self.scale_advantages).tolist()

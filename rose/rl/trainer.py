@@ -9,13 +9,19 @@ the behaviour ones then giving truncated importance weights), tokens older than
 `max_version_lag` versions are left out, and the batch is split into `mini_batches` optimizer
 updates of `micro_batch_size`-sequence forward/backward passes. The policy version then goes up
 by one and `export_weights()` yields the new weights as bf16 for the rollout engines
-(`LLMEngine.load_weights(trainer.export_weights(), trainer.version)`); training itself stays in
-fp32, the fast dtype on CPUs without bf16 arithmetic and the precision AdamW's small updates need.
+(`LLMEngine.load_weights(trainer.export_weights(), trainer.version)`).
+
+Precision: the master weights and AdamW's state stay in fp32, the precision AdamW's small updates
+need. The forward and backward run in `TrainerConfig.dtype` under autocast: bf16 by default on
+CUDA, fp32 on the CPU (no fast bf16 arithmetic there). Token log-probabilities and entropies
+are computed a chunk of tokens at a time (`rose.rl.logprobs`): the `[B, T, vocab]` fp32
+log-softmax is never built. The KL penalty's reference policy exists only with kl_coef > 0.
 
 Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
-(gloo on CPU) and give each rank whole GRPO groups (`shard_by_group`). Losses are divided by the
-token or sequence count of the whole batch (all ranks), gradients are summed across ranks in one
-all-reduce, so N ranks with 1/N of the batch each take the same step as one rank with all of it.
+(`process_group_backend`: NCCL on CUDA, one device per rank; gloo on the CPU) and give each rank
+whole GRPO groups (`shard_by_group`). Losses are divided by the token or sequence count of the
+whole batch (all ranks), gradients are summed across ranks in one all-reduce, so N ranks with 1/N
+of the batch each take the same step as one rank with all of it.
 """
 
 from __future__ import annotations
@@ -35,12 +41,19 @@ import torch.distributed as dist
 from rose.contracts.sampling import MIN_TEMPERATURE
 from rose.model import CausalLM, load_model, save_model
 from rose.model.checkpoint import fsync_dir, fsync_file
+from rose.model.device import resolve
+from rose.rl.logprobs import token_logprobs
 from rose.rl.objective import Objective
 from rose.rl.trajectory import TokenSequence, Trajectory
 
 STATE_FILE = "trainer_state.pt"
 REFERENCE_DIR = "reference"  # the KL penalty's reference policy, beside the weights
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: its presence vouches for the rest
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The collectives' backend for ranks training on `device`."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def is_complete(path: str | Path) -> bool:
@@ -68,6 +81,11 @@ class TrainerConfig:
     # the engine drew from (0: greedy, taken at 1).
     temperature: float = 1.0
     gradient_checkpointing: bool = False
+    # Where the policy trains and in which compute dtype (None: `rose.model.device`'s defaults:
+    # cuda if there is one, in bfloat16; else the cpu, in float32); the master weights stay fp32.
+    device: str | None = None
+    dtype: str | None = None
+    logprob_chunk_tokens: int = 1024  # tokens whose fp32 logits exist at once (rose.rl.logprobs)
 
     def __post_init__(self) -> None:
         def number(name: str, value: Any) -> float:
@@ -84,7 +102,7 @@ class TrainerConfig:
         if self.max_grad_norm is not None and number("max_grad_norm", self.max_grad_norm) <= 0:
             raise ValueError(f"trainer: max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         for name, low in (("micro_batch_size", 1), ("mini_batches", 1), ("lr_decay_steps", 0),
-                          ("warmup_steps", 0)):
+                          ("warmup_steps", 0), ("logprob_chunk_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"trainer: {name} must be an integer >= {low}, got {value!r}")
@@ -92,6 +110,7 @@ class TrainerConfig:
             raise ValueError(f"trainer: temperature must be >= 0, got {self.temperature}")
         if not 0 <= number("min_lr_ratio", self.min_lr_ratio) <= 1:
             raise ValueError(f"trainer: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        resolve(self.device, self.dtype, label="trainer: ")
 
 
 def _chunks(items: list[Any], n: int) -> list[list[Any]]:
@@ -101,15 +120,16 @@ def _chunks(items: list[Any], n: int) -> list[list[Any]]:
     return [items[bounds[i]:bounds[i + 1]] for i in range(n)]
 
 
-def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                  torch.Tensor | None]:
-    """Right-pad to `[B, L]`; padding is masked out (causal attention never looks ahead). The
-    behaviour logprobs are None unless the old ones were recomputed."""
+def _pad(sequences: list[TokenSequence], device: torch.device
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Right-pad to `[B, L]` on `device`; padding is masked out (causal attention never looks
+    ahead). The behaviour logprobs are None unless the old ones were recomputed."""
     length = max(len(s.token_ids) for s in sequences)
 
     def stack(field: str, fill: float | int | bool) -> torch.Tensor:
         rows = [getattr(s, field) for s in sequences]
-        return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=fill) for r in rows])
+        return torch.stack([torch.nn.functional.pad(r, (0, length - len(r)), value=fill)
+                            for r in rows]).to(device)
 
     behaviour = stack("behaviour_logprobs", 0.0) if sequences[0].behaviour_logprobs is not None else None
     return (stack("token_ids", 0), stack("loss_mask", False), stack("old_logprobs", 0.0),
@@ -119,16 +139,18 @@ def _pad(sequences: list[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor, to
 class Trainer:
     def __init__(self, model: CausalLM | str | Path, objective: Objective | None = None,
                  config: TrainerConfig | None = None, group: dist.ProcessGroup | None = None) -> None:
-        """`model`: a policy or a checkpoint directory (loaded in fp32). With a process group
-        initialised, this is one data-parallel rank of `group` (default: the whole world); rank
-        0's weights are broadcast to the others."""
-        self.model = load_model(model, dtype=torch.float32) if isinstance(model, (str, Path)) else model
+        """`model`: a policy (moved to the config's device) or a checkpoint directory (loaded there
+        in fp32). With a process group initialised, this is one data-parallel rank of `group`
+        (default: the whole world); rank 0's weights are broadcast to the others."""
+        self.config = config or TrainerConfig()
+        self.device, self.compute_dtype = resolve(self.config.device, self.config.dtype)
+        self.model = (load_model(model, torch.float32, self.device) if isinstance(model, (str, Path))
+                      else model.to(self.device))
         wrong = {str(p.dtype) for p in self.model.parameters() if p.dtype != torch.float32}
         if wrong:
             raise ValueError(f"trainer: master weights must be float32, got {', '.join(sorted(wrong))}; "
                              "load the model with dtype=torch.float32")
         self.objective = objective or Objective.grpo()
-        self.config = config or TrainerConfig()
         self.model.train().set_gradient_checkpointing(self.config.gradient_checkpointing)
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
@@ -154,8 +176,9 @@ class Trainer:
         prepared = self.objective.prepare(trajectories)
         # A trajectory cut before its first turn counts in its group's statistics only.
         kept = [(t, a) for t, a in zip(prepared.trajectories, prepared.advantages, strict=True) if t.turns]
-        # Each sequence's tokens carry their turn's advantage.
-        samples = [(seq, torch.tensor(a, dtype=torch.float32)[seq.turns]) for t, a in kept
+        # Each sequence's tokens carry their turn's advantage (on the CPU, beside the sequence's
+        # own tensors: `_pad` takes the batch to the device).
+        samples = [(seq, torch.tensor(a, dtype=torch.float32, device="cpu")[seq.turns]) for t, a in kept
                    for seq in self._flatten(t)]
         stale = sum(int(s.loss_mask.sum()) for s, _ in samples)
         samples = [(self._fresh(s), a) for s, a in samples]
@@ -248,8 +271,8 @@ class Trainer:
         for micro in _chunks(samples, math.ceil(len(samples) / self.config.micro_batch_size) or 1):
             if not micro:
                 continue
-            ids = _pad([s for s, _ in micro])[0]
-            old = self._logprobs(self.model, ids[:, :-1], ids[:, 1:])[0]
+            ids = _pad([s for s, _ in micro], self.device)[0]
+            old = self._logprobs(self.model, ids[:, :-1], ids[:, 1:])[0].cpu()  # kept with the sequences
             for row, (seq, advantages) in zip(old, micro, strict=True):
                 mine = torch.cat([row.new_zeros(1), row[:len(seq.token_ids) - 1]]) * seq.loss_mask
                 out.append((dataclasses.replace(seq, old_logprobs=mine, behaviour_logprobs=seq.old_logprobs),
@@ -258,20 +281,23 @@ class Trainer:
 
     def _logprobs(self, model: CausalLM, inputs: torch.Tensor,
                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of each target token `[B, T]` and the full log-softmax `[B, T, V]`,
-        at the rollouts' temperature."""
+        """Log-probability of each target token and the entropy at each position, `[B, T]` in
+        fp32, at the rollouts' temperature; computed in the compute dtype."""
         temperature = self.config.temperature if self.config.temperature >= MIN_TEMPERATURE else 1.0
-        logp = (model(inputs).float() / temperature).log_softmax(-1)
-        return logp.gather(-1, targets[..., None])[..., 0], logp
+        autocast = self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, self.compute_dtype, enabled=autocast):
+            return token_logprobs(model.model(inputs), model.lm_head, targets, temperature,
+                                  self.config.logprob_chunk_tokens)
 
     def _forward_backward(self, micro: list[tuple[TokenSequence, torch.Tensor]],
                           denominator: int) -> dict[str, float]:
-        ids, mask, old, versions, behaviour = _pad([s for s, _ in micro])
+        ids, mask, old, versions, behaviour = _pad([s for s, _ in micro], self.device)
         inputs, targets = ids[:, :-1], ids[:, 1:]
         mask, old, versions = mask[:, 1:], old[:, 1:], versions[:, 1:]
         behaviour = behaviour[:, 1:] if behaviour is not None else None
         advantages = torch.nn.utils.rnn.pad_sequence([a for _, a in micro], batch_first=True)[:, 1:]
-        logprobs, logp = self._logprobs(self.model, inputs, targets)
+        advantages = advantages.to(self.device)
+        logprobs, entropy = self._logprobs(self.model, inputs, targets)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
@@ -279,7 +305,6 @@ class Trainer:
         loss, sums = self.objective.loss(logprobs, old, advantages, mask, ref, denominator, behaviour)
         loss.backward()
         with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(-1)
             out = {key: float(value) for key, value in sums.items()}
             out.update(loss=float(loss), tokens=float(mask.sum()), sequences=float(mask.any(-1).sum()),
                        entropy=float((entropy * mask).sum()),
@@ -291,7 +316,7 @@ class Trainer:
     def _all_reduce(self, values: Sequence[float]) -> list[float]:
         if self.world_size == 1:
             return [float(v) for v in values]
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
@@ -364,7 +389,7 @@ class Trainer:
             if not (reference / "config.json").is_file():
                 raise ValueError(f"{path}: no {REFERENCE_DIR}/ (the KL penalty's reference policy): it was "
                                  "saved without kl_coef > 0; resume with kl_coef 0, or start afresh")
-            self.ref_model.load_state_dict(load_model(reference, dtype=torch.float32).state_dict())
-        state = torch.load(file, weights_only=True)
+            self.ref_model.load_state_dict(load_model(reference, torch.float32, self.device).state_dict())
+        state = torch.load(file, weights_only=True, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

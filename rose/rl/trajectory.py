@@ -101,7 +101,8 @@ class Trajectory:
 
 
 def _sequence(turns: list[Turn], first: int) -> TokenSequence:
-    """`turns` (the trajectory's from index `first` on) as one sequence."""
+    """`turns` (the trajectory's from index `first` on) as one sequence, on the CPU: the trainer
+    takes a whole padded batch to its device at once."""
     ids: list[int] = []
     mask: list[bool] = []
     logprobs: list[float] = []
@@ -113,9 +114,12 @@ def _sequence(turns: list[Turn], first: int) -> TokenSequence:
         logprobs += [0.0] * len(t.prompt_ids) + list(t.logprobs)
         versions += [-1] * len(t.prompt_ids) + list(t.versions)
         index += [k] * (len(t.prompt_ids) + len(t.output_ids))
-    return TokenSequence(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool),
-                         torch.tensor(logprobs, dtype=torch.float32),
-                         torch.tensor(versions, dtype=torch.int64), torch.tensor(index, dtype=torch.int64))
+    cpu = torch.device("cpu")
+    return TokenSequence(torch.tensor(ids, dtype=torch.int64, device=cpu),
+                         torch.tensor(mask, dtype=torch.bool, device=cpu),
+                         torch.tensor(logprobs, dtype=torch.float32, device=cpu),
+                         torch.tensor(versions, dtype=torch.int64, device=cpu),
+                         torch.tensor(index, dtype=torch.int64, device=cpu))
 
 
 def shard_by_group(trajectories: Sequence[Trajectory], world_size: int) -> list[list[Trajectory]]:

@@ -29,6 +29,7 @@ from rose.engine import LLMEngine
 from rose.engine.async_engine import AsyncLLMEngine, EngineLoop
 from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
+from rose.rl.trainer import process_group_backend
 from rose.rollout.workers import EngineWorker
 from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
@@ -39,8 +40,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 class TrainerActor:
-    """One data-parallel rank of the trainer (gloo between ranks); rank 0 publishes the weights and
-    writes the checkpoints."""
+    """One data-parallel rank of the trainer (NCCL between ranks on CUDA, gloo on the CPU); rank 0
+    publishes the weights and writes the checkpoints."""
 
     def __init__(self, cores: list[int]) -> None:
         pin(cores)
@@ -57,7 +58,11 @@ class TrainerActor:
         """Join the ranks' process group (every rank's `start` runs at once), load the policy; the
         version it starts from."""
         if world > 1:
-            torch.distributed.init_process_group("gloo", init_method=master, rank=rank, world_size=world)
+            device = torch.device(config["device"])
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL works on the current device: this rank's own
+            torch.distributed.init_process_group(process_group_backend(device), init_method=master, rank=rank,
+                                                 world_size=world)
         self.model_path = Path(model_path)
         self.trainer = Trainer(model_path, Objective.named(objective, **objective_options),
                                TrainerConfig(**config))
@@ -120,7 +125,7 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
     `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
     plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
-    def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, int],
+    def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, Any],
                  relay: str, group: str) -> None:
         pin(cores)
         engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))

@@ -16,11 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError
 from rose.model.config import ModelConfig as ModelShape
+from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
@@ -65,6 +68,8 @@ class RolloutConfig:
     stall_timeout_s: float = 2.0
     timeout_s: float = 900.0
     kv_cache_mb: int = 64
+    # The dedicated workers' engines (None: cuda if there is one, else cpu; bfloat16 on cuda).
+    device: str | None = None
     # DAPO's dynamic sampling: sample up to this many rounds of `groups` until that many groups
     # have outcomes that differ (1: one round, the trainer drops the uninformative groups).
     max_sampling_rounds: int = 1
@@ -97,7 +102,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.01
     micro_batch_size: int = 32
-    data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer (gloo)
+    data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer
+    # fp32 master weights there, bf16 compute on cuda (None: cuda if there is one, else cpu)
+    device: str | None = None
     mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
     checkpoint_every: int = 10
     out_dir: str = "runs/train"
@@ -135,6 +142,7 @@ class ServingDeviceConfig:
     tpot_inflation: float = ExecutorConfig.tpot_inflation
     ttft_inflation: float = ExecutorConfig.ttft_inflation
     pool_mb: int = 64
+    device: str | None = None  # both models (None: cuda if there is one, else cpu; bfloat16 on cuda)
 
 
 @dataclasses.dataclass
@@ -163,6 +171,9 @@ def _check(ok: bool, message: str) -> None:
 def validate(config: Config, mode: Mode | None = None) -> None:
     m, t, d, s = config.model, config.train, config.devices, config.serving
     _check_numbers(config)
+    for key in DEVICE_KEYS:
+        section, name = key.split(".")
+        resolve(getattr(getattr(config, section), name), label=f"config: {key}: ")
     for name, arch, preset in (("model", m.arch, m.preset), ("serving", s.arch, s.preset)):
         _check(arch in ARCHS, f"{name}.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
         _check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
@@ -184,6 +195,12 @@ def validate(config: Config, mode: Mode | None = None) -> None:
                                               f"(a prompt of at least one token), got {s.max_context} "
                                               f"and {s.max_output}")
     _check_fits(config)
+    trainer_device = resolve(t.device)[0]
+    if trainer_device.type == "cuda" and t.data_parallel > 1:
+        gpus = torch.cuda.device_count()
+        _check(trainer_device.index is None and t.data_parallel <= gpus,
+               f"train.data_parallel ({t.data_parallel}) ranks on cuda take one CUDA device each, cuda:0 "
+               f"to cuda:{t.data_parallel - 1}: give train.device=cuda and at most {gpus} ranks")
     _check(bool(d.dedicated), "devices.dedicated needs at least one device")
     cores = available_cores()
     for name, devices in (("trainer", [d.trainer]), ("dedicated", d.dedicated), ("serving", d.serving),
@@ -225,6 +242,22 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "serving.ttft_inflation": (0, math.inf, True),
 }
 
+
+# Where a model runs: the dedicated workers, the trainer, the serving devices.
+DEVICE_KEYS = ("rollout.device", "train.device", "serving.device")
+
+
+def actor_device(device: str | None) -> str:
+    """The device an actor runs its model on, resolved by the driver (None: its default) so that
+    every actor of the run gets the same one, whatever its own process sees."""
+    return str(resolve(device)[0])
+
+
+def rank_device(device: str | None, rank: int, world: int) -> str:
+    """Data-parallel trainer rank `rank`'s device: on CUDA one each (cuda:RANK; NCCL needs
+    distinct devices), else `device` for all."""
+    resolved = actor_device(device)
+    return f"cuda:{rank}" if world > 1 and resolved.startswith("cuda") else resolved
 
 _OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
                    "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",
@@ -322,8 +355,8 @@ def _context(arch: str, preset: str, path: str | None) -> ModelShape:
         raise ValueError(f"config: model.path: {exc}") from None
 
 
-def _pages(config: ModelShape, tokens: int) -> int:
-    spec = KVSpec.of(config)  # the engines run in float32
+def _pages(config: ModelShape, tokens: int, device: str | None) -> int:
+    spec = KVSpec.of(config, resolve(device)[1])  # the device's default dtype
     return -(-tokens // spec.block_size) * spec.block_bytes
 
 
@@ -341,11 +374,11 @@ def _check_fits(config: Config) -> None:
     _check(r.max_tokens < r.max_context_tokens,
            f"rollout.max_tokens ({r.max_tokens}) must be below rollout.max_context_tokens "
            f"({r.max_context_tokens}): a turn's prompt needs at least one token")
-    need = _pages(policy, r.max_context_tokens)
+    need = _pages(policy, r.max_context_tokens, r.device)
     _check(r.kv_cache_mb << 20 >= need,
            f"rollout.kv_cache_mb ({r.kv_cache_mb}) cannot hold one sequence of rollout.max_context_tokens "
            f"({r.max_context_tokens}); it needs at least {-(-need // (1 << 20))} MB")
-    need += _pages(serving, s.max_context)
+    need = _pages(policy, r.max_context_tokens, s.device) + _pages(serving, s.max_context, s.device)
     _check(s.pool_mb << 20 >= need,
            f"serving.pool_mb ({s.pool_mb}) cannot hold one serving request of serving.max_context "
            f"({s.max_context}) beside one rollout turn of rollout.max_context_tokens; it needs at least "

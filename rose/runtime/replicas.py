@@ -26,7 +26,7 @@ from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import LeaseWorker, RemoteWorker
 from rose.runtime.actors import DedicatedWorkerActor, ServingDeviceActor
-from rose.runtime.config import Config
+from rose.runtime.config import Config, actor_device
 from rose.runtime.trainers import TrainerGroup
 
 SYNC_TIMEOUT_S = 120.0
@@ -54,7 +54,8 @@ class Replicas:
     def start_dedicated(self, wid: str, cores: list[int]) -> Any:
         import ray
 
-        engine = {"kv_cache_bytes": self.config.rollout.kv_cache_mb << 20}
+        r = self.config.rollout
+        engine = {"kv_cache_bytes": r.kv_cache_mb << 20, "device": actor_device(r.device)}
         self.cores[wid] = cores
         self.dedicated[wid] = ray.remote(DedicatedWorkerActor).options(
             num_cpus=0, max_concurrency=1000).remote(wid, cores, self.model_path, engine, self.relay,
@@ -68,7 +69,8 @@ class Replicas:
         executor = ExecutorConfig(pool_bytes=s.pool_mb << 20, slo_ttft_ms=s.slo_ttft_ms,
                                   slo_tpot_ms=s.slo_tpot_ms, admission_quantile=s.admission_quantile,
                                   tpot_inflation=s.tpot_inflation, ttft_inflation=s.ttft_inflation,
-                                  max_rollout_turns=self.config.rollout.serving_concurrency)
+                                  max_rollout_turns=self.config.rollout.serving_concurrency,
+                                  device=actor_device(s.device))
         self.cores[wid] = cores
         self.serving[wid] = ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
             wid, cores, self.serving_path, self.model_path, executor, s, self.relay, self.group,

@@ -16,7 +16,7 @@ from typing import Any
 from rose.rl import shard_by_group
 from rose.rl.trainer import is_complete
 from rose.runtime.actors import TrainerActor
-from rose.runtime.config import Config, objective_options, trainer_options
+from rose.runtime.config import Config, objective_options, rank_device, trainer_options
 
 RESTARTS = 1  # per call: a trainer that dies again right after a restart stops the run
 
@@ -49,8 +49,9 @@ class TrainerGroup:
         self.ranks = [actor.remote(own[r::n] if len(own) >= n else own) for r in range(n)]
         master = await self.leader.address.remote() if n > 1 else None
         objective = objective_options(c)
-        return [t.start.remote(path, c.train.objective, objective, trainer_options(c), self.relay, self.group,
-                               is_complete(path), rank, n, master)
+        return [t.start.remote(path, c.train.objective, objective,
+                               {**trainer_options(c), "device": rank_device(c.train.device, rank, n)},
+                               self.relay, self.group, is_complete(path), rank, n, master)
                 for rank, t in enumerate(self.ranks)]
 
     async def call(self, call: Callable[[list[Any]], list[Any]]) -> list[Any]:
