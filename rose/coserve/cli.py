@@ -13,8 +13,8 @@ import torch
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.serve_config import DTYPES, POLICIES, ServeConfig, load_serve_config
 from rose.coserve.server import build_app
-from rose.engine.async_engine import EngineLoop
 from rose.model import load_tokenizer
+from rose.steploop import StepLoop
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if not serve.no_profile:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))
-    app = build_app(EngineLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
+    app = build_app(StepLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
                     name, limits)
     # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
     uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
