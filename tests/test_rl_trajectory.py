@@ -9,18 +9,18 @@ import torch
 
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import load_tokenizer
-from rose.rl import Episode, Trajectory, Turn, make_env, run_episodes, shard_by_group
+from rose.rl import Episode, Trajectory, TurnRecord, make_env, run_episodes, shard_by_group
 from rose.rl.envs import FrozenLake
 
 
 def test_turn_needs_one_logprob_and_version_per_token() -> None:
     with pytest.raises(ValueError, match="2 output tokens but 1 logprobs"):
-        Turn([1], [2, 3], [-0.5], [0, 0])
+        TurnRecord([1], [2, 3], [-0.5], [0, 0])
 
 
 def test_flatten_masks_prompts_and_aligns_logprobs_and_versions() -> None:
-    t = Trajectory("g", [Turn([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], reward=0.5),
-                         Turn([6], [7], [-0.3], [1], reward=1.0)], done=True, success=True)
+    t = Trajectory("g", [TurnRecord([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], reward=0.5),
+                         TurnRecord([6], [7], [-0.3], [1], reward=1.0)], done=True, success=True)
     flat = t.flatten()
     assert flat.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert flat.loss_mask.tolist() == [False, False, False, True, True, False, True]
@@ -32,7 +32,7 @@ def test_flatten_masks_prompts_and_aligns_logprobs_and_versions() -> None:
 
 
 def _traj(group: str, tokens: int) -> Trajectory:
-    return Trajectory(group, [Turn([0] * (tokens - 1), [1], [0.0], [0])])
+    return Trajectory(group, [TurnRecord([0] * (tokens - 1), [1], [0.0], [0])])
 
 
 def test_shard_by_group_keeps_groups_whole_and_balances_tokens() -> None:

@@ -71,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-class Trainer:
-    """fp32 master weights, AdamW, and the bf16 policy weights the senders publish."""
+class SyntheticTrainer:
+    """Real optimizer steps on random tokens (fp32 master weights, AdamW), so that the bf16
+    policy weights the senders publish change as training changes them."""
 
     def __init__(self, config: ModelConfig, seed: int, batch: int, seq: int, lr: float = 1e-6) -> None:
         self.model = random_model(config, seed).train()
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     bucket_bytes = (args.bucket_mb or (8 if args.quick else 64)) << 20
     preset = args.preset or ("small" if args.quick else "0.5b")
     config = ModelConfig(**HALF_B) if preset == "0.5b" else preset_config("qwen3", preset)
-    trainer = Trainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)))
+    trainer = SyntheticTrainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)))
     spec = model_spec(trainer.model)
     tspec = TrainerSpec(fsdp=2)
     tlayout = trainer_layout(spec, tspec)

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import Tokenizer
 from rose.rl.envs.base import StepResult, TextEnv
-from rose.rl.trajectory import Trajectory, Turn
+from rose.rl.trajectory import Trajectory, TurnRecord
 
 _MARK = "\x00ROSE-MARK\x00"  # a placeholder no chat template would produce on its own
 
@@ -74,8 +74,9 @@ class Episode:
             raise RuntimeError("episode: record() after the episode ended")
         text = self.tokenizer.decode(list(output_ids))
         result = self.env.step(text)
-        self.trajectory.turns.append(Turn(self._pending, list(output_ids), list(logprobs), list(versions),
-                                          result.reward, text, result.observation, result.info))
+        self.trajectory.turns.append(TurnRecord(self._pending, list(output_ids), list(logprobs),
+                                                list(versions), result.reward, text, result.observation,
+                                                result.info))
         self._context += self._pending + list(output_ids)
         if result.done:
             self.trajectory.done = True

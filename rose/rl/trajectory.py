@@ -19,7 +19,10 @@ import torch
 
 
 @dataclasses.dataclass
-class Turn:
+class TurnRecord:
+    """One finished turn of a trajectory: the tokens the policy was given, what it generated
+    (with each token's log-probability and policy version), and the environment's answer."""
+
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
@@ -54,7 +57,7 @@ class Trajectory:
     GRPO normalises rewards within such a group."""
 
     group_id: Hashable
-    turns: list[Turn] = dataclasses.field(default_factory=list)
+    turns: list[TurnRecord] = dataclasses.field(default_factory=list)
     done: bool = False  # the environment ended the episode
     success: bool = False
     truncated: bool = False  # a turn limit or the context length ended it

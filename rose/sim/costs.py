@@ -48,7 +48,7 @@ DEVICES: dict[str, Device] = {
     # `rose train` pins a device to its cores: peak 2 FMA units x 16 lanes x 2 FLOPs x 2.1 GHz =
     # 134 GFLOP/s. Memory bandwidth (used only by roofline models, not by the measured tiny
     # engines below): batch-1 decode of the 34 M `small` model streams its 136 MB of fp32 weights
-    # at 32-37 tokens/s (ARCHITECTURE.md reference figures), about 5 GB/s. Memory: the 64 MB KV
+    # at 32-37 tokens/s (the design's reference figures), about 5 GB/s. Memory: the 64 MB KV
     # budgets `rose train` gives its engines are far from binding for the tiny models.
     "cpu": Device("cpu", 134e9, 5 * GB, 1 * GB, 5 * GB, 2 * GB,
                   "one core of this machine: AVX-512 peak; engines measured (rose.bench.calibrate)"),
