@@ -109,10 +109,6 @@ class Trace:
         return Trace(self.name, self.arrival_s / rate, _scale_lengths(self.prompt_tokens, ps),
                      _scale_lengths(self.output_tokens, os_))
 
-    def at_rate(self, requests_per_s: float) -> Trace:
-        """The same trace time-scaled to a mean of `requests_per_s`."""
-        return self.scaled(rate=requests_per_s / self.mean_rate)
-
     def window(self, start_s: float, duration_s: float) -> Trace:
         """Requests in [start_s, start_s + duration_s) of the trace tiled end to end, shifted to 0.
         Raises when the window holds fewer than 2 requests."""

@@ -28,8 +28,8 @@ from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import SamplingParams
-from rose.engine.async_engine import EngineLoop
 from rose.model import Tokenizer, init_model, load_tokenizer, random_model
+from rose.steploop import StepLoop
 
 
 @contextlib.contextmanager
@@ -69,7 +69,7 @@ def executor_of(checkpoints: tuple[Path, Path], **config: Any) -> CoServingExecu
 
 def app_of(executor: CoServingExecutor, checkpoints: tuple[Path, Path],
            limits: ServerLimits | None = None) -> FastAPI:
-    return build_app(EngineLoop(executor), executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)
+    return build_app(StepLoop(executor), executor, load_tokenizer(checkpoints[0]), "tiny-serving", limits)
 
 
 @pytest.fixture(scope="module")

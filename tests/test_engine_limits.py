@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from rose.engine import KVPool, KVSpec, LLMEngine, SamplingParams
-from rose.engine.async_engine import EngineLoop
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.engine.scheduler import Batch
 from rose.model import load_model, load_tokenizer
+from rose.steploop import StepLoop
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -92,7 +92,7 @@ def test_an_engine_with_nothing_admissible_idles_then_resumes(ckpt: Path) -> Non
         return step()
 
     mine.step = counted  # type: ignore[method-assign]
-    loop = EngineLoop(mine)
+    loop = StepLoop(mine)
 
     async def main() -> list[int]:
         stream = loop.stream("wait", lambda: mine.add_request(

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.server import build_app
 from rose.engine import KVSpec
-from rose.engine.async_engine import EngineLoop
 from rose.model import init_model, load_model, load_tokenizer
+from rose.steploop import StepLoop
 
 PAGES = 12
 
@@ -24,7 +24,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, 
     rollout = init_model("qwen3", "tiny", root / "rollout", seed=2)
     page = max(KVSpec.of(load_model(p).config).block_bytes for p in (serving, rollout))
     executor = CoServingExecutor.from_pretrained(serving, rollout, ExecutorConfig(pool_bytes=PAGES * page))
-    with TestClient(build_app(EngineLoop(executor), executor, load_tokenizer(serving), "tiny")) as client:
+    with TestClient(build_app(StepLoop(executor), executor, load_tokenizer(serving), "tiny")) as client:
         yield client, executor
 
 

@@ -11,7 +11,7 @@ import pytest
 from rose.cli import main
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_tokenizer
-from rose.rl import Episode, Objective, Trainer, TrainerConfig, Trajectory, Turn, make_env, run_episodes
+from rose.rl import Episode, Objective, Trainer, TrainerConfig, Trajectory, TurnRecord, make_env, run_episodes
 
 
 def test_a_tiny_policy_learns_a_bandit(tiny_qwen3: Path) -> None:
@@ -26,8 +26,8 @@ def test_a_tiny_policy_learns_a_bandit(tiny_qwen3: Path) -> None:
     for step in range(10):
         params = [SamplingParams(max_tokens=1, temperature=1.0, seed=step * 100 + i) for i in range(64)]
         outputs = engine.generate([p for p in prompts for _ in range(8)], params)
-        batch = [Trajectory(i // 8, [Turn(prompts[i // 8], o.token_ids, o.logprobs, o.versions,
-                                          reward=float(o.token_ids[0] < quarter))], done=True)
+        batch = [Trajectory(i // 8, [TurnRecord(prompts[i // 8], o.token_ids, o.logprobs, o.versions,
+                                                reward=float(o.token_ids[0] < quarter))], done=True)
                  for i, o in enumerate(outputs)]
         assert all(o.versions == [trainer.version] for o in outputs)
         metrics = trainer.step(batch)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rose.rl import Objective, Trajectory, Turn, group_advantages, informative_groups, overlong_penalty
+from rose.rl import Objective, Trajectory, TurnRecord, group_advantages, informative_groups, overlong_penalty
 from rose.rl.advantages import returns_to_go
 from rose.rl.losses import aggregate, clipped_surrogate, k3_kl, truncated_is_weights
 
@@ -133,7 +133,7 @@ def test_objective_loss_off_policy_with_importance_weights_by_hand() -> None:
 
 
 def _trajectory(group: str, reward: float, generated: int, success: bool = False) -> Trajectory:
-    turn = Turn([1, 2], list(range(3, 3 + generated)), [0.0] * generated, [0] * generated, reward)
+    turn = TurnRecord([1, 2], list(range(3, 3 + generated)), [0.0] * generated, [0] * generated, reward)
     return Trajectory(group, [turn], done=True, success=success)
 
 
@@ -159,8 +159,8 @@ def test_dapo_prepare_shapes_overlong_per_response_and_drops_groups_without_outc
     assert [a for (a,) in prepared.advantages] == pytest.approx([0.70710678, -0.70710678], abs=2e-6)
     assert prepared.stats["groups_kept"] == 1
     # Per response: turns of 8 and 2 tokens cost -0.5 + 0, where their sum (10) would cost -1.
-    two_turns = Trajectory("d", [Turn([1], [3] * 8, [0.0] * 8, [0] * 8, 1.0),
-                                 Turn([1], [3] * 2, [0.0] * 2, [0] * 2, 0.0)], done=True)
+    two_turns = Trajectory("d", [TurnRecord([1], [3] * 8, [0.0] * 8, [0] * 8, 1.0),
+                                 TurnRecord([1], [3] * 2, [0.0] * 2, [0] * 2, 0.0)], done=True)
     shaped = Objective.grpo(overlong_max_tokens=10, overlong_cache_tokens=4, scale_advantages=False).prepare(
         [two_turns, _trajectory("d", 0, 2)])
     assert [a for a, _ in shaped.advantages[:1]] == pytest.approx([(0.5 - 0.0) / 2])
@@ -176,8 +176,8 @@ def test_step_advantages_compare_turns_from_the_same_state() -> None:
     state [7] (+0.5) and then falls (-0.5); episode y stays in state [8] (+0) and then moves to
     state [7] (+0.5), where it also falls (-0.5). Both return 0, so GRPO's episode advantages are 0;
     the step level still tells the turns apart."""
-    def turn(prompt: list[int], reward: float) -> Turn:
-        return Turn(prompt, [3], [0.0], [0], reward)
+    def turn(prompt: list[int], reward: float) -> TurnRecord:
+        return TurnRecord(prompt, [3], [0.0], [0], reward)
 
     x = Trajectory("g", [turn([1], 0.5), turn([7], -0.5)], done=True)
     y = Trajectory("g", [turn([1], 0.0), turn([8], 0.5), turn([7], -0.5)], done=True)

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_model
-from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, Turn, shard_by_group
+from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, TurnRecord, shard_by_group
 from rose.rl.trainer import process_group_backend
 from rose.runtime.config import resume_checkpoint
 
@@ -30,10 +30,10 @@ def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> l
             turns = []
             for _ in range(rng.randint(1, 3)):
                 out = rng.randint(1, 4)
-                turns.append(Turn([rng.randrange(vocab) for _ in range(rng.randint(2, 6))],
-                                  [rng.randrange(vocab) for _ in range(out)],
-                                  [rng.uniform(-6.6, -5.9) for _ in range(out)], [0] * out,
-                                  reward=float(rng.random() < 0.5)))
+                turns.append(TurnRecord([rng.randrange(vocab) for _ in range(rng.randint(2, 6))],
+                                        [rng.randrange(vocab) for _ in range(out)],
+                                        [rng.uniform(-6.6, -5.9) for _ in range(out)], [0] * out,
+                                        reward=float(rng.random() < 0.5)))
             batch.append(Trajectory(("g", g), turns, done=True))
     return batch
 
@@ -370,9 +370,9 @@ def test_bad_model_and_batch(tiny_qwen3: Path) -> None:
         Trainer(load_model(tiny_qwen3, dtype=torch.bfloat16))
     trainer = Trainer(tiny_qwen3)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        trainer.step([Trajectory("g", [Turn([1], [9999], [0.0], [0])]),
-                      Trajectory("g", [Turn([1], [2], [0.0], [0])])])
-    long = Trajectory("long", [Turn([1] * 3000, [2], [0.0], [0])])
+        trainer.step([Trajectory("g", [TurnRecord([1], [9999], [0.0], [0])]),
+                      Trajectory("g", [TurnRecord([1], [2], [0.0], [0])])])
+    long = Trajectory("long", [TurnRecord([1] * 3000, [2], [0.0], [0])])
     with pytest.raises(ValueError, match="3001 tokens; the model's context is 2048"):
         trainer.step([long])
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from rose.rl import Trajectory, Turn, shard_by_group
+from rose.rl import Trajectory, TurnRecord, shard_by_group
 
 
 def test_turn_needs_one_logprob_and_version_per_token() -> None:
     with pytest.raises(ValueError, match="2 output tokens but 1 logprobs"):
-        Turn([1], [2, 3], [-0.5], [0, 0])
+        TurnRecord([1], [2, 3], [-0.5], [0, 0])
 
 
 def test_flatten_masks_prompts_and_aligns_logprobs_and_versions() -> None:
-    t = Trajectory("g", [Turn([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], reward=0.5),
-                         Turn([6], [7], [-0.3], [1], reward=1.0)], done=True, success=True)
+    t = Trajectory("g", [TurnRecord([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], reward=0.5),
+                         TurnRecord([6], [7], [-0.3], [1], reward=1.0)], done=True, success=True)
     [flat] = t.flatten()
     assert flat.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert flat.loss_mask.tolist() == [False, False, False, True, True, False, True]
@@ -29,8 +29,9 @@ def test_flatten_masks_prompts_and_aligns_logprobs_and_versions() -> None:
 def test_a_turn_that_starts_a_new_sequence_flattens_on_its_own() -> None:
     """Turn 1's prompt is a whole new rendering (its template rewrote turn 0): two sequences, the
     second holding turns 1 and 2, which continues it."""
-    t = Trajectory("g", [Turn([1, 2], [3], [-0.1], [0]), Turn([1, 4], [5], [-0.2], [0], new_sequence=True),
-                         Turn([6], [7, 8], [-0.3, -0.4], [1, 1])])
+    t = Trajectory("g", [TurnRecord([1, 2], [3], [-0.1], [0]),
+                         TurnRecord([1, 4], [5], [-0.2], [0], new_sequence=True),
+                         TurnRecord([6], [7, 8], [-0.3, -0.4], [1, 1])])
     assert [len(run) for run in t.segments()] == [1, 2]
     first, second = t.flatten()
     assert (first.token_ids.tolist(), first.loss_mask.tolist(), first.turns.tolist()) == (
@@ -42,7 +43,7 @@ def test_a_turn_that_starts_a_new_sequence_flattens_on_its_own() -> None:
 
 
 def _traj(group: str, tokens: int) -> Trajectory:
-    return Trajectory(group, [Turn([0] * (tokens - 1), [1], [0.0], [0])])
+    return Trajectory(group, [TurnRecord([0] * (tokens - 1), [1], [0.0], [0])])
 
 
 def test_shard_by_group_keeps_groups_whole_and_balances_tokens() -> None:

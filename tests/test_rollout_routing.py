@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from rose.rollout.routing import (
+    RoutedTurn,
     RouteReason,
     RoutingTable,
-    TurnRequest,
     WorkerKind,
     WorkerState,
     choose_worker,
@@ -27,8 +27,8 @@ def table(affinity: bool = True) -> RoutingTable:
     return t
 
 
-def turn(tid: str, k: int = 0) -> TurnRequest:
-    return TurnRequest(tid, k, prompt_tokens=100, max_tokens=50)
+def turn(tid: str, k: int = 0) -> RoutedTurn:
+    return RoutedTurn(tid, k, prompt_tokens=100, max_tokens=50)
 
 
 def test_order_dedicated_first_then_serving_then_queue():
@@ -73,7 +73,7 @@ def test_stale_policy_version_and_stalled_worker_are_skipped():
     workers = [WorkerState("old", D, 4, policy_version=1),
                WorkerState("silent", D, 4, last_heartbeat_s=-3.0, policy_version=2),
                WorkerState("ok", D, 4, policy_version=2)]
-    t = TurnRequest("x", 0, 10, 10, policy_version=2)
+    t = RoutedTurn("x", 0, 10, 10, policy_version=2)
     assert choose_worker(t, workers, workers[0], 0.0).worker_id == "ok"
 
 
@@ -129,7 +129,7 @@ def test_held_slot_is_released_when_the_trajectory_moves_or_its_worker_goes():
 
 
 def test_resume_folds_produced_tokens_into_the_prompt():
-    r = resume(TurnRequest("x", 3, prompt_tokens=100, max_tokens=50), 20)
+    r = resume(RoutedTurn("x", 3, prompt_tokens=100, max_tokens=50), 20)
     assert (r.prompt_tokens, r.max_tokens, r.produced_tokens, r.attempt) == (120, 30, 20, 1)
     with pytest.raises(ValueError):
         resume(r, 31)

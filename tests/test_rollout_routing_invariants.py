@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rose.rollout.routing import RoutingTable, TurnRequest, WorkerKind, WorkerState, resume
+from rose.rollout.routing import RoutedTurn, RoutingTable, WorkerKind, WorkerState, resume
 
 STALL_S = 2.0
 
@@ -26,7 +26,7 @@ class TableMachine(RuleBasedStateMachine):
         self.table = RoutingTable(STALL_S)
         self.specs: dict[str, tuple[WorkerKind, int]] = {}
         self.now = 0.0
-        self.routed: dict[str, TurnRequest] = {}   # trajectory -> its current turn
+        self.routed: dict[str, RoutedTurn] = {}   # trajectory -> its current turn
         self.between: dict[str, int] = {}          # trajectory -> turns it finished
         self.next_id = 0
 
@@ -52,14 +52,14 @@ class TableMachine(RuleBasedStateMachine):
     def submit(self, prompt: int, budget: int) -> None:
         tid = f"t{self.next_id}"
         self.next_id += 1
-        self.routed[tid] = TurnRequest(tid, 0, prompt, budget)
+        self.routed[tid] = RoutedTurn(tid, 0, prompt, budget)
         self.table.route(self.routed[tid], self.now)
 
     @precondition(lambda self: self.between)
     @rule(data=st.data())
     def next_turn(self, data: st.DataObject) -> None:
         tid = data.draw(st.sampled_from(sorted(self.between)))
-        self.routed[tid] = TurnRequest(tid, self.between.pop(tid), 10, 8)
+        self.routed[tid] = RoutedTurn(tid, self.between.pop(tid), 10, 8)
         self.table.route(self.routed[tid], self.now)
 
     @precondition(lambda self: any(self.table.in_flight.values()))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rose.model import load_tokenizer
-from rose.rl import Trajectory, Turn
+from rose.rl import Trajectory, TurnRecord
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.runtime.cluster import Cluster
@@ -52,7 +52,7 @@ def test_a_bad_rollout_function_is_refused_with_its_name(function: str, error: s
 
 
 def _trajectories(rewards: dict[str, list[float]]) -> list[Trajectory]:
-    return [Trajectory(group, [Turn([1], [2], [0.0], [0], reward)], done=True)
+    return [Trajectory(group, [TurnRecord([1], [2], [0.0], [0], reward)], done=True)
             for group, rs in rewards.items() for reward in rs]
 
 

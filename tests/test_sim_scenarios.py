@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from rose.sim.scenarios import SCENARIOS, SWEEPS, list_scenarios, load_scenario
@@ -59,3 +62,15 @@ def test_bad_overrides_are_one_line_errors(override, message):
 def test_unknown_scenario():
     with pytest.raises(ValueError, match="unknown scenario 'x'; expected one of paper-8b"):
         load_scenario("x")
+
+
+def test_admission_defaults_are_the_executors_and_need_no_torch():
+    # One source (rose.coserve.admission) for both; the simulator stays free of torch's start-up.
+    code = ("import dataclasses, sys, rose.sim.runner; from rose.sim.scenarios import ServingFleetConfig; "
+            "assert 'torch' not in sys.modules; "
+            "from rose.coserve.executor import ExecutorConfig; "
+            "s, e = ServingFleetConfig(), ExecutorConfig(); "
+            "shared = {f.name for f in dataclasses.fields(s)} & {f.name for f in dataclasses.fields(e)}; "
+            "print(*sorted(k for k in shared if getattr(s, k) != getattr(e, k)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["slo_tpot_ms", "slo_ttft_ms"]  # the simulator's own SLOs (MLPerf's)

@@ -33,7 +33,7 @@ def test_azure_conv_percentiles():
 
 def test_rate_scaling_keeps_burst_shape_and_token_scaling_rounds():
     tr = load_trace("azure-conv")
-    fast = tr.at_rate(20.0)
+    fast = tr.scaled(rate=20.0 / tr.mean_rate)
     assert fast.mean_rate == pytest.approx(20.0)
     assert fast.stats().interarrival_cv == pytest.approx(tr.stats().interarrival_cv, rel=1e-9)
     half = tr.scaled(tokens=0.5, output_tokens=2.0)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rose.bench.transfer import Trainer
+from rose.bench.transfer import SyntheticTrainer
 from rose.model import preset_config
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, model_spec, receiver_layout
 from rose.transfer.codec import tensor_hash
@@ -42,7 +42,7 @@ def test_relay_round_trip_and_timeout(relay: RayRelay) -> None:
 
 
 def test_receivers_in_and_out_of_process_end_bit_exact(relay: RayRelay) -> None:
-    trainer = Trainer(preset_config("qwen3", "tiny"), seed=1, batch=2, seq=8, lr=1e-5)
+    trainer = SyntheticTrainer(preset_config("qwen3", "tiny"), seed=1, batch=2, seq=8, lr=1e-5)
     spec = model_spec(trainer.model)
     sender = Sender(relay, spec, trainer.policy, group="ray", bucket_bytes=32 << 10)
     local = [Receiver(relay, spec, ReceiverSpec("local", tp=2, rank=r), group="ray") for r in range(2)]
@@ -85,7 +85,7 @@ def test_a_receiver_in_another_process_is_in_the_first_sync_after_its_join(relay
     actor = ray.remote(num_cpus=0, max_concurrency=1000)(LateMembers)
     directory = actor.options(name=name, namespace="rose").remote()  # held: an actor without a handle is gone
     late = RayRelay(name=name)  # finds the directory above by its name
-    trainer = Trainer(preset_config("qwen3", "tiny"), seed=2, batch=2, seq=8, lr=1e-5)
+    trainer = SyntheticTrainer(preset_config("qwen3", "tiny"), seed=2, batch=2, seq=8, lr=1e-5)
     spec = model_spec(trainer.model)
     sender = Sender(late, spec, trainer.policy, group="late")
     remote = ray.remote(Remote).options(num_cpus=0).remote(late, spec, ReceiverSpec("remote"), group="late")

@@ -16,7 +16,7 @@ import torch
 import xxhash
 import zstandard
 
-from rose.bench.transfer import Trainer
+from rose.bench.transfer import SyntheticTrainer
 from rose.model import CausalLM, preset_config
 from rose.transfer import (
     Link,
@@ -108,7 +108,7 @@ def one_thread():
 
 def test_twenty_versions_with_faults_end_bit_exact(one_thread: None) -> None:
     config = preset_config("qwen3", "tiny")
-    trainer = Trainer(config, seed=0, batch=2, seq=16, lr=1e-5)
+    trainer = SyntheticTrainer(config, seed=0, batch=2, seq=16, lr=1e-5)
     spec = model_spec(trainer.model)
     tspec = TrainerSpec(fsdp=2)
     tlayout = trainer_layout(spec, tspec)
@@ -245,7 +245,7 @@ def _zstd_bomb(parts: list) -> list:
 ])
 def test_a_forged_bucket_fails_one_sync_and_the_next_repairs_it(forge: Callable[[list], Any], message: str,
                                                                  one_thread: None) -> None:
-    trainer = Trainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
+    trainer = SyntheticTrainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
     spec = model_spec(trainer.model)
     relay = LocalRelay()
     sender = Sender(relay, spec, trainer.policy, bucket_bytes=16 << 10)
@@ -270,7 +270,7 @@ def test_a_forged_bucket_fails_one_sync_and_the_next_repairs_it(forge: Callable[
 
 
 def test_a_receiver_of_another_model_refuses_the_sync_by_its_fingerprint() -> None:
-    trainer = Trainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
+    trainer = SyntheticTrainer(preset_config("qwen3", "tiny"), seed=0, batch=2, seq=8, lr=1e-5)
     spec, other = model_spec(trainer.model), model_spec(trainer.model, dtype=torch.float16)
     relay = LocalRelay()
     sender = Sender(relay, spec, trainer.policy)

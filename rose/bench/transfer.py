@@ -77,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the weights live and the codec runs (default cuda when available, else cpu)")
 
 
-class Trainer:
-    """fp32 master weights, AdamW, and the bf16 policy weights the senders publish."""
+class SyntheticTrainer:
+    """Real optimizer steps on random tokens (fp32 master weights, AdamW), so that the bf16
+    policy weights the senders publish change as training changes them."""
 
     def __init__(self, config: ModelConfig, seed: int, batch: int, seq: int, lr: float = 1e-6,
                  device: torch.device | str = "cpu") -> None:
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     preset = args.preset or ("small" if args.quick else "0.5b")
     config = ModelConfig(**HALF_B) if preset == "0.5b" else preset_config("qwen3", preset)
     device = torch.device(args.device)
-    trainer = Trainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)), device=device)
+    trainer = SyntheticTrainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)), device=device)
     spec = model_spec(trainer.model)
     tspec = TrainerSpec(fsdp=2)
     tlayout = trainer_layout(spec, tspec)

@@ -1,8 +1,8 @@
 """One rollout turn as every layer passes it: what a worker is asked (`Turn`) and what comes back
 (`TurnOutput`, streamed chunk by chunk and summed). The lease API's JSON is derived from these
 (`rose.coserve.protocol.TurnRequest`); routing sees a turn only as counts
-(`rose.rollout.routing.TurnRequest`); a trajectory records each finished one
-(`rose.rl.trajectory.Turn`)."""
+(`rose.rollout.routing.RoutedTurn`); a trajectory records each finished one
+(`rose.rl.trajectory.TurnRecord`)."""
 
 from __future__ import annotations
 

@@ -44,6 +44,18 @@ from typing import Protocol
 
 from rose.contracts import TokenLoad
 
+# The policy's default settings, read by the executor's config (`ExecutorConfig`) and the
+# simulator's scenarios alike. They live here, not in the executor, because the simulator must
+# not import the executor (it would pull in torch, seconds of start-up for a pure model).
+HEADROOM = 0.2          # H: share of the pool only serving may use (design default)
+HIGH_WATERMARK = 0.5    # burst when serving has eaten this share of H
+CHUNK_TOKENS = 512      # serving prompt tokens prefilled per iteration (chunked prefill)
+# "Serving never notices": rollouts may add at most this share of a serving request's own
+# decode time to it (its TPOT), and of its own time to first token to its TTFT (docs/coserve.md,
+# "Admission"; measured in docs/benchmarks.md).
+TPOT_INFLATION = 0.10
+TTFT_INFLATION = 0.03
+
 
 class LatencyModel(Protocol):
     """Predicted wall time of one iteration that runs `serving` and `rollout` together.
@@ -176,7 +188,8 @@ def _slacks(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tupl
 
 
 def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyModel,
-                    chunk_tokens: int = 512, share: float = 1.0, max_rollout_s: float = math.inf) -> float:
+                    chunk_tokens: int = CHUNK_TOKENS, share: float = 1.0,
+                    max_rollout_s: float = math.inf) -> float:
     """The largest iteration time T that keeps every serving request within its SLOs and
     inflation budgets (module docstring), with the rollout part of it (T minus serving's own
     predicted time) scaled by `share` and capped at `max_rollout_s`. `inf` when no serving
@@ -207,7 +220,7 @@ def _largest(lo: int, hi: int, fits) -> int:
 
 
 def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: LatencyModel,
-          slo: SLOBudgets, chunk_tokens: int = 512, rollout_chunk_tokens: int | None = None,
+          slo: SLOBudgets, chunk_tokens: int = CHUNK_TOKENS, rollout_chunk_tokens: int | None = None,
           share: float = 1.0, max_rollout_s: float = math.inf) -> Admission:
     """How many rollout decode sequences and prefill tokens may join the next iteration.
 
@@ -236,7 +249,7 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
 
 def rollout_capacity(now: float, serving: ServingState, rollout: RolloutDemand,
                      latency: LatencyModel, slo: SLOBudgets, typical_context: int,
-                     chunk_tokens: int = 512, limit: int = 1024, share: float = 1.0) -> int:
+                     chunk_tokens: int = CHUNK_TOKENS, limit: int = 1024, share: float = 1.0) -> int:
     """How many more rollout sequences of `typical_context` tokens could decode beside the ones
     in `rollout` under the same ceiling as `admit` (at most `limit`): the executor's capacity
     report to the scheduler, so that turns go where admission will actually run them."""
@@ -308,7 +321,7 @@ class MemoryDecision:
 class BurstController:
     """The burst state machine of one device's shared page pool (units: pages or bytes)."""
 
-    def __init__(self, pool: int, headroom: float = 0.2, high_watermark: float = 0.5) -> None:
+    def __init__(self, pool: int, headroom: float = HEADROOM, high_watermark: float = HIGH_WATERMARK) -> None:
         if pool <= 0:
             raise ValueError(f"pool must be positive, got {pool}")
         if not 0.0 < headroom < 1.0:

@@ -16,8 +16,9 @@ from fastapi import Depends, Request
 
 from rose.coserve.api_errors import APIError, ClientGone, busy
 from rose.coserve.executor import ROLLOUT, SERVING, CoServingExecutor
-from rose.engine.async_engine import EngineDeadError, EngineLoop
+from rose.engine import RequestOutput
 from rose.model import Tokenizer
+from rose.steploop import LoopDeadError, StepLoop
 
 if TYPE_CHECKING:  # server.py assembles the app from the routers, which import this module
     from rose.coserve.server import ServerLimits
@@ -99,7 +100,7 @@ class ServerState:
     """One app's state: the engine loop and the executor it drives, the served model's tokenizer
     and name, the limits, each model's waiting queue."""
 
-    loop: EngineLoop
+    loop: StepLoop[RequestOutput]
     executor: CoServingExecutor
     tokenizer: Tokenizer
     model_name: str
@@ -126,7 +127,7 @@ class ServerState:
         """Raise a 503 unless the engine loop answers within `health_timeout_s`."""
         try:
             await self.loop.ping(self.limits.health_timeout_s)
-        except EngineDeadError as exc:
+        except LoopDeadError as exc:
             raise APIError(503, f"the engine loop is down: {exc}", kind="server_error",
                            code="engine_dead") from None
 

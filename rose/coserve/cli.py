@@ -13,9 +13,9 @@ import torch
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.serve_config import POLICIES, ServeConfig, load_serve_config
 from rose.coserve.server import build_app
-from rose.engine.async_engine import EngineLoop
 from rose.model import load_tokenizer
 from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
+from rose.steploop import StepLoop
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if not serve.no_profile:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))
-    app = build_app(EngineLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
+    app = build_app(StepLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
                     name, limits)
     # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
     uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,

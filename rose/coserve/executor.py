@@ -28,6 +28,11 @@ import torch
 
 from rose.contracts import Capacity, TokenLoad, Turn
 from rose.coserve.admission import (
+    CHUNK_TOKENS,
+    HEADROOM,
+    HIGH_WATERMARK,
+    TPOT_INFLATION,
+    TTFT_INFLATION,
     BurstController,
     BurstState,
     RolloutDemand,
@@ -67,22 +72,21 @@ class Policy(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class ExecutorConfig:
     pool_bytes: int = 256 * 1024**2
-    headroom: float = 0.2  # H: share of the pool only serving may use
-    high_watermark: float = 0.5  # burst when serving has eaten this share of H
+    headroom: float = HEADROOM  # H: share of the pool only serving may use
+    high_watermark: float = HIGH_WATERMARK  # burst when serving has eaten this share of H
     slo_ttft_ms: float = 1000.0
     slo_tpot_ms: float = 200.0
-    chunk_tokens: int = 512
+    chunk_tokens: int = CHUNK_TOKENS
     max_num_seqs: int = 64  # per engine
     max_rollout_turns: int = 32  # lease slots
     policy: Policy = Policy.ROSE
     static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
     static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
-    # "Serving never notices": rollouts may add at most this share of a serving request's own
-    # decode time to it (its TPOT), and of its own time to first token to its TTFT; a rollout
-    # step on an idle device is capped at ttft_inflation x B_TTFT (and an arriving request
-    # interrupts it between layers). inf: only the SLOs bound them.
-    tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.03
+    # Inflation budgets (admission.TPOT_INFLATION says what they bound); a rollout step on an
+    # idle device is capped at ttft_inflation x B_TTFT (and an arriving request interrupts it
+    # between layers). inf: only the SLOs bound them.
+    tpot_inflation: float = TPOT_INFLATION
+    ttft_inflation: float = TTFT_INFLATION
     # Admission predicts iteration times at this quantile of the latency model's measured
     # error (1.0: its largest recent error; 0.5: about its mean).
     admission_quantile: float = 0.95

@@ -19,8 +19,8 @@ from rose.coserve.api_errors import APIError
 from rose.coserve.api_state import Served, ServerState, sse, unless_gone
 from rose.coserve.executor import SERVING
 from rose.coserve.protocol import ChatCompletionRequest, CompletionRequest
-from rose.engine.async_engine import EngineDeadError, RequestFailed
 from rose.engine.detokenize import IncrementalDetokenizer
+from rose.steploop import LoopDeadError, RequestFailed
 
 router = APIRouter()
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -73,7 +73,7 @@ async def _generate(state: ServerState, prompt_ids: list[int],
                 return
     except ValueError as exc:  # the engine refused the request: bad input
         raise APIError(400, str(exc)) from None
-    except EngineDeadError as exc:
+    except LoopDeadError as exc:
         raise APIError(503, str(exc), kind="server_error") from None
     except RequestFailed as exc:
         raise APIError(500, str(exc), kind="server_error") from None

@@ -30,8 +30,9 @@ from rose.coserve.api_errors import APIError, ClientGone
 from rose.coserve.api_state import Arrivals, ServerState
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_api import LEASE_PREFIX, WEIGHTS_PATH
-from rose.engine.async_engine import EngineLoop
+from rose.engine import RequestOutput
 from rose.model import Tokenizer
+from rose.steploop import StepLoop
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -198,7 +199,7 @@ _HANDLERS: dict[type[Exception], ExceptionHandler] = {RequestValidationError: _i
 
 # -- the app -----------------------------------------------------------------------------------
 
-def _stop_loop(loop: EngineLoop, timeout_s: float) -> None:
+def _stop_loop(loop: StepLoop[RequestOutput], timeout_s: float) -> None:
     """Stop the engine thread, waiting at most `timeout_s`: an iteration that never returns
     must not keep the process from exiting (the engine thread is a daemon)."""
     stopper = threading.Thread(target=loop.shutdown, name="rose-executor-stop", daemon=True)
@@ -230,10 +231,10 @@ def _describe_model(app: FastAPI, model_name: str) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def build_app(loop: EngineLoop, executor: CoServingExecutor, tokenizer: Tokenizer, model_name: str,
-              limits: ServerLimits | None = None) -> FastAPI:
-    """The HTTP server of `executor`, whose commands go through `loop` (an `EngineLoop` over it,
-    e.g. `EngineLoop(executor, name="rose-executor")`); the app's lifespan stops the loop at exit."""
+def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokenizer: Tokenizer,
+              model_name: str, limits: ServerLimits | None = None) -> FastAPI:
+    """The HTTP server of `executor`, whose commands go through `loop` (a `StepLoop` over it,
+    e.g. `StepLoop(executor, name="rose-executor")`); the app's lifespan stops the loop at exit."""
     if loop.target is not executor:
         raise ValueError("the engine loop must drive the executor the app serves")
     limits = limits or ServerLimits()

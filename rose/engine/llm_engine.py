@@ -54,9 +54,10 @@ class EngineStep:
 class EngineConfig:
     kv_cache_bytes: int = 256 * 1024**2
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunk_size: int = 512
+    # The scheduler's settings, passed on to it (`scheduler`).
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    chunk_size: int = SchedulerConfig.chunk_size
 
     @property
     def scheduler(self) -> SchedulerConfig:

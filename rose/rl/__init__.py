@@ -5,7 +5,7 @@ from rose.rl.envs import StepResult, TextEnv, list_envs, make_env, register_env
 from rose.rl.episode import Episode, run_episodes
 from rose.rl.objective import Objective, Prepared
 from rose.rl.trainer import Trainer, TrainerConfig
-from rose.rl.trajectory import TokenSequence, Trajectory, Turn, shard_by_group
+from rose.rl.trajectory import TokenSequence, Trajectory, TurnRecord, shard_by_group
 
 __all__ = [
     "Episode",
@@ -17,7 +17,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "Trajectory",
-    "Turn",
+    "TurnRecord",
     "group_advantages",
     "informative_groups",
     "list_envs",

@@ -12,7 +12,7 @@ as text), only the new text is encoded and appended to it: `prompt_ids` grows, s
 prefix cache, or the scheduler's cache affinity, reuses every earlier turn. ChatML does this. A
 template that rewrites earlier turns does not (Qwen3's drops the reasoning of the replies before
 the last user message): that turn's prompt is the whole new rendering and it starts a new training
-sequence (`Turn.new_sequence`), as PRIME-RL's interleaved rollouts start a new sample where the
+sequence (`TurnRecord.new_sequence`), as PRIME-RL's interleaved rollouts start a new sample where the
 prefix breaks and ROLL's step-wise environment manager trains each turn as its own: every
 sampled token is trained in the context the policy sampled it in.
 
@@ -29,7 +29,7 @@ from collections.abc import Hashable, Sequence
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import Tokenizer
 from rose.rl.envs.base import StepResult, TextEnv
-from rose.rl.trajectory import Trajectory, Turn
+from rose.rl.trajectory import Trajectory, TurnRecord
 
 
 class Episode:
@@ -65,9 +65,9 @@ class Episode:
         output_ids = list(output_ids)
         text = self.tokenizer.decode(output_ids)
         result = self.env.step(text)
-        self.trajectory.turns.append(Turn(self._pending, output_ids, list(logprobs), list(versions),
-                                          result.reward, text, result.observation, result.info,
-                                          new_sequence=self._new_sequence))
+        self.trajectory.turns.append(TurnRecord(self._pending, output_ids, list(logprobs), list(versions),
+                                                result.reward, text, result.observation, result.info,
+                                                new_sequence=self._new_sequence))
         self._context += self._pending + output_ids
         # The reply as the policy wrote it, special tokens too (Qwen3's template looks for
         # </think>); the end-of-message token is the template's to add.

@@ -21,7 +21,10 @@ import torch
 
 
 @dataclasses.dataclass
-class Turn:
+class TurnRecord:
+    """One finished turn of a trajectory: the tokens the policy was given, what it generated
+    (with each token's log-probability and policy version), and the environment's answer."""
+
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
@@ -60,7 +63,7 @@ class Trajectory:
     GRPO normalises rewards within such a group."""
 
     group_id: Hashable
-    turns: list[Turn] = dataclasses.field(default_factory=list)
+    turns: list[TurnRecord] = dataclasses.field(default_factory=list)
     done: bool = False  # the environment ended the episode
     success: bool = False
     truncated: bool = False  # a turn limit or the context length ended it
@@ -80,9 +83,9 @@ class Trajectory:
     def num_tokens(self) -> int:
         return sum(len(t.prompt_ids) + len(t.output_ids) for t in self.turns)
 
-    def segments(self) -> list[list[Turn]]:
+    def segments(self) -> list[list[TurnRecord]]:
         """The runs of turns that continue each other: one per training sequence."""
-        runs: list[list[Turn]] = []
+        runs: list[list[TurnRecord]] = []
         for turn in self.turns:
             if turn.new_sequence or not runs:
                 runs.append([])
@@ -100,7 +103,7 @@ class Trajectory:
         return sequences
 
 
-def _sequence(turns: list[Turn], first: int) -> TokenSequence:
+def _sequence(turns: list[TurnRecord], first: int) -> TokenSequence:
     """`turns` (the trajectory's from index `first` on) as one sequence, on the CPU: the trainer
     takes a whole padded batch to its device at once."""
     ids: list[int] = []

@@ -32,7 +32,7 @@ from typing import Any
 from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
 from rose.rl import Episode, Trajectory
 from rose.rollout.registry import WorkerRegistry
-from rose.rollout.routing import Route, RoutingTable, TurnRequest, resume
+from rose.rollout.routing import Route, RoutedTurn, RoutingTable, resume
 from rose.rollout.workers import Failure, classify
 
 
@@ -110,7 +110,7 @@ class RolloutReport:
 class _Turn:
     """A turn in progress: its routing request, its prompt and what its attempts produced."""
 
-    request: TurnRequest
+    request: RoutedTurn
     prompt: list[int]
     done: asyncio.Future[TurnOutput]
     out: TurnOutput = dataclasses.field(default_factory=TurnOutput)
@@ -201,8 +201,8 @@ class RolloutManager:
         k = 0
         try:
             while not episode.done:
-                out = await self._turn(TurnRequest(tid, k, len(episode.prompt_ids), self.params.max_tokens,
-                                                   version), episode.prompt_ids)
+                out = await self._turn(RoutedTurn(tid, k, len(episode.prompt_ids), self.params.max_tokens,
+                                                  version), episode.prompt_ids)
                 episode.record(out.token_ids, out.logprobs, out.versions)
                 k += 1
         except TurnFailed as exc:
@@ -213,7 +213,7 @@ class RolloutManager:
             self.table.cancel(tid)
         return None
 
-    async def _turn(self, request: TurnRequest, prompt: list[int]) -> TurnOutput:
+    async def _turn(self, request: RoutedTurn, prompt: list[int]) -> TurnOutput:
         t = _Turn(request, prompt, asyncio.get_running_loop().create_future())
         self._turns[request.trajectory_id] = t
         try:
@@ -236,7 +236,7 @@ class RolloutManager:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _attempt(self, t: _Turn, wid: str, req: TurnRequest) -> None:
+    async def _attempt(self, t: _Turn, wid: str, req: RoutedTurn) -> None:
         got, start = TurnOutput(), self._elapsed()
         seed = zlib.crc32(f"{self.seed}:{req.trajectory_id}:{req.turn}:{req.attempt}".encode())
         params = dataclasses.replace(self.params, max_tokens=req.max_tokens, seed=seed)
@@ -270,7 +270,7 @@ class RolloutManager:
                 t.done.set_exception(exc)
         self._drain()
 
-    def _settle(self, t: _Turn, wid: str, req: TurnRequest, produced: int, outcome: str,
+    def _settle(self, t: _Turn, wid: str, req: RoutedTurn, produced: int, outcome: str,
                 error: Exception | None) -> None:
         """After an attempt: the turn is done, failed, or goes on from its tokens elsewhere."""
         tid = req.trajectory_id

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from rose.contracts import Heartbeat, Worker
-from rose.rollout.routing import STALL_TIMEOUT_S, RoutingTable, TurnRequest, WorkerState
+from rose.rollout.routing import STALL_TIMEOUT_S, RoutedTurn, RoutingTable, WorkerState
 
 
 class WorkerRegistry:
@@ -38,7 +38,7 @@ class WorkerRegistry:
         self.workers[worker.worker_id] = worker
         self._register(worker, Heartbeat(policy_version))
 
-    def remove(self, worker_id: str) -> list[TurnRequest]:
+    def remove(self, worker_id: str) -> list[RoutedTurn]:
         """Forget a worker (released, shut down); return its turns in flight."""
         self.workers.pop(worker_id, None)
         return self.table.remove(worker_id) if worker_id in self.table.workers else []
@@ -64,7 +64,7 @@ class WorkerRegistry:
         # (the step ended) leaves no coroutine never awaited.
         return await asyncio.wait_for(worker.heartbeat(), self.stall_timeout_s)
 
-    def reap(self) -> list[TurnRequest]:
+    def reap(self) -> list[RoutedTurn]:
         """Take out the workers silent past the stall timeout; return their turns in flight."""
         return self.table.reap(self.clock())
 

@@ -73,8 +73,9 @@ class WorkerState:
 
 
 @dataclasses.dataclass(frozen=True)
-class TurnRequest:
-    """One turn of one trajectory. Token ids travel beside it; routing needs only counts."""
+class RoutedTurn:
+    """One turn of one trajectory as the routing table holds it: token ids travel beside it,
+    routing needs only counts."""
 
     trajectory_id: Hashable
     turn: int
@@ -85,7 +86,7 @@ class TurnRequest:
     attempt: int = 0
 
 
-def resume(turn: TurnRequest, produced: int) -> TurnRequest:
+def resume(turn: RoutedTurn, produced: int) -> RoutedTurn:
     """The turn continued after an abort or a lost worker: the `produced` tokens it already
     generated join its prompt and come off its budget. Nothing is regenerated."""
     if not 0 <= produced <= turn.max_tokens:
@@ -131,7 +132,7 @@ def _pays(dst: WorkerState, dst_load: int, src: WorkerState, src_load: int) -> b
     return dst_load < src_load
 
 
-def choose_worker(turn: TurnRequest, workers: Iterable[WorkerState], previous: WorkerState | None,
+def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: WorkerState | None,
                   now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
     """The routing decision for one turn; `previous` is the worker of its previous turn (None
     for a first turn or with affinity disabled). One pass over the workers."""
@@ -188,8 +189,8 @@ class RoutingTable:
         self.holder: dict[Hashable, Hashable] = {}                   # trajectory -> worker held
         self.workers: dict[Hashable, WorkerState] = {}
         self.affinity: dict[Hashable, Hashable] = {}                 # trajectory -> worker
-        self.in_flight: dict[Hashable, dict[Hashable, TurnRequest]] = {}   # worker -> traj -> turn
-        self.queue: collections.deque[TurnRequest] = collections.deque()
+        self.in_flight: dict[Hashable, dict[Hashable, RoutedTurn]] = {}   # worker -> traj -> turn
+        self.queue: collections.deque[RoutedTurn] = collections.deque()
         self.counts: collections.Counter[RouteReason] = collections.Counter()
 
     def register(self, worker: WorkerState) -> None:
@@ -223,7 +224,7 @@ class RoutingTable:
         w = self.workers[worker_id]
         w.max_concurrency = max_concurrency
 
-    def _place(self, turn: TurnRequest, route: Route) -> None:
+    def _place(self, turn: RoutedTurn, route: Route) -> None:
         w = self.workers[route.worker_id]
         w.active += 1
         if w.kind is WorkerKind.SERVING:
@@ -231,7 +232,7 @@ class RoutingTable:
         self.in_flight[route.worker_id][turn.trajectory_id] = turn
         self.affinity[turn.trajectory_id] = route.worker_id
 
-    def route(self, turn: TurnRequest, now: float) -> Route:
+    def route(self, turn: RoutedTurn, now: float) -> Route:
         """Route (and place) a turn, or queue it when no worker has room."""
         self._release(turn.trajectory_id)
         prev_id = self.affinity.get(turn.trajectory_id) if self.use_affinity else None
@@ -244,7 +245,7 @@ class RoutingTable:
             self._place(turn, decision)
         return decision
 
-    def drain(self, now: float) -> list[tuple[TurnRequest, Route]]:
+    def drain(self, now: float) -> list[tuple[RoutedTurn, Route]]:
         """Route queued turns, FIFO, until one finds no room."""
         placed = []
         while self.queue:
@@ -257,7 +258,7 @@ class RoutingTable:
             placed.append((turn, decision))
         return placed
 
-    def complete(self, worker_id: Hashable, trajectory_id: Hashable) -> TurnRequest:
+    def complete(self, worker_id: Hashable, trajectory_id: Hashable) -> RoutedTurn:
         """The turn finished on `worker_id`; its slot frees (with `hold_slots`, the trajectory
         keeps it until its next turn is routed). A serving executor's free slots grow back by
         one, as its next capacity report will say, so that the trajectory's next turn may return
@@ -268,7 +269,7 @@ class RoutingTable:
             w.free_slots += 1
         return turn
 
-    def _take(self, worker_id: Hashable, trajectory_id: Hashable) -> TurnRequest:
+    def _take(self, worker_id: Hashable, trajectory_id: Hashable) -> RoutedTurn:
         """Take the turn off `worker_id` (finished, aborted, moved or cancelled)."""
         turn = self.in_flight[worker_id].pop(trajectory_id)
         w = self.workers[worker_id]
@@ -290,7 +291,7 @@ class RoutingTable:
         self.affinity.pop(trajectory_id, None)
         return self.route(resume(turn, produced), now)
 
-    def rebalance(self, now: float) -> list[tuple[TurnRequest, Hashable, Hashable]]:
+    def rebalance(self, now: float) -> list[tuple[RoutedTurn, Hashable, Hashable]]:
         """Moves (turn, from serving executor, to dedicated worker): while the least-loaded
         eligible dedicated worker has room and a turn of the busiest serving executor would
         decode faster there (`_pays`), that executor's longest-running turn moves to it. The
@@ -335,7 +336,7 @@ class RoutingTable:
         self._release(trajectory_id)
         self.affinity.pop(trajectory_id, None)
 
-    def cancel(self, trajectory_id: Hashable) -> TurnRequest | None:
+    def cancel(self, trajectory_id: Hashable) -> RoutedTurn | None:
         """Take a trajectory out wherever it is (its step timed out or was cancelled, it failed):
         its turn in flight or queued, the slot it holds, its affinity. Returns that turn, if any."""
         turn = None
@@ -349,13 +350,13 @@ class RoutingTable:
         self.finish_trajectory(trajectory_id)
         return turn or (queued[0] if queued else None)
 
-    def reap(self, now: float) -> list[TurnRequest]:
+    def reap(self, now: float) -> list[RoutedTurn]:
         """Remove workers silent past the stall timeout; return their turns in flight, which the
         caller resumes (`resume(turn, produced)`) and routes again."""
         dead = [w.worker_id for w in self.workers.values() if not w.alive(now, self.stall_timeout_s)]
         return [turn for wid in dead for turn in self.remove(wid)]
 
-    def remove(self, worker_id: Hashable) -> list[TurnRequest]:
+    def remove(self, worker_id: Hashable) -> list[RoutedTurn]:
         """Take a worker out now (dead, released, preempted); return its turns in flight."""
         lost = list(self.in_flight.pop(worker_id).values())
         del self.workers[worker_id]

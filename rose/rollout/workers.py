@@ -66,7 +66,7 @@ class EngineWorker:
         return output
 
     async def heartbeat(self) -> Heartbeat:
-        """Answered through the engine's thread: a dead or stuck loop raises EngineDeadError
+        """Answered through the engine's thread: a dead or stuck loop raises LoopDeadError
         (no heartbeat, so the worker is replaced) instead of reporting a healthy worker."""
         await self.engine.ping(self.ping_timeout_s)
         return Heartbeat(self.engine.engine.policy_version)

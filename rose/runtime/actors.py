@@ -25,14 +25,15 @@ from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
-from rose.engine import LLMEngine
-from rose.engine.async_engine import AsyncLLMEngine, EngineLoop
+from rose.engine import LLMEngine, RequestOutput
+from rose.engine.async_engine import AsyncLLMEngine
 from rose.model import load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
 from rose.rollout.workers import EngineWorker
 from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
+from rose.steploop import StepLoop
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
 
 # What a checkpoint directory needs beside the weights for a run to start from it.
@@ -103,8 +104,8 @@ class _Replica:
     """A rollout replica's receiving end: joins the relay group; each sync's weights go to `load`,
     which the replica's engine loop runs between two iterations."""
 
-    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module, loop: EngineLoop,
-              load: WeightUpdate) -> None:
+    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
+              loop: StepLoop[RequestOutput], load: WeightUpdate) -> None:
         def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
             loop.submit(lambda: load(named, version)).result()
 
@@ -154,7 +155,7 @@ class ServingDeviceActor(_Replica):
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
         executor.profile()
         self.limits = limits
-        loop = EngineLoop(executor, name="rose-executor")
+        loop = StepLoop(executor, name="rose-executor")
         app = build_app(loop, executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -21,8 +21,7 @@ import torch
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
-from rose.model.config import CheckpointError
-from rose.model.config import ModelConfig as ModelShape
+from rose.model.config import CheckpointError, ModelConfig
 from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl import Objective
@@ -41,7 +40,9 @@ class Mode(enum.Enum):
 
 
 @dataclasses.dataclass
-class ModelConfig:
+class PolicyConfig:
+    """The policy model (`model:`): a preset's random weights, or a checkpoint."""
+
     arch: str = "qwen3"
     preset: str = "tiny"
     seed: int = 0
@@ -147,7 +148,7 @@ class ServingDeviceConfig:
 
 @dataclasses.dataclass
 class Config:
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    model: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -291,7 +292,7 @@ PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path is a pretrained checkp
                                               "its DAPO recipe's warmup")
 
 
-def model_defaults(model: ModelConfig) -> ModelDefaults:
+def model_defaults(model: PolicyConfig) -> ModelDefaults:
     return RANDOM_MODEL_DEFAULTS if model.path is None else PRETRAINED_DEFAULTS
 
 
@@ -347,15 +348,15 @@ def _check_env(env: EnvConfig) -> None:
         raise ValueError(f"config: env.options: {exc}") from None
 
 
-def _context(arch: str, preset: str, path: str | None) -> ModelShape:
+def _context(arch: str, preset: str, path: str | None) -> ModelConfig:
     """The model's configuration: its checkpoint's config.json, else the preset's."""
     try:
-        return ModelShape.from_dir(path) if path is not None else preset_config(arch, preset)
+        return ModelConfig.from_dir(path) if path is not None else preset_config(arch, preset)
     except CheckpointError as exc:
         raise ValueError(f"config: model.path: {exc}") from None
 
 
-def _pages(config: ModelShape, tokens: int, device: str | None) -> int:
+def _pages(config: ModelConfig, tokens: int, device: str | None) -> int:
     spec = KVSpec.of(config, resolve(device)[1])  # the device's default dtype
     return -(-tokens // spec.block_size) * spec.block_bytes
 

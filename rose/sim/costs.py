@@ -8,12 +8,15 @@ from published measurements, not fitted to this simulator's results.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from rose.contracts import TokenLoad
 
 GB = 1e9
+# Token counts and times: plain numbers, or numpy arrays of them (one entry per replica or turn).
+Amount = float | np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ DEVICES: dict[str, Device] = {
     # `rose train` pins a device to its cores: peak 2 FMA units x 16 lanes x 2 FLOPs x 2.1 GHz =
     # 134 GFLOP/s. Memory bandwidth (used only by roofline models, not by the measured tiny
     # engines below): batch-1 decode of the 34 M `small` model streams its 136 MB of fp32 weights
-    # at 32-37 tokens/s (ARCHITECTURE.md reference figures), about 5 GB/s. Memory: the 64 MB KV
+    # at 32-37 tokens/s (the design's reference figures), about 5 GB/s. Memory: the 64 MB KV
     # budgets `rose train` gives its engines are far from binding for the tiny models.
     "cpu": Device("cpu", 134e9, 5 * GB, 1 * GB, 5 * GB, 2 * GB,
                   "one core of this machine: AVX-512 peak; engines measured (rose.bench.calibrate)"),
@@ -168,19 +171,28 @@ class ForwardCost:
                    fixed=fixed,
                    prefill_attn=attn / 2 / (flops * eff.prefill_mfu))
 
-    def time(self, prefill, decode, ctx, chunk_seqs=1):
+    def time(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount = 1) -> Amount:
         """Forward time for `prefill` prompt tokens (in chunks over `chunk_seqs` sequences),
-        `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work."""
-        tokens = prefill + decode
-        seqs = decode + np.minimum(prefill, chunk_seqs)
-        compute = (self.s_token * tokens + self.s_attn * ctx + self.s_head * seqs
-                   + self.prefill_attn * prefill * prefill / np.maximum(chunk_seqs, 1))
-        memory = self.s_weights + self.s_kv * (ctx + tokens)
-        return np.where(tokens > 0, np.maximum(compute, memory) + self.fixed, 0.0)
+        `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
+        over numpy arrays."""
+        return self._roofline(prefill, decode, ctx, chunk_seqs, np.minimum, np.maximum)
 
     def scalar(self, load: TokenLoad) -> float:
-        """`time` of one iteration's load, as the admission policy asks it."""
-        return float(self.time(load.prefill_tokens, load.decode_seqs, load.context_tokens))
+        """`time` of one iteration's load, as the admission policy asks it (about 600k times a
+        paper-8b run): the same formula on plain numbers, with the builtin min and max, as numpy's
+        ufuncs cost microseconds a call on scalars."""
+        return self._roofline(load.prefill_tokens, load.decode_seqs, load.context_tokens, 1, min, max)
+
+    def _roofline(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount,
+                  minimum: Callable[[Amount, Amount], Amount],
+                  maximum: Callable[[Amount, Amount], Amount]) -> Amount:
+        tokens = prefill + decode
+        seqs = decode + minimum(prefill, chunk_seqs)
+        compute = (self.s_token * tokens + self.s_attn * ctx + self.s_head * seqs
+                   + self.prefill_attn * prefill * prefill / maximum(chunk_seqs, 1))
+        memory = self.s_weights + self.s_kv * (ctx + tokens)
+        # A bool (array) times the time: 0 where there is no work, for numbers and arrays alike.
+        return (tokens > 0) * (maximum(compute, memory) + self.fixed)
 
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads

@@ -31,7 +31,7 @@ from rose.coserve.admission import (
     rollout_duty,
 )
 from rose.coserve.loadgen import fit_lengths
-from rose.rollout.routing import Route, RoutingTable, TurnRequest, WorkerState, resume
+from rose.rollout.routing import Route, RoutedTurn, RoutingTable, WorkerState, resume
 from rose.sim.costs import (
     DRIVER_CHUNK_S,
     RooflineLatency,
@@ -393,8 +393,8 @@ class Simulation:
         if not len(rows):
             return False
         nows = np.maximum(t, rnd.ready[rows]).tolist()
-        routes = [self.table.route(TurnRequest(rnd.id_base + row, turn, int(hist), resp,
-                                               policy_version=version), now)
+        routes = [self.table.route(RoutedTurn(rnd.id_base + row, turn, int(hist), resp,
+                                              policy_version=version), now)
                   for row, turn, hist, resp, now in zip(rows.tolist(), rnd.turn[rows].tolist(),
                                                         rnd.hist[rows].tolist(),
                                                         rnd.responses(rows).tolist(), nows, strict=True)]

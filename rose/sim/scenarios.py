@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from rose.config import load, read_named_config
-from rose.sim.costs import DEVICES, MODELS
+from rose.coserve.admission import CHUNK_TOKENS, HEADROOM, HIGH_WATERMARK, TPOT_INFLATION, TTFT_INFLATION
+from rose.sim.costs import DEVICES, MODELS, WeightSync
 from rose.sim.systems import SYSTEMS
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
 from rose.traces import TRACE_FILES
@@ -69,14 +70,14 @@ class ServingFleetConfig:
     # 100 ms); the paper scenarios set the paper's own.
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
-    # Inflation budgets of ROSE's admission (rose.coserve.executor.ExecutorConfig's defaults).
-    tpot_inflation: float = 0.10
-    ttft_inflation: float = 0.03
-    chunk_tokens: int = 512          # chunked prefill (design default)
+    # ROSE's admission on each replica: the executor's defaults (rose.coserve.admission).
+    tpot_inflation: float = TPOT_INFLATION
+    ttft_inflation: float = TTFT_INFLATION
+    chunk_tokens: int = CHUNK_TOKENS
     max_context: int = 0             # clip prompt + output to this (0: no clipping), as a replay does
     max_output: int = 0              # ... and outputs to this (used with max_context)
-    headroom: float = 0.2            # reserved serving headroom H (design default)
-    high_watermark: float = 0.5      # burst trigger: half of H used
+    headroom: float = HEADROOM
+    high_watermark: float = HIGH_WATERMARK
 
 
 @dataclasses.dataclass
@@ -138,8 +139,8 @@ class ElasticConfig:
 
 @dataclasses.dataclass
 class SyncConfig:
-    changed_fraction: float = 0.05   # ROSE paper: >95% of bf16 weights unchanged at step 10
-    full_every: int = 10             # periodic full sync
+    changed_fraction: float = WeightSync.changed_fraction
+    full_every: int = WeightSync.full_every
     colocated_switch_s: float = 5.0  # assumption: offload/reload between train and rollout engines
 
 

@@ -48,9 +48,3 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("rose-full-weights", "ROSE w/ full-weight sync", extra=Extra.COSERVE, sparse_sync=False),
     System("naive-share", "naive sharing (no admission)", extra=Extra.COSERVE, sharing=Sharing.NAIVE),
 )}
-
-
-def system_by_name(name: str) -> System:
-    if name not in SYSTEMS:
-        raise ValueError(f"unknown system {name!r}; expected one of {', '.join(SYSTEMS)}")
-    return SYSTEMS[name]

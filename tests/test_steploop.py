@@ -1,5 +1,5 @@
-"""The engine loop outlives its callers: cancelled calls, failing iterations, readers that stop
-reading, a dead or stuck thread, shutdown from any state."""
+"""The step loop (rose.steploop), here around an engine, outlives its callers: cancelled calls,
+failing iterations, readers that stop reading, a dead or stuck thread, shutdown from any state."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from rose.engine import LLMEngine, SamplingParams
-from rose.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineLoop, RequestFailed
+from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.scheduler import Batch
 from rose.rollout.workers import EngineWorker
+from rose.steploop import LoopDeadError, RequestFailed, StepLoop
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -156,7 +157,7 @@ class _Flaky:
 def test_a_failed_iteration_of_the_target_ends_its_streams_and_the_loop_goes_on(ckpt: Path) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
     target = _Flaky(engine)
-    loop = EngineLoop(target)
+    loop = StepLoop(target)
     long = SamplingParams(max_tokens=1000, ignore_eos=True)
 
     async def main() -> None:
@@ -179,7 +180,7 @@ def test_a_failed_iteration_of_the_target_ends_its_streams_and_the_loop_goes_on(
 
 def test_a_reader_that_stops_reading_gets_its_request_aborted(ckpt: Path) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
-    loop = EngineLoop(engine, max_queued_outputs=8)
+    loop = StepLoop(engine, max_queued_outputs=8)
 
     async def main() -> None:
         stream = loop.stream("slow", lambda: engine.add_request(
@@ -213,9 +214,9 @@ def test_ping_and_heartbeats_go_through_the_engine_thread(ckpt: Path) -> None:
         await front.ping(30)
         assert (await worker.heartbeat()).policy_version == 0
         front.submit(lambda: release.wait(30))  # a stuck command (or iteration)
-        with pytest.raises(EngineDeadError, match=r"no answer within 0\.5 s"):
+        with pytest.raises(LoopDeadError, match=r"no answer within 0\.5 s"):
             await front.ping(0.5)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(LoopDeadError):
             await worker.heartbeat()
         release.set()
         await front.ping(30)
@@ -228,14 +229,14 @@ def test_ping_and_heartbeats_go_through_the_engine_thread(ckpt: Path) -> None:
             raise SystemError("engine state corrupted")
 
         engine.has_unfinished = broken  # type: ignore[method-assign]
-        with pytest.raises(EngineDeadError, match="corrupted"):
+        with pytest.raises(LoopDeadError, match="corrupted"):
             async for _ in stream:
                 pass
-        with pytest.raises(EngineDeadError, match="corrupted"):
+        with pytest.raises(LoopDeadError, match="corrupted"):
             await front.ping(30)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(LoopDeadError):
             await worker.heartbeat()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(LoopDeadError):
             await front.call(lambda: None)
 
     try:
@@ -247,7 +248,7 @@ def test_ping_and_heartbeats_go_through_the_engine_thread(ckpt: Path) -> None:
 
 def test_shutdown_ends_everything_even_while_an_iteration_is_stuck(ckpt: Path) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
-    loop = EngineLoop(engine)
+    loop = StepLoop(engine)
     stuck, release = threading.Event(), threading.Event()
     step = engine.step
 
@@ -268,11 +269,11 @@ def test_shutdown_ends_everything_even_while_an_iteration_is_stuck(ckpt: Path) -
         start = time.monotonic()
         loop.shutdown(timeout_s=0.5)
         assert time.monotonic() - start < 10
-        with pytest.raises(EngineDeadError, match="shut down while an iteration was still running"):
+        with pytest.raises(LoopDeadError, match="shut down while an iteration was still running"):
             await asyncio.wait_for(pending, 10)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(LoopDeadError):
             await asyncio.wait_for(reader, 10)
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(LoopDeadError):
             await loop.ping(1)
 
     try:
