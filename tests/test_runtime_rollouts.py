@@ -83,10 +83,11 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: 
     assert report.seconds == 2.0
 
 
-def test_heldout_rollout_plays_the_same_heldout_maps_greedily(tiny_qwen3: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_heldout_rollout_plays_the_same_heldout_maps(tiny_qwen3: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """With eval.every on, the step's episodes draw training maps and the evaluation the same
-    eval.episodes held-out maps at every step, at eval.temperature."""
+    eval.episodes held-out maps at every step, at the rollouts' temperature unless
+    eval.temperature says otherwise."""
     played: list[tuple[str, list, float]] = []
 
     async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
@@ -96,13 +97,15 @@ def test_heldout_rollout_plays_the_same_heldout_maps_greedily(tiny_qwen3: Path, 
 
     monkeypatch.setattr(RolloutManager, "run", run)
     config = load_config(None, ["eval.every=2", "eval.episodes=5", "env.options.random_map=true",
-                                "rollout.groups=3", f"train.out_dir={tmp_path}"])
+                                "rollout.groups=3", "rollout.temperature=0.7", f"train.out_dir={tmp_path}"])
     tok = load_tokenizer(tiny_qwen3)
     for step in (0, 2):
         asyncio.run(heldout_rollout(RolloutContext(config, step, 0, tok, WorkerRegistry())))
     asyncio.run(multi_turn_rollout(RolloutContext(config, 0, 0, tok, WorkerRegistry())))
-    (first, held_out, greedy), (_, again, _), (rollout, trained, sampled) = played
-    assert (first, rollout, greedy, sampled) == ("e0-", "s0-", 0.0, 1.0)
+    config.eval.temperature = 0.0
+    asyncio.run(heldout_rollout(RolloutContext(config, 4, 0, tok, WorkerRegistry())))
+    (first, held_out, t_eval), (_, again, _), (rollout, trained, t_train), (_, _, greedy) = played
+    assert (first, rollout, t_eval, t_train, greedy) == ("e0-", "s0-", 0.7, 0.7, 0.0)
     assert len(held_out) == 5 and len(trained) == 24
     assert [e.env.desc for e in held_out] == [e.env.desc for e in again]
     assert {e.env.split for e in held_out} == {"eval"} and {e.env.split for e in trained} == {"train"}

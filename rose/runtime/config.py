@@ -82,7 +82,9 @@ class EvalConfig:
 
     every: int = 0  # steps between evaluations, from step 0 (and at the last step); 0: none
     episodes: int = 64  # the same seeds, hence the same maps, at every evaluation
-    temperature: float = 0.0  # greedy, as verl's validation; training's rollouts sample at theirs
+    # None: rollout.temperature, so that held-out and training success measure the same policy (a
+    # tiny policy's greedy argmax can fail every map while its samples succeed: docs/rl.md); 0: greedy.
+    temperature: float | None = None
 
 
 @dataclasses.dataclass
@@ -261,7 +263,7 @@ def _check_numbers(config: Config) -> None:
             key, number = f"{section.name}.{field.name}", getattr(value, field.name)
             if isinstance(number, float):
                 _check(math.isfinite(number), f"{key} must be a finite number, got {number}")
-            if key in _RANGES:
+            if key in _RANGES and number is not None:  # None: the default named beside the key
                 low, high, inclusive = _RANGES[key]
                 ok = (number >= low if inclusive else number > low) and number <= high
                 bounds = (f"in [{low:g}, {high:g}]" if high < math.inf

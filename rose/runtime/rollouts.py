@@ -106,10 +106,12 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
 
 async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:
     """`eval.episodes` episodes on held-out layouts, one per seed from `EVAL_SEED` (the same
-    layouts at every evaluation), sampled at `eval.temperature`; never trained on."""
+    layouts at every evaluation), sampled at `eval.temperature` (None: the rollouts'); never
+    trained on."""
     c = ctx.config
     held_out = [Episode(make_env(c.env.name, **env_kwargs(c, "eval")), ctx.tokenizer, seed=EVAL_SEED + i,
                         group_id=("eval", i), max_context_tokens=c.rollout.max_context_tokens)
                 for i in range(c.eval.episodes)]
-    manager = RolloutManager(ctx.registry, _params(ctx, c.eval.temperature), seed=c.train.seed)
+    temperature = c.rollout.temperature if c.eval.temperature is None else c.eval.temperature
+    manager = RolloutManager(ctx.registry, _params(ctx, temperature), seed=c.train.seed)
     return await manager.run(held_out, ctx.version, prefix=f"e{ctx.step}-", timeout_s=c.rollout.timeout_s)
