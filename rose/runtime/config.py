@@ -223,15 +223,15 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"train.{k}": (1, math.inf, True) for k in (
         "steps", "checkpoint_every", "micro_batch_size", "data_parallel", "mini_batches")},
     "train.lr": (0, math.inf, False),
-    "eval.every": (0, math.inf, True),
-    "eval.episodes": (1, math.inf, True),
-    "eval.temperature": (0, math.inf, True),  # 0: greedy
     "train.warmup_steps": (0, math.inf, True),
     "train.max_grad_norm": (0, math.inf, False),
     "train.weight_decay": (0, math.inf, True),
     "train.min_lr_ratio": (0, 1, True),
     "train.step_advantage_weight": (0, math.inf, True),
     "train.discount": (0, 1, True),
+    "eval.every": (0, math.inf, True),
+    "eval.episodes": (1, math.inf, True),
+    "eval.temperature": (0, math.inf, True),  # 0: greedy
     "devices.provision_delay_s": (0, math.inf, True),
     **{f"serving.{k}": (0, math.inf, False) for k in (
         "load", "prompt_scale", "output_scale", "window_s", "slo_ttft_ms", "slo_tpot_ms")},
