@@ -10,6 +10,7 @@ import pytest
 
 from rose.rl.envs import FrozenLake, GymEnvAdapter, Sokoban, list_envs, make_env, parse_action
 from rose.rl.envs.frozen_lake import STANDARD_MAPS, generate_map
+from rose.rl.envs.heldout import is_heldout
 from rose.rl.envs.sokoban import FIXED_LEVELS, Level, generate_level
 
 FL_ACTIONS = ("Left", "Down", "Right", "Up")
@@ -261,6 +262,73 @@ def test_sokoban_pushing_off_a_target_costs_the_box_reward() -> None:
 def test_sokoban_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Sokoban(**kwargs)
+
+
+# -- held-out layouts ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "options"), [
+    ("frozenlake", dict(random_map=True, size=4)),
+    ("frozenlake", dict(random_map=True, size=6, slippery=True)),
+    ("sokoban", dict(size=6)),
+])
+def test_heldout_layouts_are_never_trained_on(name: str, options: dict[str, Any]) -> None:
+    """Each split draws only its own layouts, the same ones per seed, and neither is empty or a
+    single layout; an env without a split draws from both, exactly as before splits existed."""
+    layouts = {}
+    for split in ("train", "eval"):
+        env = make_env(name, split=split, **options)
+        drawn = [env.reset(seed) for seed in range(150)]
+        assert drawn == [make_env(name, split=split, **options).reset(seed) for seed in range(150)]
+        layouts[split] = {_layout(text) for text in drawn}
+        assert all(is_heldout(layout) == (split == "eval") for layout in layouts[split])
+        assert len(layouts[split]) > 5
+    assert not layouts["train"] & layouts["eval"]
+    plain = make_env(name, **options)
+    both = {_layout(plain.reset(seed)) for seed in range(150)}
+    assert both & layouts["train"] and both & layouts["eval"]
+
+
+def _layout(observation: str) -> tuple[str, ...]:
+    """The map of a first observation (FrozenLake's P back to S; its position line dropped)."""
+    return tuple(row.replace("P", "S", 1) if i == 0 else row
+                 for i, row in enumerate(observation.split("\n")) if not row.startswith("You are"))
+
+
+def test_frozenlake_heldout_maps_are_solvable() -> None:
+    env = FrozenLake(random_map=True, size=5, split="eval", max_turns=100)
+    for seed in range(30):
+        desc = _layout(env.reset(seed))
+        for action in _frozenlake_path(desc):
+            result = env.step(FL_ACTIONS[action])
+        assert result.info["success"], desc
+
+
+def test_random_maps_without_a_split_draw_as_before() -> None:
+    """Without a split the map is the generator's for the reset seed's first draw (what the
+    fixed-seed results in docs/rl.md were measured on)."""
+    for seed in range(5):
+        desc = generate_map(4, 0.8, random.Random(seed).getrandbits(63))
+        assert _layout(FrozenLake(random_map=True).reset(seed)) == desc
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(random_map=True, split="test"), "split must be one of train, eval or None, got 'test'"),
+    (dict(split="eval"), "split needs generated layouts; a fixed one has nothing to hold out"),
+    (dict(desc=["SF", "FG"], split="train"), "split needs generated layouts"),
+])
+def test_frozenlake_bad_split(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FrozenLake(**kwargs)
+
+
+def test_a_split_with_no_layout_in_reach_fails() -> None:
+    """A 2x2 all-frozen lake has one map, "SF/FG", held out: training could never draw one."""
+    held_out = FrozenLake(random_map=True, size=2, p_frozen=1, split="eval")
+    assert held_out.reset(0) == "PF\nFG\nYou are at row 0, column 0."
+    with pytest.raises(ValueError, match="frozenlake: no train layout in 10000 draws"):
+        FrozenLake(random_map=True, size=2, p_frozen=1, split="train").reset(0)
+    with pytest.raises(ValueError, match="sokoban: split needs generated layouts"):
+        Sokoban(level=0, split="eval")
 
 
 # -- registry ------------------------------------------------------------------------------------

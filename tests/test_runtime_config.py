@@ -72,6 +72,13 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["train.discount=1.5"], r"train\.discount must be in \[0, 1\], got 1\.5"),
     (["train.step_advantage_weight=-1"], r"train\.step_advantage_weight must be >= 0, got -1"),
     (["env.name=chess"], r"env\.name must be one of .*frozenlake.*got 'chess'"),
+    (["eval.every=-1"], r"eval\.every must be >= 0, got -1"),
+    (["eval.episodes=0"], r"eval\.episodes must be >= 1, got 0"),
+    (["eval.temperature=-1"], r"eval\.temperature must be >= 0, got -1"),
+    (["eval.every=5"], r"eval\.every needs an environment with held-out layouts: frozenlake: split needs "
+                       r"generated layouts"),
+    (["eval.every=5", "env.options.random_map=true", "env.options.size=2", "env.options.p_frozen=1"],
+     r"eval\.every needs an environment with held-out layouts: frozenlake: no train layout in 10000 draws"),
     (["model.preset=huge"], r"model\.preset must be one of .*got 'huge'"),
     (["model.path=/nonexistent/ckpt"], r"model\.path /nonexistent/ckpt is not an HF-format checkpoint"),
     (["devices.dedicated=[[0],[999]]"], r"devices\.dedicated uses core\(s\) \[999\], but this machine"),

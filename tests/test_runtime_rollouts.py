@@ -16,7 +16,7 @@ from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Mode, load_config
-from rose.runtime.rollouts import RolloutContext, informative, multi_turn_rollout
+from rose.runtime.rollouts import RolloutContext, heldout_rollout, informative, multi_turn_rollout
 
 CALLS: list[tuple[int, int, str]] = []
 NOT_A_FUNCTION = 42
@@ -81,3 +81,32 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: 
     assert played == ["s0-", "s0r1-"]
     assert [t.group_id for t in report.trajectories] == ["a", "a", "b", "b", "c", "c"]
     assert report.seconds == 2.0
+
+
+def test_heldout_rollout_plays_the_same_heldout_maps(tiny_qwen3: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With eval.every on, the step's episodes draw training maps and the evaluation the same
+    eval.episodes held-out maps at every step, at the rollouts' temperature unless
+    eval.temperature says otherwise."""
+    played: list[tuple[str, list, float]] = []
+
+    async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
+                  timeout_s: float | None = None) -> RolloutReport:
+        played.append((prefix, episodes, self.params.temperature))
+        return RolloutReport([], [], 1.0)
+
+    monkeypatch.setattr(RolloutManager, "run", run)
+    config = load_config(None, ["eval.every=2", "eval.episodes=5", "env.options.random_map=true",
+                                "rollout.groups=3", "rollout.temperature=0.7", f"train.out_dir={tmp_path}"])
+    tok = load_tokenizer(tiny_qwen3)
+    for step in (0, 2):
+        asyncio.run(heldout_rollout(RolloutContext(config, step, 0, tok, WorkerRegistry())))
+    asyncio.run(multi_turn_rollout(RolloutContext(config, 0, 0, tok, WorkerRegistry())))
+    config.eval.temperature = 0.0
+    asyncio.run(heldout_rollout(RolloutContext(config, 4, 0, tok, WorkerRegistry())))
+    (first, held_out, t_eval), (_, again, _), (rollout, trained, t_train), (_, _, greedy) = played
+    assert (first, rollout, t_eval, t_train, greedy) == ("e0-", "s0-", 0.7, 0.7, 0.0)
+    assert len(held_out) == 5 and len(trained) == 24
+    assert [e.env.desc for e in held_out] == [e.env.desc for e in again]
+    assert {e.env.split for e in held_out} == {"eval"} and {e.env.split for e in trained} == {"train"}
+    assert not {e.env.desc for e in held_out} & {e.env.desc for e in trained}

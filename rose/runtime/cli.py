@@ -39,12 +39,13 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
 
     def show(r: TrainStep) -> None:
-        s = r.serving
+        s, h = r.serving, r.heldout_success
         serving = (f" | serving p99 TTFT {s.get('p99_ttft_ms')} / {config.serving.slo_ttft_ms:g} ms, "
                    f"TPOT {s.get('p99_tpot_ms')} / {config.serving.slo_tpot_ms:g} ms, "
                    f"SLO {s.get('slo_attainment')}") if s else ""
-        console.print(f"[bold]step {r.step}[/] reward {r.reward:+.3f} success {r.success_rate:.2f} | "
-                      f"rollout {r.rollout_s:.1f}s train {r.train_s:.1f}s step {r.step_s:.1f}s | "
+        heldout = "" if h is None else f" held-out {h:.2f} ({r.eval_s:.1f}s)"
+        console.print(f"[bold]step {r.step}[/] reward {r.reward:+.3f} success {r.success_rate:.2f}{heldout} "
+                      f"| rollout {r.rollout_s:.1f}s train {r.train_s:.1f}s step {r.step_s:.1f}s | "
                       f"on serving {r.serving_token_share:.0%} resumed {r.resumed_turns} | "
                       f"sync {r.sync_bytes / 1e6:.2f} MB {r.sync_s:.2f}s{serving}")
         for restart in r.restarts:

@@ -25,7 +25,7 @@ from rose.rollout.registry import WorkerRegistry
 from rose.runtime.config import Config, Mode
 from rose.runtime.devices import available_cores, init_ray, pinned
 from rose.runtime.replicas import Replicas
-from rose.runtime.rollouts import RolloutContext, load_rollout_function
+from rose.runtime.rollouts import RolloutContext, RolloutFunction, heldout_rollout, load_rollout_function
 from rose.runtime.trainers import TrainerGroup
 from rose.transfer import RayRelay
 
@@ -102,15 +102,22 @@ class Cluster:
     def rollout(self, step: int) -> RolloutReport:
         """The step's rollouts (`rollout.function`), with the serving budgets renewed, dead
         replicas started again meanwhile and, in elastic mode, devices added for their length."""
-        ctx = RolloutContext(self.config, step, self.version, self.tokenizer, self.registry)
-        return self.loop.run_until_complete(self._rollout(ctx))
+        return self._run(self.rollout_function, step)
 
-    async def _rollout(self, ctx: RolloutContext) -> RolloutReport:
+    def evaluate(self, step: int) -> RolloutReport:
+        """The held-out evaluation of the current policy, run as the rollouts are."""
+        return self._run(heldout_rollout, step)
+
+    def _run(self, function: RolloutFunction, step: int) -> RolloutReport:
+        ctx = RolloutContext(self.config, step, self.version, self.tokenizer, self.registry)
+        return self.loop.run_until_complete(self._rollout(function, ctx))
+
+    async def _rollout(self, function: RolloutFunction, ctx: RolloutContext) -> RolloutReport:
         await self.replicas.new_rl_step()
         stop = asyncio.Event()
         watch = asyncio.create_task(self.replicas.watch(stop))
         try:
-            run = self.rollout_function(ctx)
+            run = function(ctx)
             if self.mode is not Mode.ELASTIC:
                 return await run
             return await self.replicas.with_elastic(run)

@@ -26,10 +26,11 @@ from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, preset_config
 from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
+from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
-from rose.runtime.rollouts import load_rollout_function
+from rose.runtime.rollouts import env_kwargs, load_rollout_function
 from rose.traces import TRACE_NAMES
 
 
@@ -77,6 +78,19 @@ class RolloutConfig:
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """Success on held-out layouts: with `every` > 0 the environment (one that generates its
+    maps or levels, with a `split` option) trains on the "train" split of its layouts and is
+    evaluated on the "eval" split, which training never draws (rose.rl.envs.heldout)."""
+
+    every: int = 0  # steps between evaluations, from step 0 (and at the last step); 0: none
+    episodes: int = 64  # the same seeds, hence the same maps, at every evaluation
+    # None: rollout.temperature, so that held-out and training success measure the same policy (a
+    # tiny policy's greedy argmax can fail every map while its samples succeed: docs/rl.md); 0: greedy.
+    temperature: float | None = None
 
 
 @dataclasses.dataclass
@@ -152,6 +166,7 @@ class Config:
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
     serving: ServingDeviceConfig = dataclasses.field(default_factory=ServingDeviceConfig)
     ray_address: str | None = None  # None: a local Ray instance started on demand
@@ -180,7 +195,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
         _check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     _check(m.path is None or (Path(m.path) / "config.json").is_file(),
            f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
-    _check_env(config.env)
+    _check_env(config)
     load_rollout_function(config.rollout.function)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
                                       f"got {t.objective!r}")
@@ -234,6 +249,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "train.min_lr_ratio": (0, 1, True),
     "train.step_advantage_weight": (0, math.inf, True),
     "train.discount": (0, 1, True),
+    "eval.every": (0, math.inf, True),
+    "eval.episodes": (1, math.inf, True),
+    "eval.temperature": (0, math.inf, True),  # 0: greedy
     "devices.provision_delay_s": (0, math.inf, True),
     **{f"serving.{k}": (0, math.inf, False) for k in (
         "load", "prompt_scale", "output_scale", "window_s", "slo_ttft_ms", "slo_tpot_ms")},
@@ -326,7 +344,7 @@ def _check_numbers(config: Config) -> None:
                 continue
             if isinstance(number, float):
                 _check(math.isfinite(number), f"{key} must be a finite number, got {number}")
-            if key in _RANGES:
+            if key in _RANGES and number is not None:  # None: the default named beside the key
                 low, high, inclusive = _RANGES[key]
                 ok = (number >= low if inclusive else number > low) and number <= high
                 bounds = (f"in [{low:g}, {high:g}]" if high < math.inf
@@ -334,8 +352,10 @@ def _check_numbers(config: Config) -> None:
                 _check(ok, f"{key} must be {bounds}, got {number}")
 
 
-def _check_env(env: EnvConfig) -> None:
-    """The options against the environment's constructor, then one environment built with them."""
+def _check_env(config: Config) -> None:
+    """The options against the environment's constructor, then one environment built with them
+    (and, with evaluation on, a layout drawn from each split)."""
+    env = config.env
     _check(env.name in list_envs(), f"env.name must be one of {', '.join(list_envs())}, got {env.name!r}")
     accepted = env_options(env.name)
     if accepted is not None:
@@ -346,6 +366,13 @@ def _check_env(env: EnvConfig) -> None:
         make_env(env.name, **env.options)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"config: env.options: {exc}") from None
+    if config.eval.every:
+        try:
+            for split in SPLITS:
+                make_env(env.name, **env_kwargs(config, split)).reset(0)
+        except (TypeError, ValueError) as exc:
+            raise ValueError("config: eval.every needs an environment with held-out layouts: "
+                             f"{exc}") from None
 
 
 def _context(arch: str, preset: str, path: str | None) -> ModelConfig:

@@ -36,6 +36,10 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
         cluster.start()
         for step in range(cluster.version, t.steps):  # a resumed run goes on from its checkpoint
             clock = StepClock.start(run_start, len(cluster.restarts))
+            # 0. held-out success of the policy this step's rollouts sample, every eval.every steps
+            evaluates = config.eval.every > 0 and (step % config.eval.every == 0 or step + 1 == t.steps)
+            heldout = cluster.evaluate(step) if evaluates else None
+            clock.lap("eval")
             # 1. rollouts: every episode, turn by turn, across dedicated (and borrowed) devices
             rollout = cluster.rollout(step)
             clock.lap("rollout")
@@ -47,7 +51,7 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
             if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps:
                 checkpoints.append(cluster.save(step + 1))
             # 4. record
-            records.append(step_record(step, cluster, clock, rollout, metrics, sync))
+            records.append(step_record(step, cluster, clock, rollout, metrics, sync, heldout))
             if on_step is not None:
                 on_step(records[-1])
         results = cluster.serving_results(stop=True)

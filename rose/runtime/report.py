@@ -27,6 +27,8 @@ class TrainStep:
     sync_s: float
     sync_bytes: int
     success_rate: float
+    heldout_success: float | None  # on held-out layouts, of the policy the step's rollouts sampled
+    eval_s: float  # the held-out evaluation's share of step_s (0 at a step without one)
     reward: float
     serving_token_share: float  # share of generated tokens produced on serving devices
     resumed_turns: int
@@ -62,14 +64,18 @@ class StepClock:
 
 
 def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutReport,
-                metrics: dict[str, float], sync: SyncReport) -> TrainStep:
-    """The step's record, once its rollouts, training, weight sync and checkpoint are done."""
+                metrics: dict[str, float], sync: SyncReport, heldout: RolloutReport | None) -> TrainStep:
+    """The step's record, once its evaluation (if any), rollouts, training, weight sync and
+    checkpoint are done. Held-out episodes that did not finish count as failures."""
     offset = clock.wall0 - clock.run_start
     served = [r for _, r in cluster.serving_results(since=clock.wall0)]
+    heldout_success = (None if heldout is None else
+                       sum(t.success for t in heldout.trajectories) / cluster.config.eval.episodes)
     return TrainStep(
         step=step, version=cluster.version, wall_start_s=offset, step_s=clock.elapsed,
         rollout_s=clock.laps["rollout"], train_s=clock.laps["train"], sync_s=sync.seconds,
-        sync_bytes=sync.payload_bytes, success_rate=rollout.success_rate, reward=metrics["reward_mean"],
+        sync_bytes=sync.payload_bytes, success_rate=rollout.success_rate, heldout_success=heldout_success,
+        eval_s=clock.laps["eval"], reward=metrics["reward_mean"],
         serving_token_share=rollout.serving_token_share, resumed_turns=rollout.resumed_turns,
         lost_trajectories=rollout.lost_trajectories, failed_trajectories=rollout.failed_trajectories,
         placements=[(p.start_s + offset, p.end_s + offset, p.kind) for p in rollout.placements],
@@ -88,10 +94,13 @@ def serving_summary(results: list[RequestResult], s: ServingDeviceConfig) -> dic
 def summarize(records: list[TrainStep], serving: dict[str, Any]) -> dict[str, Any]:
     """The summary keys of `rose train --json`."""
     n = max(len(records), 1)
+    evals = [r.heldout_success for r in records if r.heldout_success is not None]
     return {
         "steps": len(records),
         "initial_success_rate": records[0].success_rate if records else None,
         "final_success_rate": records[-1].success_rate if records else None,
+        "initial_heldout_success": evals[0] if evals else None,
+        "final_heldout_success": evals[-1] if evals else None,
         "mean_step_s": round(sum(r.step_s for r in records) / n, 3),
         "mean_rollout_s": round(sum(r.rollout_s for r in records) / n, 3),
         "serving_token_share": round(sum(r.serving_token_share for r in records) / n, 4),
@@ -119,6 +128,9 @@ def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, R
     a = ax[0][0]
     a.plot(steps, [r.reward for r in records], label="mean reward")
     a.plot(steps, [r.success_rate for r in records], label="success rate")
+    evals = [(r.step, r.heldout_success) for r in records if r.heldout_success is not None]
+    if evals:
+        a.plot(*zip(*evals, strict=True), marker="o", label="held-out success")
     a.set(xlabel="step", title=f"learning ({mode.value})")
     a.legend()
     a = ax[0][1]

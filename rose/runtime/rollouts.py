@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Awaitable, Callable, Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rose.engine import SamplingParams
 from rose.model.tokenizer import Tokenizer
@@ -55,6 +55,17 @@ def load_rollout_function(path: str) -> RolloutFunction:
 
 
 ROUND_SEED_STRIDE = 2**40  # a later sampling round's seeds lie far from any step's first round
+EVAL_SEED = 2**50  # the held-out episodes' seeds: far from every training seed (the layouts differ anyway)
+
+
+def env_kwargs(config: Config, split: str) -> dict[str, Any]:
+    """`env.options`, drawing layouts from `split` ("train" or "eval") when evaluation is on."""
+    return {**config.env.options, "split": split} if config.eval.every else dict(config.env.options)
+
+
+def _params(ctx: RolloutContext, temperature: float) -> SamplingParams:
+    return SamplingParams(max_tokens=ctx.config.rollout.max_tokens, temperature=temperature,
+                          stop_token_ids=tuple(ctx.tokenizer.stop_token_ids), logprobs_at_temperature=True)
 
 
 def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
@@ -62,7 +73,7 @@ def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
     later sampling round draws new seeds)."""
     c, r = ctx.config, ctx.config.rollout
     first = c.train.seed * 100003 + ctx.step * r.groups + sampling_round * ROUND_SEED_STRIDE
-    return [Episode(make_env(c.env.name, **c.env.options), ctx.tokenizer, seed=first + g,
+    return [Episode(make_env(c.env.name, **env_kwargs(c, "train")), ctx.tokenizer, seed=first + g,
                     group_id=(ctx.step, sampling_round, g), max_context_tokens=r.max_context_tokens)
             for g in range(r.groups) for _ in range(r.group_size)]
 
@@ -79,10 +90,8 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
     `rollout.max_sampling_rounds` > 1 (DAPO's dynamic sampling, section 3.2) more groups are
     sampled while fewer than `rollout.groups` groups have outcomes that differ; a later round's
     informative groups join the batch up to that count."""
-    r = ctx.config.rollout
-    params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature,
-                            stop_token_ids=tuple(ctx.tokenizer.stop_token_ids), logprobs_at_temperature=True)
-    manager = RolloutManager(ctx.registry, params, seed=ctx.config.train.seed * 7919 + ctx.step)
+    r, seed = ctx.config.rollout, ctx.config.train.seed * 7919 + ctx.step
+    manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=seed)
     report = await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s)
     for sampling_round in range(1, r.max_sampling_rounds):
         missing = r.groups - len(informative(report.trajectories))
@@ -93,3 +102,16 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
         wanted = set(informative(more.trajectories)[:missing])
         report = report.extend(more, keep=lambda t, wanted=wanted: t.group_id in wanted)
     return report
+
+
+async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:
+    """`eval.episodes` episodes on held-out layouts, one per seed from `EVAL_SEED` (the same
+    layouts at every evaluation), sampled at `eval.temperature` (None: the rollouts'); never
+    trained on."""
+    c = ctx.config
+    held_out = [Episode(make_env(c.env.name, **env_kwargs(c, "eval")), ctx.tokenizer, seed=EVAL_SEED + i,
+                        group_id=("eval", i), max_context_tokens=c.rollout.max_context_tokens)
+                for i in range(c.eval.episodes)]
+    temperature = c.rollout.temperature if c.eval.temperature is None else c.eval.temperature
+    manager = RolloutManager(ctx.registry, _params(ctx, temperature), seed=c.train.seed)
+    return await manager.run(held_out, ctx.version, prefix=f"e{ctx.step}-", timeout_s=c.rollout.timeout_s)

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from rose.rl.envs.base import TextEnv, check_non_negative
+from rose.rl.envs.heldout import check_split, draw
 
 # gymnasium's `MAPS["4x4"]` and `MAPS["8x8"]`.
 STANDARD_MAPS: dict[int, tuple[str, ...]] = {
@@ -88,9 +89,11 @@ class FrozenLake(TextEnv):
 
     def __init__(self, size: int = 4, random_map: bool = False, desc: Sequence[str] | None = None,
                  slippery: bool = False, p_frozen: float = 0.8, max_turns: int | None = None,
-                 invalid_penalty: float = 0.1, show_grid: bool = True, progress_reward: float = 0.0) -> None:
+                 invalid_penalty: float = 0.1, show_grid: bool = True, progress_reward: float = 0.0,
+                 split: str | None = None) -> None:
         """`desc` (rows of S/F/H/G) overrides the map; else `random_map` draws a solvable
-        `size` x `size` map from each reset's seed, else the standard 4x4 or 8x8 map."""
+        `size` x `size` map from each reset's seed (only from the `split` "train" or "eval" of
+        rose.rl.envs.heldout when given), else the standard 4x4 or 8x8 map."""
         if desc is None and not random_map and size not in STANDARD_MAPS:
             raise ValueError(f"frozenlake: size {size!r} has no standard map; expected 4 or 8, "
                              "or random_map=True, or a desc")
@@ -104,6 +107,7 @@ class FrozenLake(TextEnv):
                 raise ValueError(f"frozenlake: {name} must be true or false, got {flag!r}")
         self.size, self.slippery, self.p_frozen, self.show_grid = size, slippery, float(p_frozen), show_grid
         self.progress_reward = check_non_negative(self.name, "progress_reward", progress_reward)
+        self.split = check_split(self.name, split, self._fixed is None)
         side = len(self._fixed) if self._fixed else size
         super().__init__(DEFAULT_MAX_TURNS.get(side, 4 * side) if max_turns is None else max_turns,
                          invalid_penalty)
@@ -130,7 +134,8 @@ class FrozenLake(TextEnv):
     def _reset(self, seed: int | None) -> None:
         self._rng = random.Random(seed) if seed is not None else self._rng
         if self._fixed is None:
-            self.desc = generate_map(self.size, self.p_frozen, self._rng.getrandbits(63))
+            self.desc = draw(self.name, lambda seed: generate_map(self.size, self.p_frozen, seed),
+                             self._rng, self.split)
         text = "".join(self.desc)
         self.pos = self._start = divmod(text.index("S"), len(self.desc[0]))
         goals = [divmod(i, len(self.desc[0])) for i, ch in enumerate(text) if ch == "G"]

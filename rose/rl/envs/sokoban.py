@@ -22,6 +22,7 @@ import random
 from collections.abc import Sequence
 
 from rose.rl.envs.base import TextEnv, check_non_negative, check_positive_int
+from rose.rl.envs.heldout import check_split, draw
 
 Cell = tuple[int, int]
 _MOVES = ((-1, 0), (1, 0), (0, -1), (0, 1))  # Up, Down, Left, Right as (drow, dcol)
@@ -153,9 +154,10 @@ class Sokoban(TextEnv):
 
     def __init__(self, size: int = 6, num_boxes: int = 1, level: int | Sequence[str] | None = None,
                  max_turns: int = 20, invalid_penalty: float = 0.1, step_penalty: float = 0.1,
-                 box_reward: float = 1.0, solve_reward: float = 10.0) -> None:
+                 box_reward: float = 1.0, solve_reward: float = 10.0, split: str | None = None) -> None:
         """`level`: an index into `FIXED_LEVELS` or rows of text; None generates a `size` x
-        `size` level with `num_boxes` boxes from each reset's seed."""
+        `size` level with `num_boxes` boxes from each reset's seed (only from the `split`
+        "train" or "eval" of rose.rl.envs.heldout when given)."""
         if isinstance(level, int) and not isinstance(level, bool):
             if not 0 <= level < len(FIXED_LEVELS):
                 raise ValueError(f"sokoban: level {level} does not exist; expected 0.."
@@ -175,6 +177,7 @@ class Sokoban(TextEnv):
         self.step_penalty = check_non_negative(self.name, "step_penalty", step_penalty)
         self.box_reward = check_non_negative(self.name, "box_reward", box_reward)
         self.solve_reward = check_non_negative(self.name, "solve_reward", solve_reward)
+        self.split = check_split(self.name, split, self._fixed is None)
         super().__init__(max_turns, invalid_penalty)
         self._rng = random.Random()
         self.level = Level.parse(self._fixed or FIXED_LEVELS[0])
@@ -192,7 +195,8 @@ class Sokoban(TextEnv):
 
     def _reset(self, seed: int | None) -> None:
         self._rng = random.Random(seed) if seed is not None else self._rng
-        rows = self._fixed or generate_level(self.size, self.num_boxes, self._rng.getrandbits(63))
+        rows = self._fixed or draw(self.name, lambda seed: generate_level(self.size, self.num_boxes, seed),
+                                   self._rng, self.split)
         self.level = Level.parse(rows)
 
     def _act(self, action: int) -> tuple[float, bool, bool]:
