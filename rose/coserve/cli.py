@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import httpx
 import torch
 
 from rose.coserve.executor import CoServingExecutor
@@ -102,3 +108,34 @@ def run(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
                 limit_concurrency=limits.max_connections)
     return 0
+
+
+@contextlib.contextmanager
+def serve_process(argv: Sequence[str], startup_s: float = 600.0) -> Iterator[str]:
+    """`rose serve ARGV` in a process of its own on a free local port: its URL once `/health`
+    answers, the process terminated on exit. `startup_s` allows for the latency profile, minutes
+    for a real model on one thread."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "rose.cli", "serve", *argv, "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"rose serve exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rose serve did not come up within {startup_s:g} s")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
