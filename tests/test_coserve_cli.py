@@ -97,7 +97,7 @@ def test_serves_smollm2_chat_as_transformers_answers(
     expected = smollm2_hf_tokenizer.decode(ref, skip_special_tokens=True)
     assert "Paris" in expected
     with serve_process(["--model", str(smollm2), "--no-profile", "--threads", "1", "--pool-mb", "64"],
-                       startup_s=120) as url:
+                       startup_s=120) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         [model] = [m.id for m in client.models.list().data]
         answer = client.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0)

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -111,14 +111,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def serve_process(argv: Sequence[str], startup_s: float = 600.0) -> Iterator[str]:
-    """`rose serve ARGV` in a process of its own on a free local port: its URL once `/health`
-    answers, the process terminated on exit. `startup_s` allows for the latency profile, minutes
-    for a real model on one thread."""
+def serve_process(argv: Sequence[str], startup_s: float = 600.0, env: Mapping[str, str] | None = None
+                  ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`rose serve ARGV` in a process of its own on a free local port: its URL and the process once
+    `/health` answers; the process is terminated on exit. `startup_s` allows for the latency
+    profile, minutes for a real model on one thread."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "rose.cli", "serve", *argv, "--port", str(port)])
+    proc = subprocess.Popen([sys.executable, "-m", "rose.cli", "serve", *argv, "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
@@ -131,7 +132,7 @@ def serve_process(argv: Sequence[str], startup_s: float = 600.0) -> Iterator[str
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rose serve did not come up within {startup_s:g} s")
             time.sleep(0.1)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
