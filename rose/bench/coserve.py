@@ -2,8 +2,8 @@
 
 One serving device: a `rose serve` process pinned to one core with one torch thread, serving a
 `small` Qwen2 with a `small` Qwen3 rollout model beside it (or the checkpoints of
-`--serving-model` and `--rollout-model`, e.g. SmolLM2-135M-Instruct). The Azure conversation trace is
-replayed over HTTP at a rate that leaves the device mostly idle on average but bursty; a
+`--serving-model` and `--rollout-model`, e.g. SmolLM2-135M-Instruct). The Azure conversation
+trace is replayed over HTTP at a rate that leaves the device mostly idle on average but bursty; a
 saturating backlog of multi-turn rollout turns goes through the lease API. Modes, each with a
 fresh server, the same trace window and the same backlog:
 
@@ -56,12 +56,12 @@ MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
 }
 
 
-# Table 1 of the paper (8B, as public reviews give it; ../shared/paper-facts.md): P99 TTFT and
-# TPOT over serving alone's, for the trade-off picture.
 # Token ids of the serving prompts and rollout turns, drawn uniformly: valid in any vocabulary of
 # 256 tokens or more (lengths matter here, not content).
 PROMPT_IDS = (10, 256)
 
+# Table 1 of the paper (8B, as public reviews give it; ../shared/paper-facts.md): P99 TTFT and
+# TPOT over serving alone's, for the trade-off picture.
 PAPER_8B = {"ROSE": (338.1 / 314.8, 136.1 / 117.8), "naive sharing": (1166.1 / 314.8, 135.6 / 117.8),
             "Prism": (973.2 / 314.8, 115.4 / 117.8)}
 

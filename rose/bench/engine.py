@@ -1,7 +1,8 @@
 """`rose bench engine`: ROSE's engine beside `transformers.generate` (and vLLM's CPU build).
 
-Side by side in one process tree, on the `small` preset (or `--model DIR`, e.g. SmolLM2-135M-Instruct
-from `rose init-model --preset smollm2-135m-instruct`; all three load the same checkpoint):
+Side by side in one process tree, on the `small` preset (or `--model DIR`, e.g.
+SmolLM2-135M-Instruct from `rose init-model --preset smollm2-135m-instruct`; all three engines
+load the same checkpoint):
 - a mixed workload: requests whose prompt and output lengths come from the Azure conversation
   trace (context / 4 capped at 512, output capped at 256); ROSE takes them all at once
   (continuous batching), transformers in static batches of 16, left padded, as users run it;
@@ -141,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     n = args.requests or (16 if args.quick else 64)
     output_cap = 64 if args.quick else 256
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = checkpoint_arg("--model", args.model) if args.model else init_model("qwen3", "small",
-                                                                                       Path(tmp) / "m")
+        model_dir = (checkpoint_arg("--model", args.model) if args.model
+                     else init_model("qwen3", "small", Path(tmp) / "m"))
         kv = {"dtype": dtype, "kv_cache_bytes": args.kv_cache_mb << 20}
         engine = LLMEngine.from_pretrained(model_dir, **kv)
         tokenizer_vocab = 800  # ids the small preset's tokenizer uses; any id in range works

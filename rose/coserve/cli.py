@@ -115,7 +115,7 @@ def serve_process(argv: Sequence[str], startup_s: float = 600.0, env: Mapping[st
                   ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`rose serve ARGV` in a process of its own on a free local port: its URL and the process once
     `/health` answers; the process is terminated on exit. `startup_s` allows for the latency
-    profile, minutes for a real model on one thread."""
+    profile, which takes far longer on a real model than on the presets."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -46,8 +46,9 @@ class ModelConfig:
 
     def checkpoint(self, out: Path) -> Path:
         """`path`, else a random `arch`/`preset` checkpoint written to `out`."""
-        return Path(self.path) if self.path is not None else init_model(self.arch, self.preset, out,
-                                                                        seed=self.seed)
+        if self.path is not None:
+            return Path(self.path)
+        return init_model(self.arch, self.preset, out, seed=self.seed)
 
 
 @dataclasses.dataclass
