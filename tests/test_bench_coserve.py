@@ -1,14 +1,17 @@
-"""`rose bench coserve`'s summaries across runs and its trade-off picture (the benchmark itself
-runs for an hour; docs/benchmarks.md has its figures)."""
+"""`rose bench coserve`'s summaries across runs, its trade-off picture and its model flags (the
+benchmark itself runs for an hour; docs/benchmarks.md has its figures)."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rose.bench.coserve import _across_runs, _ttft_added, plot_tradeoff
+from rose.bench.coserve import PROMPT_IDS, _across_runs, _ttft_added, plot_tradeoff
+from rose.cli import main
 from rose.coserve.loadgen import RequestResult
 
 
@@ -47,3 +50,19 @@ def test_ttft_added_pairs_each_request_with_itself_serving_alone() -> None:
     assert added["ttft_added_long_ms"] == pytest.approx(18.5, abs=0.01)  # the two longest prompts
     assert added["ttft_added_p90_ms"] == pytest.approx(float(np.percentile(deltas, 90)), abs=0.01)
     assert _ttft_added(alone[:1], [RequestResult(0.0, 10)]) == {}
+
+
+def test_model_flags_are_checked_before_anything_starts(tiny_qwen2: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    cores = os.sched_getaffinity(0)
+    assert main(["bench", "coserve", "--quick", "--serving-model", str(tmp_path)]) == 2
+    assert f"--serving-model: {tmp_path}: no config.json" in capsys.readouterr().err
+    # A vocabulary that lacks the token ids the trace replay and the rollout backlog draw.
+    small = tmp_path / "small-vocab"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps(
+        {**json.loads((tiny_qwen2 / "config.json").read_text()), "vocab_size": PROMPT_IDS[1] - 1}))
+    assert main(["bench", "coserve", "--quick", "--serving-model", str(tiny_qwen2),
+                 "--rollout-model", str(small)]) == 2
+    assert f"--rollout-model {small}: a vocabulary of {PROMPT_IDS[1] - 1} tokens" in capsys.readouterr().err
+    assert os.sched_getaffinity(0) == cores  # refused before the benchmark pinned itself

@@ -1,5 +1,6 @@
 """`rose serve`'s settings: a YAML file (`--config`), dotted overrides and the flags hold the same
-keys, through the shared loader; every default is the executor's or the server's own."""
+keys, through the shared loader; every default is the executor's or the server's own. And the
+command itself serving a real model (SmolLM2-135M-Instruct) to the official `openai` client."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import openai
 import pytest
+import torch
+import transformers
 
 from rose.cli import main
-from rose.coserve.cli import add_arguments, serve_config
+from rose.coserve.cli import add_arguments, serve_config, serve_process
 from rose.coserve.executor import ExecutorConfig, Policy
 from rose.coserve.serve_config import ServeConfig, load_serve_config
 from rose.coserve.server import ServerLimits
@@ -69,3 +73,38 @@ def test_the_command_refuses_before_loading_a_model(capsys: pytest.CaptureFixtur
     assert "SLOs must be positive" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "config: model: a serving checkpoint is required" in capsys.readouterr().err
+
+
+def test_serves_smollm2_chat_as_transformers_answers(
+        smollm2: Path, smollm2_hf: transformers.PreTrainedModel,
+        smollm2_hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """`rose serve --model DIR` on the imported SmolLM2: the chat rendered with the model's own
+    template (as many prompt tokens as HF's `apply_chat_template` gives) and answered greedily
+    as transformers answers on the same weights."""
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    conversation = [{"role": "system", "content": "You are a concise assistant."},
+                    {"role": "user", "content": "Hi! Can you explain what a hash table is?"},
+                    {"role": "assistant", "content": "A hash table maps keys to values."},
+                    {"role": "user", "content": "And what happens when two keys collide?"}]
+
+    def hf_ids(chat: list[dict[str, str]]) -> list[int]:
+        text = smollm2_hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return smollm2_hf_tokenizer.encode(text, add_special_tokens=False)
+
+    prompt = hf_ids(question)
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+    expected = smollm2_hf_tokenizer.decode(ref, skip_special_tokens=True)
+    assert "Paris" in expected
+    with serve_process(["--model", str(smollm2), "--no-profile", "--threads", "1", "--pool-mb", "64"],
+                       startup_s=120) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        [model] = [m.id for m in client.models.list().data]
+        answer = client.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0)
+        other = client.chat.completions.create(model=model, messages=conversation, max_tokens=1,
+                                               temperature=0)
+    assert model == smollm2.name
+    assert answer.choices[0].message.content == expected
+    assert answer.choices[0].finish_reason == "stop"  # at <|im_end|>, the template's end of turn
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert other.usage.prompt_tokens == len(hf_ids(conversation))

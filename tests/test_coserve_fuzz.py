@@ -7,10 +7,7 @@ request may get a 5xx, and the server must still serve a normal completion after
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from rose.coserve.cli import serve_process
 from rose.coserve.server import LEASE_PREFIX
 from rose.model import init_model
 
@@ -53,30 +51,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module", params=["open", "keyed"])
 def served(request: pytest.FixtureRequest, models: tuple[Path, Path]) -> Iterator[Served]:
     keyed = request.param == "keyed"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "ROSE_API_KEY": KEYS["api"] if keyed else "",
            "ROSE_LEASE_KEY": KEYS["lease"] if keyed else ""}
-    proc = subprocess.Popen([sys.executable, "-m", "rose.cli", "serve", "--model", str(models[0]),
-                             "--rollout-model", str(models[1]), "--served-model-name", "tiny",
-                             "--port", str(port), "--no-profile", "--pool-mb", "8"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    argv = ["--model", str(models[0]), "--rollout-model", str(models[1]), "--served-model-name", "tiny",
+            "--no-profile", "--pool-mb", "8"]
+    with serve_process(argv, startup_s=120, env=env) as (url, proc):
         yield Served(proc, url, keyed)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def fuzz(served: Served, examples_per_operation: int) -> Counter:

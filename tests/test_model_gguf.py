@@ -5,21 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 from hf_parity import assert_matches_hf
 
-from rose.cli import main
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import ModelConfig, load_model, load_tokenizer
-from rose.model.pretrained import PRETRAINED
 from rose.sim.costs import MODELS
-
-try:
-    GGUF = PRETRAINED["smollm2-135m-instruct"].path()
-except FileNotFoundError as exc:
-    pytest.skip(f"SmolLM2-135M-Instruct is not installed ({exc})", allow_module_level=True)
 
 # Real chat.
 CHATS = [
@@ -42,26 +34,8 @@ REPLIES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2")
-    assert main(["init-model", "--preset", "smollm2-135m-instruct", "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="module")
-def hf() -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
-                                                             dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer() -> transformers.PreTrainedTokenizerBase:
-    return transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-
-
-def test_the_import_is_smollm2_135m(checkpoint: Path) -> None:
-    config = ModelConfig.from_dir(checkpoint)
+def test_the_import_is_smollm2_135m(smollm2: Path) -> None:
+    config = ModelConfig.from_dir(smollm2)
     assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == \
         ("llama", 30, 576, 49152)
     assert config.tie_word_embeddings and not config.attention_bias
@@ -73,53 +47,54 @@ def test_the_import_is_smollm2_135m(checkpoint: Path) -> None:
                                          config.tie_word_embeddings)
 
 
-def test_chat_template_renders_as_transformers(checkpoint: Path,
-                                               hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
-    tok = load_tokenizer(checkpoint)
+def test_chat_template_renders_as_transformers(
+        smollm2: Path, smollm2_hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    tok = load_tokenizer(smollm2)
     for chat in CHATS:
         for generation in (True, False):
             assert tok.apply_chat_template(chat, add_generation_prompt=generation) == \
-                hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation)
+                smollm2_hf_tokenizer.apply_chat_template(chat, tokenize=False,
+                                                         add_generation_prompt=generation)
         rendered = tok.apply_chat_template(chat)
         ids = tok.encode(rendered)
-        assert ids == hf_tokenizer.encode(rendered, add_special_tokens=False)
+        assert ids == smollm2_hf_tokenizer.encode(rendered, add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=False) == rendered
-    assert tok.stop_token_ids == [hf_tokenizer.eos_token_id]  # <|im_end|>
+    assert tok.stop_token_ids == [smollm2_hf_tokenizer.eos_token_id]  # <|im_end|>
 
 
-def test_digits_are_split_one_by_one(checkpoint: Path,
-                                     hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_digits_are_split_one_by_one(smollm2: Path,
+                                     smollm2_hf_tokenizer: transformers.PreTrainedTokenizerBase) -> None:
     """llama.cpp's "smollm" split, which transformers' GGUF tokenizer does not know: it keeps runs of
     digits together, and agrees only because SmolLM2's vocabulary has no merges across digits."""
-    tok = load_tokenizer(checkpoint)
+    tok = load_tokenizer(smollm2)
     text = "In 2024 there were 366 days, 8784 hours."
     ids = tok.encode(text)
     assert [p for p in (tok.decode([i]) for i in ids) if p.strip().isdigit()] == list("20243668784")
-    assert ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert ids == smollm2_hf_tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_logits_match_transformers(checkpoint: Path, hf: transformers.PreTrainedModel) -> None:
-    tok = load_tokenizer(checkpoint)
+def test_logits_match_transformers(smollm2: Path, smollm2_hf: transformers.PreTrainedModel) -> None:
+    tok = load_tokenizer(smollm2)
     text = "".join(tok.apply_chat_template([*chat, {"role": "assistant", "content": reply}],
                                            add_generation_prompt=False)
                    for chat, reply in zip(CHATS, REPLIES, strict=True))
     ids = torch.tensor([tok.encode(text)])
     assert ids.shape[1] >= 200
     with torch.no_grad():
-        ours = load_model(checkpoint)(ids)
-        ref = hf(ids).logits
+        ours = load_model(smollm2)(ids)
+        ref = smollm2_hf(ids).logits
     error = (ours - ref).abs().max().item()
     relative = error / ref.abs().max().item()
     print(f"SmolLM2, {ids.shape[1]} tokens: max |ours - HF| = {error:.2e}, {relative:.2e} of max |HF|")
     assert relative <= 1e-4
 
 
-def test_engine_greedy_matches_transformers(checkpoint: Path, hf: transformers.PreTrainedModel) -> None:
-    tok = load_tokenizer(checkpoint)
+def test_engine_greedy_matches_transformers(smollm2: Path, smollm2_hf: transformers.PreTrainedModel) -> None:
+    tok = load_tokenizer(smollm2)
     prompts = [tok.encode(tok.apply_chat_template(chat)) for chat in CHATS]
-    engine = LLMEngine.from_pretrained(checkpoint)
+    engine = LLMEngine.from_pretrained(smollm2)
     outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
     for prompt, out in zip(prompts, outs, strict=True):
-        assert_matches_hf(hf, prompt, out.token_ids, out.logprobs)
+        assert_matches_hf(smollm2_hf, prompt, out.token_ids, out.logprobs)
     assert "Paris" in tok.decode(outs[0].token_ids)
     assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == tok.eos_token_id

@@ -43,7 +43,7 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
      r"rollout\.kv_cache_mb \(1\) cannot hold one sequence of rollout\.max_context_tokens \(1536\); it "
      r"needs at least 24 MB"),
     (["serving.pool_mb=0"], r"serving\.pool_mb must be >= 1, got 0"),
-    (["serving.preset=small", "serving.pool_mb=1"],
+    (["serving.model.preset=small", "serving.pool_mb=1"],
      r"serving\.pool_mb \(1\) cannot hold one serving request"),
     (["rollout.max_context_tokens=4096"],
      r"rollout\.max_context_tokens \(4096\) exceeds the model's context \(2048 tokens"),
@@ -81,6 +81,10 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
      r"eval\.every needs an environment with held-out layouts: frozenlake: no train layout in 10000 draws"),
     (["model.preset=huge"], r"model\.preset must be one of .*got 'huge'"),
     (["model.path=/nonexistent/ckpt"], r"model\.path /nonexistent/ckpt is not an HF-format checkpoint"),
+    (["serving.model.path=/nonexistent/ckpt"],
+     r"^config: serving\.model\.path /nonexistent/ckpt is not an HF-format checkpoint \(expected a "
+     r"directory with config\.json"),
+    (["serving.model.arch=gpt2"], r"serving\.model\.arch must be one of .*got 'gpt2'"),
     (["devices.dedicated=[[0],[999]]"], r"devices\.dedicated uses core\(s\) \[999\], but this machine"),
     (["devices.trainer=[]"], r"devices\.trainer: a device needs at least one core"),
 ])
@@ -144,6 +148,28 @@ def test_the_run_says_which_defaults_it_chose(tiny_qwen3: Path, tmp_path: Path,
     defaults = json.loads(report.read_text())["defaults"]
     assert (defaults["train.lr"], defaults["train.warmup_steps"]) == (1e-6, 10)
     assert defaults["why"].startswith("model.path is a pretrained checkpoint")
+
+
+def test_serving_model_path_is_served_and_sets_its_context(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """`serving.model.path`: the serving devices load that checkpoint, its config.json bounds
+    serving.max_context; the policy stays the configured one."""
+    limit = json.loads((tiny_qwen3 / "config.json").read_text())["max_position_embeddings"]
+    config = load_config(None, [f"serving.model.path={tiny_qwen3}", f"serving.max_context={limit}"])
+    assert config.serving.model.checkpoint(tmp_path / "unused") == tiny_qwen3
+    assert not (tmp_path / "unused").exists()
+    assert config.model.path is None and config.model.checkpoint(tmp_path / "policy") == tmp_path / "policy"
+    with pytest.raises(ValueError, match=rf"serving\.max_context \({limit + 1}\) exceeds the serving model's "
+                                         rf"context \({limit} tokens"):
+        load_config(None, [f"serving.model.path={tiny_qwen3}", f"serving.max_context={limit + 1}"])
+
+
+def test_a_checkpoint_config_it_cannot_run_names_the_key(tiny_qwen3: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({
+        **json.loads((tiny_qwen3 / "config.json").read_text()), "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"^config: serving\.model\.path: .*gpt2"):
+        load_config(None, [f"serving.model.path={bad}"])
 
 
 @pytest.mark.parametrize("override, key", [

@@ -27,7 +27,7 @@ import torch
 from rose.bench.train import bench_config
 from rose.coserve.latency import nonnegative_lstsq
 from rose.engine import LLMEngine, SamplingParams
-from rose.model import init_model, load_tokenizer
+from rose.model import load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
 from rose.runtime.config import Config, trainer_options
 from rose.runtime.devices import init_ray
@@ -139,10 +139,8 @@ def main() -> None:
     torch.set_num_threads(1)
     config = bench_config()
     with tempfile.TemporaryDirectory() as tmp:
-        policy = init_model(config.model.arch, config.model.preset, Path(tmp) / "policy",
-                            seed=config.model.seed)
-        serving = init_model(config.serving.arch, config.serving.preset, Path(tmp) / "serving",
-                             seed=config.serving.seed)
+        policy = config.model.checkpoint(Path(tmp) / "policy")
+        serving = config.serving.model.checkpoint(Path(tmp) / "serving")
         for label, path in (("policy", policy), ("serving", serving)):
             fixed, per_token, per_ctx = engine_fit(path)
             print(f"{label} engine iteration: fixed {fixed * 1e3:.3f} ms, per token "

@@ -1,8 +1,9 @@
 """`rose bench coserve`: serving P99 TTFT/TPOT with and without rollouts beside it (Table 1).
 
 One serving device: a `rose serve` process pinned to one core with one torch thread, serving a
-`small` Qwen2 with a `small` Qwen3 rollout model beside it. The Azure conversation trace is
-replayed over HTTP at a rate that leaves the device mostly idle on average but bursty; a
+`small` Qwen2 with a `small` Qwen3 rollout model beside it (or the checkpoints of
+`--serving-model` and `--rollout-model`, e.g. SmolLM2-135M-Instruct). The Azure conversation
+trace is replayed over HTTP at a rate that leaves the device mostly idle on average but bursty; a
 saturating backlog of multi-turn rollout turns goes through the lease API. Modes, each with a
 fresh server, the same trace window and the same backlog:
 
@@ -25,10 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -39,7 +37,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from rose.bench import checkpoint_arg
 from rose.contracts import Turn, TurnOutput
+from rose.coserve.cli import serve_process
 from rose.coserve.executor import ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
@@ -56,6 +56,10 @@ MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
 }
 
 
+# Token ids of the serving prompts and rollout turns, drawn uniformly: valid in any vocabulary of
+# 256 tokens or more (lengths matter here, not content).
+PROMPT_IDS = (10, 256)
+
 # Table 1 of the paper (8B, as public reviews give it; ../shared/paper-facts.md): P99 TTFT and
 # TPOT over serving alone's, for the trade-off picture.
 PAPER_8B = {"ROSE": (338.1 / 314.8, 136.1 / 117.8), "naive sharing": (1166.1 / 314.8, 135.6 / 117.8),
@@ -66,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = ExecutorConfig()
     p.add_argument("--quick", action="store_true", help="45 s per mode instead of 700 s / 200 s")
     p.add_argument("--json", help="write the full report here")
+    p.add_argument("--serving-model", help="serving checkpoint (HF format; default: a fresh qwen2 `small`)")
+    p.add_argument("--rollout-model", help="rollout checkpoint (HF format; default: a fresh qwen3 `small`)")
     p.add_argument("--duration", type=float,
                    help="seconds of trace for serving_alone and rose (default 700: 214 requests at the "
                    "default rate and start)")
@@ -89,34 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None,
             extra: tuple[str, ...] = ()) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "rose.cli", "serve", "--model", str(serving),
-           "--rollout-model", str(rollout), "--port", str(port), "--policy", policy, "--threads", "1",
-           "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
+    argv = ["--model", str(serving), "--rollout-model", str(rollout), "--policy", policy, "--threads", "1",
+            "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
     if core is not None:
-        cmd += ["--cores", core]
-    proc = subprocess.Popen([*cmd, *extra])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            if proc.poll() is not None:
-                raise RuntimeError(f"rose serve exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError("rose serve did not come up within 120 s")
+        argv += ["--cores", core]
+    with serve_process([*argv, *extra]) as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _metric(url: str, sample: str, **labels: str) -> float:
@@ -149,7 +133,7 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
     counts = {"tokens": 0, "turns": 0, "handed_back": 0}
 
     async def trajectory(k: int) -> None:
-        history = rng.integers(10, 256, 128).tolist()
+        history = rng.integers(*PROMPT_IDS, 128).tolist()
         turn = 0
         while time.perf_counter() < stop_at:
             params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
@@ -164,10 +148,10 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
             counts["turns"] += got.finish_reason not in (None, "abort")
             history += got.token_ids
             if got.finish_reason not in (None, "abort"):
-                history += rng.integers(10, 256, 32).tolist()
+                history += rng.integers(*PROMPT_IDS, 32).tolist()
             turn += 1
             if len(history) > 1500:
-                history = rng.integers(10, 256, 128).tolist()
+                history = rng.integers(*PROMPT_IDS, 128).tolist()
 
     tasks = [asyncio.create_task(trajectory(k)) for k in range(trajectories)]
     await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
@@ -189,7 +173,7 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
     if traffic:
         trace = build_trace("azure-conv", duration, load=args.rate / 5.53, start_s=args.start,
                             prompt_scale=0.125)
-        jobs.append(replay(url, trace, max_context=1024, max_output=64))
+        jobs.append(replay(url, trace, max_context=1024, max_output=64, vocab=PROMPT_IDS))
     done = await asyncio.gather(*jobs)
     wall = time.perf_counter() - t0
     work = _work(url)
@@ -335,23 +319,27 @@ def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The checkpoints given are checked before anything changes or starts.
+    serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
+                        for flag, path in (("--serving-model", args.serving_model),
+                                           ("--rollout-model", args.rollout_model)))
     cores = os.sched_getaffinity(0)
     # The server gets a core of its own; load generator and rollout driver share the other.
     server_core = str(max(cores)) if len(cores) > 1 else None
     if server_core is not None:
         os.sched_setaffinity(0, cores - {max(cores)})
     with tempfile.TemporaryDirectory() as tmp:
-        serving = init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
-        rollout = init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
+        serving = serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
+        rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
         runs = [_one_run(args, serving, rollout, server_core) for _ in range(args.runs)]
     summaries = [r["summary"] for r in runs]
     summary = summaries[0] if len(runs) == 1 else _across_runs(summaries)
     if args.plot:
         plot_tradeoff(summaries, args.plot)
-    config = {k: getattr(args, k) for k in ("duration", "baseline_duration", "quick", "rate", "trajectories",
-                                            "start", "slo_factor", "runs", "admission_quantile",
-                                            "tpot_inflation", "ttft_inflation", "sweep_quantile",
-                                            "sweep_inflation")}
+    config = {k: getattr(args, k) for k in ("serving_model", "rollout_model", "duration", "baseline_duration",
+                                            "quick", "rate", "trajectories", "start", "slo_factor", "runs",
+                                            "admission_quantile", "tpot_inflation", "ttft_inflation",
+                                            "sweep_quantile", "sweep_inflation")}
     write_report(args.json, summary, config=config, runs=runs)
     return 0
 def _slo_kwargs(slo: dict[str, float]) -> dict[str, float]:

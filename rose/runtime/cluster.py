@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.server import ServerLimits
-from rose.model import init_model, load_tokenizer
+from rose.model import load_tokenizer
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.runtime.config import Config, Mode
@@ -71,15 +71,13 @@ class Cluster:
         # Created here, the relay's directory belongs to the driver: it outlives any actor's death.
         self._relay = RayRelay(self._relay_name)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        r.model_path = str(self.resume or c.model.path or init_model(
-            c.model.arch, c.model.preset, self.out_dir / "initial", seed=c.model.seed))
+        r.model_path = str(self.resume or c.model.checkpoint(self.out_dir / "initial"))
         self.tokenizer = load_tokenizer(r.model_path)
         starts = self.loop.run_until_complete(self.trainers.launch(r.model_path))
         for i, cores in enumerate(c.devices.dedicated):
             r.start_dedicated(f"dedicated-{i}", cores)
         if self.mode is Mode.ROSE:
-            r.serving_path = str(init_model(c.serving.arch, c.serving.preset,
-                                            self.out_dir / "serving-model", seed=c.serving.seed))
+            r.serving_path = str(c.serving.model.checkpoint(self.out_dir / "serving-model"))
             for i, cores in enumerate(c.devices.serving):
                 r.start_serving(f"serving-{i}", cores)
         self.trainers.version = ray.get(starts)[0]  # a resumed run goes on from its checkpoint's

@@ -23,7 +23,7 @@ from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.device import resolve
-from rose.model.presets import ARCHS, PRESETS, preset_config
+from rose.model.presets import ARCHS, PRESETS, init_model, preset_config
 from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
 from rose.rl.envs.heldout import SPLITS
@@ -41,13 +41,20 @@ class Mode(enum.Enum):
 
 
 @dataclasses.dataclass
-class PolicyConfig:
-    """The policy model (`model:`): a preset's random weights, or a checkpoint."""
+class ModelSource:
+    """A model of the run (`model:`, the policy; `serving.model:`): a preset's random weights, or a
+    checkpoint."""
 
     arch: str = "qwen3"
     preset: str = "tiny"
     seed: int = 0
     path: str | None = None  # an existing HF-format checkpoint instead of a random one
+
+    def checkpoint(self, out: Path) -> Path:
+        """`path`, else a random `arch`/`preset` checkpoint written to `out`."""
+        if self.path is not None:
+            return Path(self.path)
+        return init_model(self.arch, self.preset, out, seed=self.seed)
 
 
 @dataclasses.dataclass
@@ -140,9 +147,8 @@ class ServingDeviceConfig:
     """What each serving device runs in rose mode: the serving model, the trace replayed against
     it, and its co-serving executor's SLOs and admission settings."""
 
-    arch: str = "qwen2"
-    preset: str = "tiny"
-    seed: int = 1
+    # A random Qwen2 unlike the policy by default; `path` serves a real checkpoint (SmolLM2).
+    model: ModelSource = dataclasses.field(default_factory=lambda: ModelSource(arch="qwen2", seed=1))
     trace: str = "azure-conv"
     load: float = 0.5
     prompt_scale: float = 0.25
@@ -162,7 +168,7 @@ class ServingDeviceConfig:
 
 @dataclasses.dataclass
 class Config:
-    model: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -190,11 +196,13 @@ def validate(config: Config, mode: Mode | None = None) -> None:
     for key in DEVICE_KEYS:
         section, name = key.split(".")
         resolve(getattr(getattr(config, section), name), label=f"config: {key}: ")
-    for name, arch, preset in (("model", m.arch, m.preset), ("serving", s.arch, s.preset)):
-        _check(arch in ARCHS, f"{name}.arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-        _check(preset in PRESETS, f"{name}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
-    _check(m.path is None or (Path(m.path) / "config.json").is_file(),
-           f"model.path {m.path} is not an HF-format checkpoint (no config.json)")
+    for key, model in (("model", m), ("serving.model", s.model)):
+        _check(model.arch in ARCHS, f"{key}.arch must be one of {', '.join(ARCHS)}, got {model.arch!r}")
+        _check(model.preset in PRESETS,
+               f"{key}.preset must be one of {', '.join(PRESETS)}, got {model.preset!r}")
+        _check(model.path is None or (Path(model.path) / "config.json").is_file(),
+               f"{key}.path {model.path} is not an HF-format checkpoint (expected a directory with "
+               "config.json, safetensors and tokenizer files, e.g. from `rose init-model`)")
     _check_env(config)
     load_rollout_function(config.rollout.function)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
@@ -310,7 +318,7 @@ PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path is a pretrained checkp
                                               "its DAPO recipe's warmup")
 
 
-def model_defaults(model: PolicyConfig) -> ModelDefaults:
+def model_defaults(model: ModelSource) -> ModelDefaults:
     return RANDOM_MODEL_DEFAULTS if model.path is None else PRETRAINED_DEFAULTS
 
 
@@ -375,12 +383,13 @@ def _check_env(config: Config) -> None:
                              f"{exc}") from None
 
 
-def _context(arch: str, preset: str, path: str | None) -> ModelConfig:
+def _context(key: str, model: ModelSource) -> ModelConfig:
     """The model's configuration: its checkpoint's config.json, else the preset's."""
     try:
-        return ModelConfig.from_dir(path) if path is not None else preset_config(arch, preset)
+        return (ModelConfig.from_dir(model.path) if model.path is not None
+                else preset_config(model.arch, model.preset))
     except CheckpointError as exc:
-        raise ValueError(f"config: model.path: {exc}") from None
+        raise ValueError(f"config: {key}.path: {exc}") from None
 
 
 def _pages(config: ModelConfig, tokens: int, device: str | None) -> int:
@@ -392,7 +401,7 @@ def _check_fits(config: Config) -> None:
     """Contexts within the models' and one longest sequence within each KV cache: anything else
     fails only when a turn or request gets that long, or never finishes."""
     m, r, s = config.model, config.rollout, config.serving
-    policy, serving = _context(m.arch, m.preset, m.path), _context(s.arch, s.preset, None)
+    policy, serving = _context("model", m), _context("serving.model", s.model)
     _check(r.max_context_tokens <= policy.max_position_embeddings,
            f"rollout.max_context_tokens ({r.max_context_tokens}) exceeds the model's context "
            f"({policy.max_position_embeddings} tokens, max_position_embeddings)")
