@@ -34,9 +34,8 @@ class TrainStep:
     success_rate: float
     heldout_success: float | None  # on held-out layouts, of the policy the step's rollouts sampled
     eval_s: float  # the held-out evaluation's share of step_s (0 at a step without one)
-    reward: float
     serving_token_share: float  # share of generated tokens produced on serving devices
-    serving_tokens: int  # generated on serving devices (of turns done or handed back)
+    serving_tokens: int  # generated on serving devices, by every attempt of a turn there
     dedicated_tokens: int
     serving_turns: int  # turns finished there
     dedicated_turns: int
