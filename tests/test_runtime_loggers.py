@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,11 +108,13 @@ def complete_lines(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_a_killed_rose_train_keeps_its_finished_steps(tmp_path: Path) -> None:
     pytest.importorskip("ray")
-    metrics = tmp_path / METRICS_FILE
+    metrics, err = tmp_path / METRICS_FILE, tmp_path / "stderr.txt"
     # Its own session: the kill takes the driver and the Ray processes it started, nothing else.
-    run = subprocess.Popen([sys.executable, "-m", "rose.cli", "train", "--mode", "fixed", "train.steps=100",
-                            "rollout.groups=2", "rollout.group_size=2", f"train.out_dir={tmp_path}"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with err.open("w") as stderr:
+        run = subprocess.Popen([sys.executable, "-m", "rose.cli", "train", "--mode", "fixed",
+                                "train.steps=100", "rollout.groups=2", "rollout.group_size=2",
+                                f"train.out_dir={tmp_path}"],
+                               stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
         while len(complete_lines(metrics)) < 2 and run.poll() is None and time.monotonic() < deadline:
@@ -128,6 +131,8 @@ def test_a_killed_rose_train_keeps_its_finished_steps(tmp_path: Path) -> None:
     assert {"success_rate", "rollout_s", "sync_s", "sync_bytes", "dedicated_tokens", "dedicated_turns",
             "serving_tokens", "serving_turns", "serving"} <= set(steps[0])
     assert steps[0]["dedicated_turns"] > 0 and steps[0]["sync_bytes"] > 0
+    # The trainer actor's log line reached the driver, with its role in Ray's prefix and in its own.
+    assert re.search(r"\(trainer pid=\d+\).* INFO \[trainer\] rose\.runtime\.actors: policy", err.read_text())
 
 
 def test_wandb_logs_offline_without_a_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
