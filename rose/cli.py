@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from rose import logs
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rose.model.cli", "write a random checkpoint, or import a packaged pretrained one"),
@@ -36,6 +38,9 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, s
     sub = parser.add_subparsers(dest=dest, required=True, metavar=dest.upper())
     for name, (module, help_text) in table.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # Also after the command (`rose train --log-level debug`); SUPPRESS keeps the top level's.
+        p.add_argument("--log-level", choices=logs.LEVELS, default=argparse.SUPPRESS,
+                       help="diagnostic lines at this level and above (default: info)")
         if not words or name != words[0]:
             continue
         if name == "bench":
@@ -49,9 +54,13 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, s
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="rose", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", choices=logs.LEVELS, default=logs.DEFAULT_LEVEL,
+                        help="diagnostic lines at this level and above, the Ray workers' too")
     table = {**COMMANDS, "bench": ("", "run a benchmark: rose bench NAME [--quick] --json OUT")}
-    _add_commands(parser, table, "command", [a for a in argv if not a.startswith("-")])
+    words = [a for i, a in enumerate(argv) if not a.startswith("-") and argv[i - 1:i] != ["--log-level"]]
+    _add_commands(parser, table, "command", words)
     args = parser.parse_args(argv)
+    logs.configure(args.log_level)
     try:
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError) as exc:

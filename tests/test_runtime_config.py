@@ -143,8 +143,8 @@ def test_the_run_says_which_defaults_it_chose(tiny_qwen3: Path, tmp_path: Path,
     report = tmp_path / "run.json"
     assert main(["train", f"model.path={tiny_qwen3}", "train.steps=1", "--json", str(report)]) == 0
     assert seen["lr"] == 1e-6
-    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
-    assert "defaults: train.lr 1e-06, train.warmup_steps 10 (model.path is a pretrained checkpoint" in out
+    err = " ".join(capsys.readouterr().err.split())  # a log line (rose.logs)
+    assert "defaults: train.lr 1e-06, train.warmup_steps 10 (model.path is a pretrained checkpoint" in err
     defaults = json.loads(report.read_text())["defaults"]
     assert (defaults["train.lr"], defaults["train.warmup_steps"]) == (1e-6, 10)
     assert defaults["why"].startswith("model.path is a pretrained checkpoint")

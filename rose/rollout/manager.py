@@ -91,6 +91,10 @@ class RolloutReport:
     def tokens_on(self, kind: WorkerKind) -> int:
         return sum(p.tokens for p in self.placements if p.kind == kind.value)
 
+    def turns_on(self, kind: WorkerKind) -> int:
+        """Turns that finished on workers of `kind`."""
+        return sum(p.kind == kind.value and p.outcome == "done" for p in self.placements)
+
     @property
     def serving_token_share(self) -> float:
         """Share of the generated tokens that serving executors produced."""

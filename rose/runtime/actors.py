@@ -5,13 +5,15 @@ Each pins itself to its device's cores first (`devices.pin`). Weights travel fro
 hands them to its engine between two iterations. A dedicated worker's actor hosts an
 `EngineWorker` itself; the rollout manager reaches it through `rose.rollout.workers.RemoteWorker`:
 turns stream back chunk by chunk (a Ray streaming generator), so a worker that dies midway
-leaves the manager every token it had sent.
+leaves the manager every token it had sent. Each names its role (`trainer`, `dedicated-0`,
+`serving-0`) in its log lines and in the prefix Ray gives the lines it forwards to the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rose import logs
 from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
 from rose.coserve.loadgen import RequestResult, build_trace, replay
@@ -39,12 +42,29 @@ from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model
 # What a checkpoint directory needs beside the weights for a run to start from it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
+log = logging.getLogger(__name__)
 
-class TrainerActor:
+
+class _Role:
+    """An actor whose log lines carry its role; Ray prefixes the lines it forwards with the
+    actor's repr, so that names the role too."""
+
+    role = "actor"
+
+    def _log_as(self, role: str) -> None:
+        self.role = role
+        logs.configure(role=role)  # at the driver's level, which the worker got as ROSE_LOG_LEVEL
+
+    def __repr__(self) -> str:
+        return self.role
+
+
+class TrainerActor(_Role):
     """One data-parallel rank of the trainer (NCCL between ranks on CUDA, gloo on the CPU); rank 0
     publishes the weights and writes the checkpoints."""
 
-    def __init__(self, cores: list[int]) -> None:
+    def __init__(self, cores: list[int], rank: int = 0, world: int = 1) -> None:
+        self._log_as("trainer" if world == 1 else f"trainer-{rank}")
         pin(cores)
 
     def address(self) -> str:
@@ -69,6 +89,7 @@ class TrainerActor:
                                TrainerConfig(**config))
         if resume:
             self.trainer.load_state(model_path)
+        log.info("policy %s on %s at version %d", model_path, config["device"], self.trainer.version)
         # The bf16 weights the rollout replicas get: the sender keeps views of these tensors.
         self.weights = dict(self.trainer.export_weights())
         self.sender = (Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
@@ -81,6 +102,7 @@ class TrainerActor:
 
     def step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         metrics = self.trainer.step(trajectories)
+        log.debug("step: %s", metrics)
         for name, tensor in self.trainer.export_weights():
             self.weights[name].copy_(tensor)
         return metrics
@@ -100,7 +122,7 @@ class TrainerActor:
         return str(self.trainer.save(path, assets))
 
 
-class _Replica:
+class _Replica(_Role):
     """A rollout replica's receiving end: joins the relay group; each sync's weights go to `load`,
     which the replica's engine loop runs between two iterations."""
 
@@ -115,6 +137,7 @@ class _Replica:
 
     def _synced(self, timeout: float) -> dict[str, Any]:
         self.receiver.sync(timeout)
+        log.debug("weights: %s", self.receiver.last)
         return dataclasses.asdict(self.receiver.last)
 
     def leave(self) -> None:
@@ -128,11 +151,13 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
 
     def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, Any],
                  relay: str, group: str) -> None:
+        self._log_as(worker_id)
         pin(cores)
         engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
         EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
         self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
                    self.engine.engine.load_weights)
+        log.info("rollout engine on %s, cores %s", engine.get("device"), cores)
 
     async def ready(self) -> bool:
         return True
@@ -149,6 +174,7 @@ class ServingDeviceActor(_Replica):
     def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
                  config: ExecutorConfig, replay_spec: ServingDeviceConfig, relay: str, group: str,
                  limits: ServerLimits) -> None:
+        self._log_as(worker_id)
         pin(cores)
         import uvicorn
 
@@ -165,6 +191,7 @@ class ServingDeviceActor(_Replica):
         threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()
         while not self.server.started:
             time.sleep(0.05)
+        log.info("serving %s at %s", Path(serving_path).name, self.url)
         self.spec = replay_spec
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
         self._stop = threading.Event()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from rose.reporting import write_report
 from rose.runtime.config import Mode, chosen_defaults, load_config, resume_checkpoint, validate
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,10 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from rose.runtime.driver import train
-    from rose.runtime.report import TrainStep
 
     # A lone key=value given where the config file goes is an override.
     path, overrides = args.config, list(args.overrides)
@@ -36,30 +36,15 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(path, overrides)
     validate(config, mode)
     resume = resume_checkpoint(args.resume)
-    console = Console()
-
-    def show(r: TrainStep) -> None:
-        s, h = r.serving, r.heldout_success
-        serving = (f" | serving p99 TTFT {s.get('p99_ttft_ms')} / {config.serving.slo_ttft_ms:g} ms, "
-                   f"TPOT {s.get('p99_tpot_ms')} / {config.serving.slo_tpot_ms:g} ms, "
-                   f"SLO {s.get('slo_attainment')}") if s else ""
-        heldout = "" if h is None else f" held-out {h:.2f} ({r.eval_s:.1f}s)"
-        console.print(f"[bold]step {r.step}[/] reward {r.reward:+.3f} success {r.success_rate:.2f}{heldout} "
-                      f"| rollout {r.rollout_s:.1f}s train {r.train_s:.1f}s step {r.step_s:.1f}s | "
-                      f"on serving {r.serving_token_share:.0%} resumed {r.resumed_turns} | "
-                      f"sync {r.sync_bytes / 1e6:.2f} MB {r.sync_s:.2f}s{serving}")
-        for restart in r.restarts:
-            console.print(f"  [yellow]{restart}[/]")
-
-    console.print(f"rose train: mode {mode.value}, {config.train.steps} steps, out {config.train.out_dir}")
+    log.info("rose train: mode %s, %d steps, out %s, loggers %s", mode.value, config.train.steps,
+             config.train.out_dir, ", ".join(config.train.logger) or "none")
     defaults = chosen_defaults(config)
     if defaults:
         chosen = ", ".join(f"{k} {v:g}" for k, v in defaults.items() if k != "why")
-        console.print(f"defaults: {chosen} ({defaults['why']}; set them in the config to choose)")
-    result = train(config, mode, resume, show)
-    console.print(f"report: {result.plot}; checkpoints: {', '.join(result.checkpoints)}")
+        log.info("defaults: %s (%s; set them in the config to choose)", chosen, defaults["why"])
+    result = train(config, mode, resume)
+    log.info("report: %s; checkpoints: %s", result.plot, ", ".join(result.checkpoints))
     write_report(args.json, result.summary, mode=mode.value, serving=result.serving,
                  elastic_alloc_s=result.elastic_alloc_s, elastic_cancelled_s=result.elastic_cancelled_s,
-                 checkpoints=result.checkpoints, defaults=defaults,
-                 steps=[{k: v for k, v in vars(r).items() if k != "placements"} for r in result.steps])
+                 checkpoints=result.checkpoints, defaults=defaults, steps=[r.record() for r in result.steps])
     return 0

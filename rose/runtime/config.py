@@ -30,6 +30,7 @@ from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import COMPLETE_FILE, is_complete
 from rose.runtime.devices import available_cores
+from rose.runtime.loggers import LOGGERS, missing_package
 from rose.runtime.rollouts import env_kwargs, load_rollout_function
 from rose.traces import TRACE_NAMES
 
@@ -131,6 +132,9 @@ class TrainConfig:
     checkpoint_every: int = 10
     out_dir: str = "runs/train"
     seed: int = 0
+    # Where each step's record goes as it ends (rose.runtime.loggers): console, jsonl
+    # (out_dir/metrics.jsonl), tensorboard, wandb.
+    logger: list[str] = dataclasses.field(default_factory=lambda: ["console", "jsonl"])
 
 
 @dataclasses.dataclass
@@ -211,6 +215,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
         Objective.named(t.objective, **objective_options(config))
     except ValueError as exc:  # "objective: NAME must ...": NAME is the train key of that name
         raise ValueError(f"config: {str(exc).replace('objective: ', 'train.', 1)}") from None
+    _check_loggers(t.logger)
     _check(t.lr_schedule in ("constant", "cosine"),
            f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
     _check(s.trace in TRACE_NAMES or Path(s.trace).is_file(),
@@ -358,6 +363,15 @@ def _check_numbers(config: Config) -> None:
                 bounds = (f"in [{low:g}, {high:g}]" if high < math.inf
                           else f"{'>=' if inclusive else '>'} {low:g}")
                 _check(ok, f"{key} must be {bounds}, got {number}")
+
+
+def _check_loggers(names: list[str]) -> None:
+    for name in names:
+        _check(name in LOGGERS, f"train.logger: unknown logger {name!r}; choose from {', '.join(LOGGERS)}")
+        _check(names.count(name) == 1, f"train.logger names {name} more than once")
+        package = missing_package(name)
+        _check(package is None, f"train.logger: {name} needs the {package} package, which is not installed "
+                                f"(pip install {package}), or leave {name} out")
 
 
 def _check_env(config: Config) -> None:

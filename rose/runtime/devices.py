@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from rose.logs import DEFAULT_LEVEL, LEVEL_ENV
+
 
 def pin(cores: Iterable[int]) -> None:
     """Pin every thread of this process to `cores` and give torch one thread per core."""
@@ -27,7 +29,9 @@ def pin(cores: Iterable[int]) -> None:
 
 
 def init_ray(address: str | None = None, **options: object) -> None:
-    """`ray.init` (a local instance unless `address`) whose workers keep the driver's priority.
+    """`ray.init` (a local instance unless `address`) whose workers keep the driver's priority
+    and log at its level, their lines forwarded to the driver's terminal (each actor names its
+    role in them: `rose.logs`).
 
     Ray starts its workers at niceness 15 by default, so any ordinary process -- the driver, a
     shell, a test run -- would preempt an actor that holds a device's cores; a serving device
@@ -36,8 +40,9 @@ def init_ray(address: str | None = None, **options: object) -> None:
     import ray
 
     local = {} if address else {"_system_config": {"worker_niceness": 0}}
-    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             **local, **options)
+    level = {LEVEL_ENV: os.environ.get(LEVEL_ENV, DEFAULT_LEVEL)}
+    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True,
+             runtime_env={"env_vars": level}, **local, **options)
 
 
 def available_cores() -> set[int]:

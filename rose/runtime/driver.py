@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Config, Mode
+from rose.runtime.loggers import Loggers
 from rose.runtime.report import StepClock, TrainStep, serving_summary, step_record, summarize, write_plot
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -24,16 +27,18 @@ class TrainRun:
     plot: str
 
 
-def train(config: Config, mode: Mode, resume: Path | None = None,
-          on_step: Callable[[TrainStep], None] | None = None) -> TrainRun:
-    """Run `config.train.steps` RL steps in `mode` (from `resume`, a checkpoint, if given)."""
+def train(config: Config, mode: Mode, resume: Path | None = None) -> TrainRun:
+    """Run `config.train.steps` RL steps in `mode` (from `resume`, a checkpoint, if given); each
+    step's record goes to the config's loggers as the step ends."""
     out_dir, t = Path(config.train.out_dir), config.train
     cluster = Cluster(config, mode, out_dir, resume)
     records: list[TrainStep] = []
     checkpoints: list[str] = []
+    loggers: Loggers | None = None
     run_start = time.time()
     try:  # a start that fails half-way also releases what it started (actors, pinned cores)
         cluster.start()
+        loggers = Loggers(config, first_step=cluster.version)
         for step in range(cluster.version, t.steps):  # a resumed run goes on from its checkpoint
             clock = StepClock.start(run_start, len(cluster.restarts))
             # 0. held-out success of the policy this step's rollouts sample, every eval.every steps
@@ -52,10 +57,13 @@ def train(config: Config, mode: Mode, resume: Path | None = None,
                 checkpoints.append(cluster.save(step + 1))
             # 4. record
             records.append(step_record(step, cluster, clock, rollout, metrics, sync, heldout))
-            if on_step is not None:
-                on_step(records[-1])
+            loggers.log(records[-1].record())
+            for restart in records[-1].restarts:
+                log.warning(restart)
         results = cluster.serving_results(stop=True)
     finally:
+        if loggers is not None:
+            loggers.close()
         cluster.shutdown()
     served = [(at - run_start, r) for at, r in results]
     serving = serving_summary([r for _, r in served], config.serving) if mode is Mode.ROSE else {}

@@ -1,4 +1,8 @@
-"""What a training run reports: per-step records, the JSON summary, and the PNG figure."""
+"""What a training run reports: per-step records, the JSON summary, and the PNG figure.
+
+One `TrainStep` per step is the single source: the loggers (rose.runtime.loggers) write its
+`record()` as the step ends, and the `--json` summary and the PNG are built from the same list.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rose.contracts import WorkerKind
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
 from rose.rollout.manager import RolloutReport
@@ -29,16 +34,32 @@ class TrainStep:
     success_rate: float
     heldout_success: float | None  # on held-out layouts, of the policy the step's rollouts sampled
     eval_s: float  # the held-out evaluation's share of step_s (0 at a step without one)
-    reward: float
     serving_token_share: float  # share of generated tokens produced on serving devices
+    serving_tokens: int  # generated on serving devices, by every attempt of a turn there
+    dedicated_tokens: int
+    serving_turns: int  # turns finished there
+    dedicated_turns: int
     resumed_turns: int
     lost_trajectories: int
     failed_trajectories: int  # a turn refused every time it was tried (the reasons: RolloutReport.failed)
     placements: list[tuple[float, float, str]]  # (start, end, kind), seconds since the run began
-    serving: dict[str, Any]
-    loss: float
+    serving: dict[str, Any]  # the serving requests that arrived during the step (loadgen.summarize)
+    trainer: dict[str, float]  # all of `Trainer.step`'s metrics: loss, KL, entropy, grad norm, lr, ...
     elastic_devices: int
     restarts: list[str] = dataclasses.field(default_factory=list)  # actors that died and came back
+
+    @property
+    def loss(self) -> float:
+        return self.trainer["loss"]
+
+    @property
+    def reward(self) -> float:
+        return self.trainer["reward_mean"]
+
+    def record(self) -> dict[str, Any]:
+        """What metrics.jsonl and `--json` keep of the step: everything but the turn placements
+        (one per turn attempt: the PNG draws them, a log would grow with every turn)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "placements"}
 
 
 @dataclasses.dataclass
@@ -75,12 +96,16 @@ def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutR
         step=step, version=cluster.version, wall_start_s=offset, step_s=clock.elapsed,
         rollout_s=clock.laps["rollout"], train_s=clock.laps["train"], sync_s=sync.seconds,
         sync_bytes=sync.payload_bytes, success_rate=rollout.success_rate, heldout_success=heldout_success,
-        eval_s=clock.laps["eval"], reward=metrics["reward_mean"],
-        serving_token_share=rollout.serving_token_share, resumed_turns=rollout.resumed_turns,
+        eval_s=clock.laps["eval"], serving_token_share=rollout.serving_token_share,
+        serving_tokens=rollout.tokens_on(WorkerKind.SERVING),
+        dedicated_tokens=rollout.tokens_on(WorkerKind.DEDICATED),
+        serving_turns=rollout.turns_on(WorkerKind.SERVING),
+        dedicated_turns=rollout.turns_on(WorkerKind.DEDICATED),
+        resumed_turns=rollout.resumed_turns,
         lost_trajectories=rollout.lost_trajectories, failed_trajectories=rollout.failed_trajectories,
         placements=[(p.start_s + offset, p.end_s + offset, p.kind) for p in rollout.placements],
         serving=serving_summary(served, cluster.config.serving) if cluster.replicas.serving else {},
-        loss=metrics["loss"], elastic_devices=len(cluster.replicas.elastic_alloc_s),
+        trainer=metrics, elastic_devices=len(cluster.replicas.elastic_alloc_s),
         restarts=cluster.restarts[clock.restarts:])
 
 

@@ -46,7 +46,7 @@ class TrainerGroup:
         # Data-parallel ranks share out the trainer's cores (all of them each, if too few).
         n, own = c.train.data_parallel, c.devices.trainer
         actor = ray.remote(TrainerActor).options(num_cpus=0)
-        self.ranks = [actor.remote(own[r::n] if len(own) >= n else own) for r in range(n)]
+        self.ranks = [actor.remote(own[r::n] if len(own) >= n else own, r, n) for r in range(n)]
         master = await self.leader.address.remote() if n > 1 else None
         objective = objective_options(c)
         return [t.start.remote(path, c.train.objective, objective,
