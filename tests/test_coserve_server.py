@@ -394,11 +394,23 @@ def test_keys_guard_the_openai_and_lease_apis(guarded: tuple[str, CoServingExecu
             await client.aclose()
 
     asyncio.run(lease())
-    # The trace replay (`rose loadgen`, `rose train`'s serving devices) presents its key.
-    trace = build_trace("azure-conv", duration_s=2.0, load=1.0, start_s=30.0, prompt_scale=0.05,
-                        output_scale=0.05)
-    served = asyncio.run(replay(url, trace, max_context=256, max_output=4, api_key="api-secret"))
-    assert all(r.status == 200 and r.error is None for r in served) and served
+
+
+def test_the_trace_replay_presents_its_key(checkpoints: tuple[Path, Path]) -> None:
+    """`rose loadgen`'s replay (and `rose train`'s serving devices') with the server's key; on a
+    server of default caps, so that overlapping requests of the trace are not refused as over
+    `guarded`'s one-request queue."""
+    executor = executor_of(checkpoints)
+    with running(app_of(executor, checkpoints, ServerLimits(api_key="api-secret"))) as url:
+        trace = build_trace("azure-conv", duration_s=2.0, load=1.0, start_s=30.0, prompt_scale=0.05,
+                            output_scale=0.05)
+        served = asyncio.run(replay(url, trace, max_context=256, max_output=4, api_key="api-secret"))
+        assert all(r.status == 200 and r.error is None for r in served) and served
+        refused = asyncio.run(replay(url, trace, max_context=256, max_output=4, model="tiny-serving",
+                                     api_key="wrong"))
+        assert all(r.status == 401 for r in refused) and refused
+        with pytest.raises(ValueError, match=r"HTTP 401.*needs --api-key"):
+            asyncio.run(replay(url, trace, max_context=256, max_output=4))
 
 
 def test_body_caps_from_content_length_and_while_streaming(guarded: tuple[str, CoServingExecutor]) -> None:

@@ -108,7 +108,11 @@ async def replay(url: str, trace: Trace, max_context: int = 4096, max_output: in
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as c:
         if model is None:
-            model = (await c.get(f"{url}/v1/models")).json()["data"][0]["id"]
+            r = await c.get(f"{url}/v1/models")
+            if r.status_code != 200:
+                raise ValueError(f"GET {url}/v1/models to find the served model: HTTP {r.status_code}: "
+                                 f"{r.text[:200]} (a server with a key needs --api-key)")
+            model = r.json()["data"][0]["id"]
         results, tasks = [], []
         t0 = time.perf_counter()
         for at, p, o in zip(trace.arrival_s, prompts, outputs, strict=True):
