@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 # name -> (module, one-line help)
@@ -46,12 +47,19 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, s
             p.set_defaults(run=mod.run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of `rose`, with the options of the subcommand `argv` invokes."""
     parser = argparse.ArgumentParser(prog="rose", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version",
+                        version=f"rose {importlib.metadata.version('rose-rl')}")
     table = {**COMMANDS, "bench": ("", "run a benchmark: rose bench NAME [--quick] --json OUT")}
     _add_commands(parser, table, "command", [a for a in argv if not a.startswith("-")])
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser_for(argv).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
