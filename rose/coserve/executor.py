@@ -147,7 +147,7 @@ class CoServingExecutor:
         self.latency = FittedLatencyModel()
         self.tail = TailLatency(self.latency, cfg.admission_quantile)
         self.guard = SlackGuard()
-        self.metrics = ExecutorMetrics()
+        self.metrics = ExecutorMetrics((SERVING, ROLLOUT))
         self.slo = cfg.slo
         self._turns: dict[str, Turn] = {}
         # Per serving request: seconds it spent waiting for rollout work, in all and up to its
@@ -277,12 +277,12 @@ class CoServingExecutor:
         serving_s = self.serving.last_step.seconds
         if self.rollout and self.rollout.has_unfinished():
             self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
-        if self.rollout and budget != 0 and self.rollout.has_unfinished():
-            outputs += self._run(self.rollout, ROLLOUT, budget,
-                                 self.serving_arrived if self.config.policy is Policy.ROSE else None)
-            self._charge_rollout_time(self.rollout.last_step.seconds)
-            if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
-                self._observe_slack(serving_s + self.rollout.last_step.seconds)
+            if budget != 0:
+                outputs += self._run(self.rollout, ROLLOUT, budget,
+                                     self.serving_arrived if self.config.policy is Policy.ROSE else None)
+                self._charge_rollout_time(self.rollout.last_step.seconds)
+                if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
+                    self._observe_slack(serving_s + self.rollout.last_step.seconds)
         self._export_pool()
         return outputs
 
@@ -413,11 +413,11 @@ class CoServingExecutor:
         m.kv_usage.labels(m.model_name).set(1.0 - self.pool.num_free / self.pool.num_pages)
         m.turns_running.set(len(self._turns))
         for owner in (SERVING, ROLLOUT):
-            self.metrics.pool_pages.labels(owner).set(self.pool.used(owner))
+            m.pool_pages.labels(owner).set(self.pool.used(owner))
         for engine in (self.serving, self.rollout):
             if engine is not None:
-                self.metrics.cached_pages.labels(engine.blocks.owner).set(engine.blocks.num_cached_pages)
-        self.metrics.pool_pages.labels("free").set(self.pool.num_free)
+                m.cached_pages.labels(engine.blocks.owner).set(engine.blocks.num_cached_pages)
+        m.pool_pages.labels("free").set(self.pool.num_free)
 
     def _rollout(self) -> LLMEngine:
         if self.rollout is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from rose.coserve.admission import BurstState
 from rose.engine import RequestOutput
 
 # vLLM's buckets (seconds), so that percentiles over a ROSE and a vLLM server compare.
@@ -21,12 +22,11 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # Token counts: 1, 2, 5, 10, ... as vLLM builds them.
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort", "error")
-ENGINES = ("serving", "rollout")
-BURST_STATES = ("normal", "burst", "frozen")
 
 
 class ExecutorMetrics:
-    def __init__(self) -> None:
+    def __init__(self, engines: tuple[str, ...]) -> None:
+        """`engines`: the executor's engines' names, the `engine` label's values."""
         self.registry = CollectorRegistry()
         self.model_name = ""
         r, model = self.registry, ["model_name"]
@@ -99,13 +99,13 @@ class ExecutorMetrics:
         # Every series from the first scrape on, so rates and dashboards need no first event.
         for reason in FINISH_REASONS:
             self.turns_finished.labels(reason)
-        for engine in ENGINES:
+        for engine in engines:
             self.iterations.labels(engine)
             self.busy.labels(engine)
-        for before in BURST_STATES:
-            for after in BURST_STATES:
-                if before != after:
-                    self.transitions.labels(before, after)
+        for before in BurstState:
+            for after in BurstState:
+                if before is not after:
+                    self.transitions.labels(before.name.lower(), after.name.lower())
         for outcome in ("admitted", "held"):
             self.admissions.labels(outcome)
 
