@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 from rose import logs
@@ -51,15 +52,22 @@ def _add_commands(parser: argparse.ArgumentParser, table: dict[str, tuple[str, s
             p.set_defaults(run=mod.run)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of `rose`, with the options of the subcommand `argv` invokes."""
     parser = argparse.ArgumentParser(prog="rose", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version",
+                        version=f"rose {importlib.metadata.version('rose-rl')}")
     parser.add_argument("--log-level", choices=logs.LEVELS, default=logs.DEFAULT_LEVEL,
                         help="diagnostic lines at this level and above, the Ray workers' too")
     table = {**COMMANDS, "bench": ("", "run a benchmark: rose bench NAME [--quick] --json OUT")}
     words = [a for i, a in enumerate(argv) if not a.startswith("-") and argv[i - 1:i] != ["--log-level"]]
     _add_commands(parser, table, "command", words)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser_for(argv).parse_args(argv)
     logs.configure(args.log_level)
     try:
         return int(args.run(args) or 0)

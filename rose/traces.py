@@ -113,6 +113,14 @@ class Trace:
         """Requests in [start_s, start_s + duration_s) of the trace tiled end to end, shifted to 0.
         Raises when the window holds fewer than 2 requests."""
         a, p, o = tile(self, start_s, start_s + duration_s)
+        if len(a) < 2:
+            # The window that holds 2 (a tiled trace has every request once per period).
+            needed = math.floor(tile(self, start_s, start_s + 2 * self.period_s)[0][1] - start_s) + 1
+            raise ValueError(
+                f"trace {self.name!r}: the {duration_s:g} s window from {start_s:g} s holds {len(a)} "
+                f"request(s) at this load ({self.mean_rate:.3g} requests/s on average); a replay needs "
+                f"at least 2: take a longer window (--duration {needed} or more), a "
+                f"higher --load or another --start")
         return Trace(self.name, a - start_s, p, o)
 
 

@@ -24,7 +24,7 @@ KEYS = {"requests", "status_5xx", "rss_growth_after_warmup", "kv_pages_leaked", 
 def _pages(ex: CoServingExecutor) -> dict[str, float]:
     return {f"{s.name}/{s.labels['owner']}": s.value
             for f in text_string_to_metric_families(ex.metrics.expose().decode())
-            for s in f.samples if s.name in ("rose_kv_pool_pages", "rose_kv_cached_pages")}
+            for s in f.samples if s.name in ("rose:kv_pool_pages", "rose:kv_cached_pages")}
 
 
 def test_idle_pages_beyond_the_prefix_cache_are_leaks() -> None:
@@ -40,11 +40,11 @@ def test_idle_pages_beyond_the_prefix_cache_are_leaks() -> None:
         return _pages(ex)
 
     pages = serve(list(range(10, 60)))
-    assert pages["rose_kv_cached_pages/serving"] == 3  # 50 + 3 tokens: three full 16-token blocks
-    assert pages["rose_kv_pool_pages/serving"] == pages["rose_kv_cached_pages/serving"]
+    assert pages["rose:kv_cached_pages/serving"] == 3  # 50 + 3 tokens: three full 16-token blocks
+    assert pages["rose:kv_pool_pages/serving"] == pages["rose:kv_cached_pages/serving"]
     assert ex.pool.allocate("serving") is not None  # a page that no request and no cache holds
     pages = serve(list(range(100, 120)))
-    assert pages["rose_kv_pool_pages/serving"] - pages["rose_kv_cached_pages/serving"] == 1
+    assert pages["rose:kv_pool_pages/serving"] - pages["rose:kv_cached_pages/serving"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -71,9 +71,9 @@ def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> N
     ex.step()
     assert ex.burst.state.name == "NORMAL" and ex.pool.budget("rollout") > budget
     metrics = ex.metrics.expose().decode()
-    assert 'rose_executor_transitions_total{from_state="normal",to_state="burst"} 1.0' in metrics
-    assert 'rose_executor_transitions_total{from_state="burst",to_state="frozen"} 1.0' in metrics
-    assert "rose_rollout_aborted_turns_total" in metrics
+    assert 'rose:burst_transitions_total{from_state="normal",to_state="burst"} 1.0' in metrics
+    assert 'rose:burst_transitions_total{from_state="burst",to_state="frozen"} 1.0' in metrics
+    assert "rose:rollout_aborted_turns_total" in metrics
 
 
 def _rollout_tokens_per_iteration(ex: CoServingExecutor) -> list[int]:
@@ -219,7 +219,7 @@ def test_feedback_guard_halves_the_share_after_an_overrun() -> None:
     ex._observe_slack(1e-3)                              # ...it ran 1 ms: an overrun
     assert ex.guard.share == 0.5 and ex.guard.overruns == 1
     metrics = ex.metrics.expose().decode()
-    assert "rose_rollout_share 0.5" in metrics and "rose_admission_overruns_total 1.0" in metrics
+    assert "rose:rollout_share 0.5" in metrics and "rose:admission_overruns_total 1.0" in metrics
 
 
 def test_bad_admission_settings_are_refused() -> None:

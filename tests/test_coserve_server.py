@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 import torch
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save
 
 from rose.contracts import Turn
@@ -214,9 +216,55 @@ def test_lease_turns_capacity_weights_and_metrics(server: tuple[str, CoServingEx
     assert httpx.post(f"{url}/v1/lease/turns/none/abort").status_code == 404
     assert httpx.post(f"{url}/v1/lease/heartbeat").json()["capacity"]["policy_version"] == 4
     assert httpx.post(f"{url}/v1/lease/new_rl_step").json()["state"] == "normal"
-    text = httpx.get(f"{url}/metrics").text
-    assert "rose_serving_ttft_seconds_bucket" in text and "rose_rollout_tokens_total" in text
-    assert 'rose_kv_pool_pages{owner="rollout"}' in text and "rose_executor_state" in text
+    samples = scrape(url)
+    assert samples[("rose:rollout_tokens_total", ())] >= 10
+    assert samples[("rose:rollout_turns_finished_total", (("finished_reason", "length"),))] >= 2
+    assert ("rose:kv_pool_pages", (("owner", "rollout"),)) in samples and ("rose:burst_state", ()) in samples
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics: sample (name, sorted labels) -> value."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in f.samples}
+
+
+def test_metrics_carry_vllm_names_with_the_model_label(server: tuple[str, CoServingExecutor]) -> None:
+    url, _ = server
+    before = scrape(url)
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-serving", "prompt": [5, 6, 7],
+                                                  "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200
+    after = scrape(url)
+    model = (("model_name", "tiny-serving"),)
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = model) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("vllm:prompt_tokens_total") == 3 and grew("vllm:generation_tokens_total") == 4
+    assert grew("vllm:request_success_total", (("finished_reason", "length"), *model)) == 1
+    for histogram in ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+                      "vllm:e2e_request_latency_seconds"):
+        assert grew(f"{histogram}_count") == 1
+        assert (f"{histogram}_bucket", (("le", "+Inf"), *model)) in after
+    assert after[("vllm:num_requests_running", model)] == after[("vllm:num_requests_waiting", model)] == 0
+    assert 0 <= after[("vllm:kv_cache_usage_perc", model)] <= 1
+
+
+DASHBOARD = Path(__file__).parents[1] / "examples" / "grafana" / "rose-dashboard.json"
+
+
+def test_the_grafana_dashboard_queries_only_what_the_server_exports(
+        server: tuple[str, CoServingExecutor]) -> None:
+    url, _ = server
+    httpx.post(f"{url}/v1/completions", json={"model": "tiny-serving", "prompt": [5], "max_tokens": 2})
+    exported = {name for name, _ in scrape(url)}
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    queried = {name for p in panels for t in p["targets"]
+               for name in re.findall(r"\b(?:vllm|rose):[A-Za-z0-9_:]+", t["expr"])}
+    assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_waiting", "rose:burst_state",
+            "rose:admission_slack_seconds"} <= queried
+    assert queried <= exported, queried - exported
 
 
 def test_loadgen_replays_a_real_trace_window(server: tuple[str, CoServingExecutor]) -> None:

@@ -6,14 +6,16 @@ stops the run naming how to go on (tests/test_runtime_chaos.py kills the real ac
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from rose.coserve.server import ServerLimits
-from rose.runtime.cluster import Cluster
+from rose.runtime.cluster import PROMETHEUS_TARGETS, Cluster
 from rose.runtime.config import Mode, ServingDeviceConfig, load_config
 from rose.runtime.trainers import TrainerGroup
 
@@ -29,6 +31,7 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
     cluster = Cluster(config, Mode.ROSE, tmp_path)
     try:
         cluster.start()
+        _scrape_targets(tmp_path)
         handle = cluster.replicas.all()[victim]
         killer = threading.Timer(1.0, lambda: ray.kill(handle))
         killer.start()
@@ -39,10 +42,19 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
         assert any(p.worker_id == victim for p in report.placements)  # it did run turns before
         metrics = cluster.train(report.trajectories)
         assert metrics["sequences"] > 0
+        _scrape_targets(tmp_path)  # a restarted executor's new port
     finally:
         cluster.replicas.dedicated.pop(victim, None)
         cluster.replicas.serving.pop(victim, None)
         cluster.shutdown()
+
+
+def _scrape_targets(out_dir: Path) -> None:
+    """The run directory lists the serving device's /metrics for Prometheus, and it answers."""
+    [group] = json.loads((out_dir / PROMETHEUS_TARGETS).read_text())
+    assert group["labels"]["replica"] == "serving-0"
+    text = httpx.get(f"http://{group['targets'][0]}/metrics").text
+    assert 'vllm:num_requests_running{model_name="serving-model"}' in text
 
 
 class _Rank:

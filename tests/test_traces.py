@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -49,6 +51,14 @@ def test_window_tiles_past_the_end_at_the_mean_rate():
     w = tr.window(tr.period_s - 100.0, 3 * tr.period_s)
     assert w.arrival_s[0] >= 0 and w.arrival_s[-1] < 3 * tr.period_s
     assert len(w) / (3 * tr.period_s) == pytest.approx(tr.mean_rate, rel=0.02)
+
+
+def test_a_window_with_too_few_requests_says_how_long_it_must_be():
+    quiet = load_trace("azure-conv").scaled(rate=0.05)
+    with pytest.raises(ValueError, match=r"30 s window from 0 s holds 1 request.*--duration (\d+)") as err:
+        quiet.window(0.0, 30.0)
+    needed = int(re.search(r"--duration (\d+)", str(err.value))[1])
+    assert len(quiet.window(0.0, needed)) == 2 and "--load" in str(err.value)
 
 
 def test_unknown_trace_is_a_clear_error():

@@ -114,7 +114,7 @@ def _metric(url: str, sample: str, **labels: str) -> float:
 
 def _work(url: str) -> dict[str, float]:
     """Seconds of compute and iterations so far, per model."""
-    return {f"{kind}_{model}": _metric(url, f"rose_{kind}_total", model=model)
+    return {f"{kind}_{model}": _metric(url, f"rose:{kind}_total", engine=model)
             for kind in ("busy_seconds", "iterations") for model in ("serving", "rollout")}
 
 
@@ -182,12 +182,12 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
                                   (work["busy_seconds_serving"] - work0["busy_seconds_serving"]) / wall, 4),
                               "serving_iteration_ms": _mean_ms(work0, work, "serving"),
                               "rollout_iteration_ms": _mean_ms(work0, work, "rollout"),
-                              "latency_model_error": round(_metric(url, "rose_latency_model_error"), 4),
-                              "admission_overruns": _metric(url, "rose_admission_overruns_total"),
-                              "rollout_share_end": _metric(url, "rose_rollout_share"),
-                              "rollout_interrupted": _metric(url, "rose_rollout_interrupted_total"),
-                              "rollout_turns_cut": _metric(url, "rose_rollout_aborted_turns_total"),
-                              "bursts": _metric(url, "rose_executor_transitions_total",
+                              "latency_model_error": round(_metric(url, "rose:latency_model_error"), 4),
+                              "admission_overruns": _metric(url, "rose:admission_overruns_total"),
+                              "rollout_share_end": _metric(url, "rose:rollout_share"),
+                              "rollout_interrupted": _metric(url, "rose:rollout_interrupted_total"),
+                              "rollout_turns_cut": _metric(url, "rose:rollout_aborted_turns_total"),
+                              "bursts": _metric(url, "rose:burst_transitions_total",
                                                 from_state="normal", to_state="burst")}
     if rollouts:
         result.update(rollout=done[0], rollout_tokens_per_s=round(done[0]["tokens"] / wall, 2))

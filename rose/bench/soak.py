@@ -529,8 +529,8 @@ class Soak:
             self.samples.append({
                 "t": round(time.perf_counter() - self.t0, 1),
                 "rss_mb": round(self.server.rss_bytes() / 2**20, 1) if self.server.alive() else None,
-                "pages": {o: m.get(f"rose_kv_pool_pages/{o}") for o in ("serving", "rollout", "free")},
-                "served": m.get("rose_serving_requests_total")})
+                "pages": {o: m.get(f"rose:kv_pool_pages/{o}") for o in ("serving", "rollout", "free")},
+                "served": m.get("rose:serving_requests_total")})
             if not self.running():
                 return
             await asyncio.sleep(min(SAMPLE_EVERY_S, max(0.0, self.stop_at - time.perf_counter())))
@@ -573,7 +573,7 @@ class Soak:
         start, last_change, last = time.perf_counter(), time.perf_counter(), -1.0
         while time.perf_counter() - last_change < 2.0 and time.perf_counter() < start + 30.0:
             m = await self.metrics() or {}
-            now = m.get("rose_iterations_total/serving", 0.0) + m.get("rose_iterations_total/rollout", 0.0)
+            now = m.get("rose:iterations_total/serving", 0.0) + m.get("rose:iterations_total/rollout", 0.0)
             if now != last:
                 last, last_change = now, time.perf_counter()
             await asyncio.sleep(0.5)
@@ -590,8 +590,8 @@ class Soak:
             probe_ok = False
             self.count("probe/idle", "timeout" if isinstance(exc, httpx.TimeoutException) else "transport")
         m = await self.metrics()
-        used = {o: m.get(f"rose_kv_pool_pages/{o}", 0.0) for o in ("serving", "rollout")} if m else {}
-        cached = {o: m.get(f"rose_kv_cached_pages/{o}", 0.0) for o in ("serving", "rollout")} if m else {}
+        used = {o: m.get(f"rose:kv_pool_pages/{o}", 0.0) for o in ("serving", "rollout")} if m else {}
+        cached = {o: m.get(f"rose:kv_cached_pages/{o}", 0.0) for o in ("serving", "rollout")} if m else {}
         return {"busy_s": round(last_change - start, 1) if quiet else None,
                 "idle_cpu_fraction": round(idle_cpu, 3),
                 "idle_probe_ok": probe_ok, "pages_cached": cached,

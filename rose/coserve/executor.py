@@ -147,7 +147,7 @@ class CoServingExecutor:
         self.latency = FittedLatencyModel()
         self.tail = TailLatency(self.latency, cfg.admission_quantile)
         self.guard = SlackGuard()
-        self.metrics = ExecutorMetrics()
+        self.metrics = ExecutorMetrics((SERVING, ROLLOUT))
         self.slo = cfg.slo
         self._turns: dict[str, Turn] = {}
         # Per serving request: seconds it spent waiting for rollout work, in all and up to its
@@ -208,9 +208,12 @@ class CoServingExecutor:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         out = self.serving.abort(request_id)
-        if out is None and self.rollout:
+        if out is not None:
+            self.metrics.serving_finished(out)
+        elif self.rollout:
             out = self.rollout.abort(request_id)
-            self._turns.pop(request_id, None)
+            if self._turns.pop(request_id, None) is not None:
+                self.metrics.turns_finished.labels("abort").inc()
         return out
 
     def abort_turn(self, turn_id: str) -> RequestOutput | None:
@@ -272,12 +275,14 @@ class CoServingExecutor:
         budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
         outputs += self._run(self.serving, SERVING, None)
         serving_s = self.serving.last_step.seconds
-        if self.rollout and budget != 0 and self.rollout.has_unfinished():
-            outputs += self._run(self.rollout, ROLLOUT, budget,
-                                 self.serving_arrived if self.config.policy is Policy.ROSE else None)
-            self._charge_rollout_time(self.rollout.last_step.seconds)
-            if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
-                self._observe_slack(serving_s + self.rollout.last_step.seconds)
+        if self.rollout and self.rollout.has_unfinished():
+            self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
+            if budget != 0:
+                outputs += self._run(self.rollout, ROLLOUT, budget,
+                                     self.serving_arrived if self.config.policy is Policy.ROSE else None)
+                self._charge_rollout_time(self.rollout.last_step.seconds)
+                if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
+                    self._observe_slack(serving_s + self.rollout.last_step.seconds)
         self._export_pool()
         return outputs
 
@@ -315,18 +320,18 @@ class CoServingExecutor:
                 self.metrics.rollout_tokens.inc(len(out.token_ids))
                 if out.finished:
                     self._turns.pop(out.request_id, None)
-            elif out.finished:
-                self._record_serving(out)
+                    self.metrics.turns_finished.labels(out.finish_reason or "abort").inc()
+            else:
+                self.metrics.serving_output(out)
+                if out.finished:
+                    self._record_serving(out)
         return outputs
 
     def _record_serving(self, out: RequestOutput) -> None:
-        if out.first_token_time is None:
+        latencies = self.metrics.serving_finished(out)
+        if latencies is None:
             return  # aborted before its first token
-        ttft = out.first_token_time - out.arrival_time
-        n = out.num_output_tokens
-        tpot = (out.last_token_time - out.first_token_time) / (n - 1) if n > 1 else 0.0
-        self.metrics.ttft.observe(ttft)
-        self.metrics.tpot.observe(tpot)
+        ttft, tpot = latencies
         self.metrics.serving_requests.inc()
         self.served += 1
         if ttft <= self.slo.ttft_s and tpot <= self.slo.tpot_s:
@@ -372,6 +377,7 @@ class CoServingExecutor:
                          share=self.guard.share, max_rollout_s=cap)
         self._limit_s = decision.limit_s if state.waiting or state.decoding_last_token_s else math.inf
         self.metrics.latency_error.set(self.latency.error)
+        self.metrics.slack.set(min(decision.prefill_slack_s, decision.decode_slack_s))
         if not state.waiting and not state.decoding_last_token_s:
             return max(decision.rollout_tokens, self.config.idle_min_rollout_tokens)
         if decision.decode_seqs < len(demand.decode_context):
@@ -400,12 +406,18 @@ class CoServingExecutor:
         return sched.running + sched.waiting
 
     def _export_pool(self) -> None:
+        """The gauges of the batch and the pool, after each iteration."""
+        m, sched = self.metrics, self.serving.scheduler
+        m.running.labels(m.model_name).set(len(sched.running))
+        m.waiting.labels(m.model_name).set(len(sched.waiting))
+        m.kv_usage.labels(m.model_name).set(1.0 - self.pool.num_free / self.pool.num_pages)
+        m.turns_running.set(len(self._turns))
         for owner in (SERVING, ROLLOUT):
-            self.metrics.pool_pages.labels(owner).set(self.pool.used(owner))
+            m.pool_pages.labels(owner).set(self.pool.used(owner))
         for engine in (self.serving, self.rollout):
             if engine is not None:
-                self.metrics.cached_pages.labels(engine.blocks.owner).set(engine.blocks.num_cached_pages)
-        self.metrics.pool_pages.labels("free").set(self.pool.num_free)
+                m.cached_pages.labels(engine.blocks.owner).set(engine.blocks.num_cached_pages)
+        m.pool_pages.labels("free").set(self.pool.num_free)
 
     def _rollout(self) -> LLMEngine:
         if self.rollout is None:

@@ -1,53 +1,146 @@
-"""Prometheus metrics of one co-serving executor (its own registry, so several can coexist)."""
+"""Prometheus metrics of one co-serving executor (its own registry, so several can coexist).
+
+The serving model's are named and labelled as vLLM's (`vllm:*`, `model_name`), so dashboards
+and alerts written for a vLLM server read a ROSE executor unchanged; what only co-serving has
+(rollouts, leases, burst control, admission) is `rose:*`. docs/coserve.md lists them all.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-# Buckets in seconds: TTFT spans milliseconds to many seconds under load; TPOT is per token.
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
-_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+from rose.coserve.admission import BurstState
+from rose.engine import RequestOutput
+
+# vLLM's buckets (seconds), so that percentiles over a ROSE and a vLLM server compare.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Token counts: 1, 2, 5, 10, ... as vLLM builds them.
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ExecutorMetrics:
-    def __init__(self) -> None:
+    def __init__(self, engines: tuple[str, ...]) -> None:
+        """`engines`: the executor's engines' names, the `engine` label's values."""
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("rose_serving_ttft_seconds", "Serving time to first token",
+        self.model_name = ""
+        r, model = self.registry, ["model_name"]
+        # -- vLLM's, for the serving model -------------------------------------------------------
+        self.running = Gauge("vllm:num_requests_running", "Serving requests in the running batch", model,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Serving requests waiting to be scheduled", model,
+                             registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV page pool in use, by both "
+                              "models (1 = full)", model, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of serving requests, counted at "
+                                     "their first token", model, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated for serving requests",
+                                         model, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished serving requests, by finish reason",
+                                       [*model, "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Serving time to first token", model,
                               buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("rose_serving_tpot_seconds", "Serving time per output token after the first",
+        # Once per request, its mean after the first token: the quantity the TPOT SLO bounds.
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Serving time per output token after the first, per request", model,
                               buckets=_TPOT_BUCKETS, registry=r)
-        self.serving_requests = Counter("rose_serving_requests", "Finished serving requests", registry=r)
-        self.slo_met = Counter("rose_serving_slo_met", "Finished serving requests within both SLOs",
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Serving request latency, arrival to last "
+                             "token", model, buckets=_E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per serving "
+                                               "request", model, buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens per "
+                                                   "serving request", model, buckets=_TOKEN_BUCKETS,
+                                                   registry=r)
+        # -- ROSE's own ------------------------------------------------------------------------------
+        self.serving_requests = Counter("rose:serving_requests", "Finished serving requests that had a "
+                                        "first token (the SLO attainment's denominator)", registry=r)
+        self.slo_met = Counter("rose:serving_slo_met", "Finished serving requests within both SLOs",
                                registry=r)
-        self.rollout_tokens = Counter("rose_rollout_tokens", "Tokens generated for rollout turns", registry=r)
-        self.rollout_aborts = Counter("rose_rollout_aborted_turns",
+        self.slo_attainment = Gauge("rose:serving_slo_attainment",
+                                    "Share of finished serving requests within both SLOs", registry=r)
+        self.rollout_tokens = Counter("rose:rollout_tokens", "Tokens generated for rollout turns", registry=r)
+        self.turns_running = Gauge("rose:rollout_turns_running", "Leased rollout turns running", registry=r)
+        self.turns_finished = Counter("rose:rollout_turns_finished", "Finished rollout turns, by finish "
+                                      "reason", ["finished_reason"], registry=r)
+        self.rollout_aborts = Counter("rose:rollout_aborted_turns",
                                       "Rollout turns aborted by an emergency cut", registry=r)
-        self.iterations = Counter("rose_iterations", "Executor iterations", ["model"], registry=r)
-        self.busy = Counter("rose_busy_seconds", "Time spent computing iterations", ["model"], registry=r)
-        self.pool_pages = Gauge("rose_kv_pool_pages", "KV pool pages by owner (and free)", ["owner"],
+        self.rollout_interrupted = Counter(
+            "rose:rollout_interrupted", "Rollout iterations given up part way for a serving request "
+            "that arrived while they ran", registry=r)
+        self.iterations = Counter("rose:iterations", "Executor iterations", ["engine"], registry=r)
+        self.busy = Counter("rose:busy_seconds", "Time spent computing iterations", ["engine"], registry=r)
+        self.pool_pages = Gauge("rose:kv_pool_pages", "KV pool pages by owner (and free)", ["owner"],
                                 registry=r)
-        self.cached_pages = Gauge("rose_kv_cached_pages",
+        self.cached_pages = Gauge("rose:kv_cached_pages",
                                   "KV pages only an owner's prefix cache holds (evictable)", ["owner"],
                                   registry=r)
-        self.state = Gauge("rose_executor_state", "Burst state: 0 normal, 1 burst, 2 frozen", registry=r)
-        self.transitions = Counter("rose_executor_transitions", "Burst state transitions",
+        self.state = Gauge("rose:burst_state", "Burst state: 0 normal, 1 burst, 2 frozen", registry=r)
+        self.transitions = Counter("rose:burst_transitions", "Burst state transitions",
                                    ["from_state", "to_state"], registry=r)
-        self.rollout_budget = Gauge("rose_rollout_budget_pages", "Pages rollouts may hold", registry=r)
-        self.latency_error = Gauge("rose_latency_model_error",
+        self.rollout_budget = Gauge("rose:rollout_budget_pages", "Pages rollouts may hold", registry=r)
+        self.admissions = Counter("rose:admission_decisions", "Iterations with rollout work, by whether "
+                                  "any of it was admitted", ["outcome"], registry=r)
+        self.slack = Gauge("rose:admission_slack_seconds", "Least serving slack left with the admitted "
+                           "rollout work (+Inf: no serving request in flight)", registry=r)
+        self.latency_error = Gauge("rose:latency_model_error",
                                    "Time-weighted relative error of iteration-time predictions", registry=r)
         self.admission_overruns = Counter(
-            "rose_admission_overruns", "Co-served iterations that ran past the ceiling they were admitted "
+            "rose:admission_overruns", "Co-served iterations that ran past the ceiling they were admitted "
             "under", registry=r)
-        self.rollout_interrupted = Counter(
-            "rose_rollout_interrupted", "Rollout iterations given up part way for a serving request "
-            "that arrived while they ran", registry=r)
         self.rollout_share = Gauge(
-            "rose_rollout_share", "Feedback guard: share of the admission ceiling rollouts may use",
+            "rose:rollout_share", "Feedback guard: share of the admission ceiling rollouts may use",
             registry=r)
         self.rollout_share.set(1.0)
-        self.slo_attainment = Gauge("rose_serving_slo_attainment",
-                                    "Share of finished serving requests within both SLOs", registry=r)
+        # Every series from the first scrape on, so rates and dashboards need no first event.
+        for reason in FINISH_REASONS:
+            self.turns_finished.labels(reason)
+        for engine in engines:
+            self.iterations.labels(engine)
+            self.busy.labels(engine)
+        for before in BurstState:
+            for after in BurstState:
+                if before is not after:
+                    self.transitions.labels(before.name.lower(), after.name.lower())
+        for outcome in ("admitted", "held"):
+            self.admissions.labels(outcome)
+
+    def set_model_name(self, name: str) -> None:
+        """The name clients call the serving model (the server's): the `model_name` label."""
+        self.model_name = name
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.ttft, self.tpot, self.e2e, self.request_prompt_tokens,
+                       self.request_generation_tokens):
+            metric.labels(name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(name, reason)
+
+    def serving_output(self, out: RequestOutput) -> None:
+        """One iteration's output of a serving request: its new tokens, and its prompt's with its
+        first token."""
+        self.generation_tokens.labels(self.model_name).inc(len(out.token_ids))
+        if out.token_ids and out.num_output_tokens == len(out.token_ids):
+            self.prompt_tokens.labels(self.model_name).inc(out.num_prompt_tokens)
+
+    def serving_finished(self, out: RequestOutput) -> tuple[float, float] | None:
+        """A finished (or aborted) serving request: its (TTFT, TPOT), None before its first token."""
+        name = self.model_name
+        self.request_success.labels(name, out.finish_reason or "abort").inc()
+        if out.first_token_time is None or out.last_token_time is None:
+            return None
+        n = out.num_output_tokens
+        ttft = out.first_token_time - out.arrival_time
+        tpot = (out.last_token_time - out.first_token_time) / (n - 1) if n > 1 else 0.0
+        self.ttft.labels(name).observe(ttft)
+        self.tpot.labels(name).observe(tpot)
+        self.e2e.labels(name).observe(out.last_token_time - out.arrival_time)
+        self.request_prompt_tokens.labels(name).observe(out.num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(n)
+        return ttft, tpot
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)

@@ -240,6 +240,7 @@ def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokeni
     limits = limits or ServerLimits()
     app = FastAPI(title="ROSE co-serving executor", lifespan=_lifespan)
     app.state.server = state = ServerState(loop, executor, tokenizer, model_name, limits)
+    executor.metrics.set_model_name(model_name)
     app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals)
     for kind, handler in _HANDLERS.items():
         app.add_exception_handler(kind, handler)

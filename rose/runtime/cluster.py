@@ -29,6 +29,8 @@ from rose.runtime.rollouts import RolloutContext, RolloutFunction, heldout_rollo
 from rose.runtime.trainers import TrainerGroup
 from rose.transfer import RayRelay
 
+PROMETHEUS_TARGETS = "prometheus_targets.json"  # in the run directory: the serving devices' /metrics
+
 
 @dataclasses.dataclass
 class SyncReport:
@@ -47,7 +49,8 @@ class Cluster:
         # The serving devices' HTTP APIs are locked with keys of this run's own: only its driver
         # leases turns and loads weights, only its trace replay sends serving requests.
         limits = ServerLimits(api_key=secrets.token_urlsafe(32), lease_key=secrets.token_urlsafe(32))
-        self.replicas = Replicas(config, self.registry, self.trainers, relay, group, limits, self.restarts)
+        self.replicas = Replicas(config, self.registry, self.trainers, relay, group, limits, self.restarts,
+                                 out_dir / PROMETHEUS_TARGETS)
         self.rollout_function = load_rollout_function(config.rollout.function)
         self._pinned = contextlib.ExitStack()
         self._relay: RayRelay | None = None

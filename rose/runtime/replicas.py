@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,8 +38,10 @@ SYNC_ROUNDS = 3  # publishes per weight sync: a replica that missed one, or was 
 
 class Replicas:
     def __init__(self, config: Config, registry: WorkerRegistry, trainers: TrainerGroup, relay: str,
-                 group: str, server_limits: ServerLimits, restarts: list[str]) -> None:
+                 group: str, server_limits: ServerLimits, restarts: list[str], targets_file: Path) -> None:
         self.config, self.registry, self.trainers = config, registry, trainers
+        self.targets_file = targets_file  # the serving devices' /metrics, for Prometheus's file_sd
+        self.metrics_urls: dict[str, str] = {}
         self.relay, self.group, self.server_limits = relay, group, server_limits
         self.restarts = restarts  # the run's log of what died and came back, shared
         self.dedicated: dict[str, Any] = {}
@@ -81,8 +86,9 @@ class Replicas:
         """Route to replica `wid` (in place of a dead one of the same name)."""
         handle, r = self.all()[wid], self.config.rollout
         if wid in self.serving:
-            worker: Any = LeaseWorker(wid, await handle.address.remote(), r.serving_concurrency,
-                                      key=self.server_limits.lease_key)
+            url = self.metrics_urls[wid] = await handle.address.remote()
+            write_prometheus_targets(self.targets_file, self.metrics_urls)
+            worker: Any = LeaseWorker(wid, url, r.serving_concurrency, key=self.server_limits.lease_key)
         else:
             await handle.ready.remote()
             worker = RemoteWorker(wid, handle, r.dedicated_concurrency)
@@ -233,3 +239,13 @@ class Replicas:
             except ray.exceptions.RayError:
                 continue  # a serving device that died keeps its measurements
         return results
+
+
+def write_prometheus_targets(path: Path, urls: dict[str, str]) -> None:
+    """Prometheus file_sd targets, one group per serving device (a restarted one's new port
+    replaces its old): written whole and renamed, as Prometheus may read it at any time."""
+    groups = [{"targets": [url.removeprefix("http://")], "labels": {"job": "rose-serving", "replica": wid}}
+              for wid, url in sorted(urls.items())]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(groups, indent=2) + "\n")
+    os.replace(tmp, path)
