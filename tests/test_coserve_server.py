@@ -117,6 +117,10 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     cut = client.completions.create(model="tiny-serving", prompt="abc", max_tokens=12, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == free[:free.find(stop)]
+    # Before min_tokens no stop string is looked for (vLLM's rule).
+    late = client.completions.create(model="tiny-serving", prompt="abc", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 12}).choices[0]
+    assert late.finish_reason == "length" and late.text == free
 
 
 def test_tokens_of_an_incomplete_character_still_stream(client: openai.OpenAI,

@@ -75,7 +75,7 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     try:
         stream = state.loop.stream(rid, add)
         async for out in stream:
-            delta = text.push(out.token_ids, out.finished)
+            delta = text.push(out.token_ids, out.finished, out.num_output_tokens > params.min_tokens)
             finish = "stop" if text.stopped else out.finish_reason if out.finished else None
             yield _Delta(delta, out.token_ids, out.logprobs, out.top_logprobs, finish)
             if text.stopped:
