@@ -119,8 +119,8 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     assert cut.finish_reason == "stop" and cut.text == free[:free.find(stop)]
     # Before min_tokens no stop string is looked for (vLLM's rule).
     late = client.completions.create(model="tiny-serving", prompt="abc", max_tokens=12, temperature=0,
-                                     stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 12}).choices[0]
-    assert late.finish_reason == "length" and late.text == free
+                                     stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 12})
+    assert late.choices[0].finish_reason == "length" and late.choices[0].text == free
 
 
 def test_tokens_of_an_incomplete_character_still_stream(client: openai.OpenAI,
@@ -715,7 +715,14 @@ def test_top_logprobs_are_the_raw_likeliest(client: openai.OpenAI) -> None:
         assert top[token] == logprob == max(top.values()) and len(top) == 2  # greedy: the top one
 
 
-def test_n_choices_each_seeded_as_vllm_seeds_them(client: openai.OpenAI) -> None:
+def test_n_choices_each_seeded_as_vllm_seeds_them(server: tuple[str, CoServingExecutor],
+                                                  client: openai.OpenAI) -> None:
+    blocks = server[1].serving.blocks
+    prompt = [5 + i % 40 for i in range(3 * blocks.block_size + 1)]  # no other test's prompt
+    hits = blocks.hit_tokens
+    many = client.completions.create(model="tiny-serving", prompt=prompt, max_tokens=2, n=4)
+    assert len(many.choices) == 4
+    assert blocks.hit_tokens - hits == 3 * 3 * blocks.block_size  # the 3 others reuse its 3 full blocks
     kw: dict[str, Any] = {"model": "tiny-serving", "prompt": "Hello", "max_tokens": 6, "temperature": 1.0,
                           "extra_body": {"ignore_eos": True}}
     three = client.completions.create(n=3, seed=11, **kw)

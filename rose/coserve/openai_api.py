@@ -90,8 +90,10 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
 
 
 async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[int, _Delta]]:
-    """The samples' deltas as they come, each with its sample's index. The first error ends
-    them all; so does closing the merge (each request is aborted)."""
+    """The samples' deltas as they come, each with its sample's index. The others start once
+    the first sends anything: its prompt's KV is in the prefix cache by then, so they compute
+    only their last partial block of it (started together, each would prefill all of it).
+    The first error ends them all; so does closing the merge (each request is aborted)."""
     queue: asyncio.Queue[tuple[int, _Delta | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[_Delta]) -> None:
@@ -103,13 +105,15 @@ async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[in
         else:
             queue.put_nowait((i, None))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(0, streams[0]))]
     try:
-        running = len(tasks)
+        running = len(streams)
         while running:
             i, item = await queue.get()
             if isinstance(item, Exception):
                 raise item
+            if len(tasks) == 1:
+                tasks += [asyncio.create_task(pump(j, s)) for j, s in enumerate(streams[1:], 1)]
             if item is None:
                 running -= 1
             else:
