@@ -86,18 +86,17 @@ def _check_neutral(value: object, field: str) -> object:
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI's `{"token id": bias}`, each bias clamped as vLLM does (the engine checks the ids
     against its vocabulary)."""
-    pairs = []
+    biases: dict[int, float] = {}  # "5" and "05" name one token: the last wins, as in vLLM's dict
     for key, value in (bias or {}).items():
         try:
             token = int(key)
-        except ValueError:
-            raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids (integers >= 0), "
-                                      "got {key!r}", {"key": key}) from None
+        except ValueError:  # not an integer (or one of thousands of digits)
+            token = -1
         if token < 0:
             raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids (integers >= 0), "
                                       "got {key!r}", {"key": key})
-        pairs.append((token, min(LOGIT_BIAS, max(-LOGIT_BIAS, value))))
-    return tuple(pairs)
+        biases[token] = min(LOGIT_BIAS, max(-LOGIT_BIAS, value))
+    return tuple(biases.items())
 
 
 class _OpenAIRequest(_Sampling):

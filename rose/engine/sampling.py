@@ -55,8 +55,8 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def _process(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
     """The logits a token is drawn (or taken greedily) from, before temperature: the bias,
-    min_tokens' mask, then the penalties (vLLM's order)."""
-    logits = logits.clone()
+    min_tokens' mask, then the penalties (vLLM's order). Untouched (not copied) when no row asks
+    for any: the common case, and a batch's logits are large."""
     vocab, device = logits.shape[-1], logits.device
     rows: list[int] = []
     cols: list[int] = []
@@ -71,11 +71,14 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collecti
             rows.append(i)
             cols.append(token)
             values.append(value)
+    penalized = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty
+                 or s.params.repetition_penalty != 1]
+    if not rows and not penalized:
+        return logits
+    logits = logits.clone()
     if rows:
         logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
                           torch.tensor(values, device=device), accumulate=True)
-    penalized = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty
-                 or s.params.repetition_penalty != 1]
     if not penalized:
         return logits
     params = [seqs[i].params for i in penalized]
