@@ -94,16 +94,18 @@ async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[in
     the first sends anything: its prompt's KV is in the prefix cache by then, so they compute
     only their last partial block of it (started together, each would prefill all of it).
     The first error ends them all; so does closing the merge (each request is aborted)."""
-    queue: asyncio.Queue[tuple[int, _Delta | Exception | None]] = asyncio.Queue()
+    # Bounded: a slow reader holds the samples back, and the engine loop's bound on a reader's
+    # queued outputs still applies.
+    queue: asyncio.Queue[tuple[int, _Delta | Exception | None]] = asyncio.Queue(len(streams))
 
     async def pump(i: int, stream: AsyncIterator[_Delta]) -> None:
         try:
             async for delta in stream:
-                queue.put_nowait((i, delta))
+                await queue.put((i, delta))
         except Exception as exc:  # handed to the reader, who answers with it
-            queue.put_nowait((i, exc))
+            await queue.put((i, exc))
         else:
-            queue.put_nowait((i, None))
+            await queue.put((i, None))
 
     tasks = [asyncio.create_task(pump(0, streams[0]))]
     try:
