@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import math
 import re
 import socket
 import threading
@@ -118,6 +119,10 @@ def test_stop_strings_cut_the_text(client: openai.OpenAI) -> None:
     cut = client.completions.create(model="tiny-serving", prompt="abc", max_tokens=12, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == free[:free.find(stop)]
+    # Before min_tokens no stop string is looked for (vLLM's rule).
+    late = client.completions.create(model="tiny-serving", prompt="abc", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 12})
+    assert late.choices[0].finish_reason == "length" and late.choices[0].text == free
 
 
 def test_tokens_of_an_incomplete_character_still_stream(client: openai.OpenAI,
@@ -141,7 +146,7 @@ def test_tokens_of_an_incomplete_character_still_stream(client: openai.OpenAI,
         ({"model": "tiny-serving", "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": "tiny-serving", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": "tiny-serving", "prompt": "x", "top_p": 2}, 400, "top_p"),
-        ({"model": "tiny-serving", "prompt": "x", "n": 3}, 400, "n"),
+        ({"model": "tiny-serving", "prompt": "x", "n": 17}, 400, "n"),
         ({"model": "tiny-serving", "prompt": [1] * 5000}, 400, "the prompt has 5000 tokens"),
         ({"model": "tiny-serving", "prompt": [99999]}, 400, "outside the vocabulary"),
         ({"model": "tiny-serving", "prompt": ""}, 400, "prompt"),
@@ -339,14 +344,18 @@ def test_out_of_range_numbers_are_refused_at_the_edge(server: tuple[str, CoServi
         ({"stop": ""}, "stop", "at least 1 character"),
         ({"stop": ["a", ""]}, "stop", "at least 1 character"),
         ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16 items"),
-        ({"logit_bias": {"5": 10}}, "logit_bias", "does not implement logit_bias"),
+        ({"logit_bias": {"x": 10}}, "logit_bias", "logit_bias keys must be token ids"),
+        ({"logit_bias": {"-1": 10}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"response_format": {"type": "json_object"}}, "response_format", "does not implement"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not implement"),
-        ({"n": 2}, "n", "Input should be 1"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
         ({"best_of": 3}, "best_of", "does not implement"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "does not implement"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "does not implement"),
-        ({"logprobs": 2}, "logprobs", "less than or equal to 1"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+        ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"suffix": "tail"}, "suffix", "does not implement suffix"),
         ({"guided_json": {}}, "guided_json", "unknown parameter"),
         # Valid JSON, not valid Unicode: on main the tokenizer raised and the server answered 500.
@@ -376,10 +385,11 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_encoding(
 
 def test_neutral_values_of_unimplemented_parameters_pass(client: openai.OpenAI) -> None:
     done = client.completions.create(model="tiny-serving", prompt="x", max_tokens=2, n=1, presence_penalty=0,
-                                     frequency_penalty=0, logit_bias={}, best_of=1, user="u", stop=["zz"])
+                                     frequency_penalty=0, logit_bias={}, best_of=1, user="u", stop=["zz"],
+                                     extra_body={"response_format": {"type": "text"}})
     assert done.usage.completion_tokens <= 2
-    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        client.chat.completions.create(model="tiny-serving", max_tokens=2, logprobs=True, top_logprobs=3,
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="tiny-serving", max_tokens=2, top_logprobs=3,
                                        messages=[{"role": "user", "content": "x"}])
 
 
@@ -669,3 +679,123 @@ def test_a_serving_request_interrupts_rollouts_from_its_first_byte_until_queued(
     assert _wait(lambda: not arrived())
     assert _wait(lambda: not executor.has_unfinished())
     _still_serving(url, API)
+
+
+# -- the fuller OpenAI API: as vLLM answers it --------------------------------------------------
+
+def test_text_parts_developer_role_tokenize_detokenize_version(server: tuple[str, CoServingExecutor],
+                                                                client: openai.OpenAI) -> None:
+    url = server[0]
+    parts = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    plain = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
+    chats = [client.chat.completions.create(model="tiny-serving", max_tokens=4, temperature=0, messages=m)
+             for m in (parts, plain)]
+    assert chats[0].choices[0].message.content == chats[1].choices[0].message.content
+    assert chats[0].usage.prompt_tokens == chats[1].usage.prompt_tokens
+    rendered = httpx.post(f"{url}/tokenize", json={"model": "tiny-serving", "messages": parts}).json()
+    assert rendered["count"] == chats[0].usage.prompt_tokens == len(rendered["tokens"])
+    text = httpx.post(f"{url}/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>developer\nBe brief.<|im_end|>") and "Hi\nthere" in text
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert "".join(ids["token_strs"]) == "Hello world" and ids["max_model_len"] > 0
+    assert httpx.post(f"{url}/tokenize", json={}).status_code == 400
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(f"{url}/version").json()["version"]
+    with pytest.raises(openai.BadRequestError, match="content"):
+        client.chat.completions.create(model="tiny-serving", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def _first_token(url: str, text: str) -> tuple[int, str]:
+    """The first token of `text`: its id and its text."""
+    reply = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    return reply["tokens"][0], reply["token_strs"][0]
+
+
+def _completion_ids(client: openai.OpenAI, prompt: list[int], **kw: Any) -> list[list[str]]:
+    """Each choice's tokens (as text), greedily unless told: logit biases of 100 make the random
+    model's own logits (far below 1) matter only between tokens of equal bias."""
+    kw.setdefault("temperature", 0)
+    done = client.completions.create(model="tiny-serving", prompt=prompt, logprobs=0,
+                                     extra_body={"ignore_eos": True, **kw.pop("extra_body", {})}, **kw)
+    return [c.logprobs.tokens for c in done.choices]
+
+
+def test_penalties_bias_and_min_tokens_act_as_vllm_s(server: tuple[str, CoServingExecutor],
+                                                     client: openai.OpenAI) -> None:
+    url = server[0]
+    (a, sa), (b, sb), (c, _) = (_first_token(url, w) for w in ("Hello", " world", " fox"))
+    assert len({a, b, c}) == 3
+    bias = {str(a): 100, str(b): 99}
+    prompt = [c, c]
+    assert _completion_ids(client, prompt, max_tokens=4, logit_bias=bias) == [[sa] * 4]
+    # Presence: once seen, `a` falls to 98 < 99; `b` too, then `a` leads again for good.
+    assert _completion_ids(client, prompt, max_tokens=4, logit_bias=bias, presence_penalty=2) == \
+        [[sa, sb, sa, sa]]
+    # Frequency: each occurrence costs 2 more, so they alternate.
+    assert _completion_ids(client, prompt, max_tokens=4, logit_bias=bias, frequency_penalty=2) == \
+        [[sa, sb, sa, sb]]
+    # Repetition counts the prompt: `a` in it divides 100 by 1.1 (90.9 < 99).
+    assert _completion_ids(client, [a], max_tokens=2, logit_bias=bias,
+                           extra_body={"repetition_penalty": 1.1}) == [[sb, sa]]
+    # min_tokens: the stop token (here the likeliest) cannot come before 3 tokens.
+    stopped = client.completions.create(model="tiny-serving", prompt=prompt, max_tokens=8, temperature=0,
+                                        logit_bias={str(a): 100}, logprobs=0, extra_body={
+                                            "stop_token_ids": [a], "min_tokens": 3, "ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 4
+    assert stopped.choices[0].logprobs.tokens[3] == sa != stopped.choices[0].logprobs.tokens[2]
+    # Clamped to 100, as vLLM does: 1e9 ties with 100 and the model's own logit decides.
+    assert _completion_ids(client, prompt, max_tokens=1, logit_bias={str(a): 1e9, str(b): 100}) == \
+        _completion_ids(client, prompt, max_tokens=1, logit_bias={str(a): 100, str(b): 100})
+    # min_p of 1 keeps the likeliest token alone: sampling then draws what greedy picks.
+    greedy = _completion_ids(client, prompt, max_tokens=3)
+    assert _completion_ids(client, prompt, max_tokens=3, temperature=1.5, seed=1,
+                           extra_body={"min_p": 1.0}) == greedy
+    for body, message in (({"logit_bias": {"99999": 1}}, "logit_bias token id 99999 is outside the vocab"),
+                          ({"min_tokens": 5}, "min_tokens must be <= max_tokens")):
+        r = httpx.post(f"{url}/v1/completions", json={**COMPLETION, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_top_logprobs_are_the_raw_likeliest(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model="tiny-serving", max_tokens=4, temperature=1.0, seed=3,
+                                          logprobs=True, top_logprobs=5, frequency_penalty=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    for entry in chat.choices[0].logprobs.content:
+        top = [t.logprob for t in entry.top_logprobs]
+        assert len(top) == 5 and top == sorted(top, reverse=True) and sum(math.exp(v) for v in top) <= 1
+        # Raw (unpenalized) logprobs: the sampled token's is at most the likeliest one's.
+        assert entry.logprob <= top[0] + 1e-6
+    done = client.completions.create(model="tiny-serving", prompt="Hello", max_tokens=3, logprobs=2,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob == max(top.values()) and len(top) == 2  # greedy: the top one
+
+
+def test_n_choices_each_seeded_as_vllm_seeds_them(server: tuple[str, CoServingExecutor],
+                                                  client: openai.OpenAI) -> None:
+    blocks = server[1].serving.blocks
+    prompt = [5 + i % 40 for i in range(3 * blocks.block_size + 1)]  # no other test's prompt
+    hits = blocks.hit_tokens
+    many = client.completions.create(model="tiny-serving", prompt=prompt, max_tokens=2, n=4)
+    assert len(many.choices) == 4
+    assert blocks.hit_tokens - hits == 3 * 3 * blocks.block_size  # the 3 others reuse its 3 full blocks
+    kw: dict[str, Any] = {"model": "tiny-serving", "prompt": "Hello", "max_tokens": 6, "temperature": 1.0,
+                          "extra_body": {"ignore_eos": True}}
+    three = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 18
+    singles = [client.completions.create(seed=11 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in three.choices] == singles and len(set(singles)) > 1
+    chunks = list(client.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(3)]
+    assert texts == singles and chunks[-1].usage.completion_tokens == 18
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2]
+    chat = client.chat.completions.create(model="tiny-serving", max_tokens=3, n=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert [c.index for c in chat.choices] == [0, 1]

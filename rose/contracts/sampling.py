@@ -8,6 +8,7 @@ import math
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this a temperature divides logits into inf/NaN (float32): such requests are greedy.
 MIN_TEMPERATURE = 1e-5
+MAX_REPETITION_PENALTY = 100.0  # vLLM asks only > 0; a bound keeps it finite
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -16,6 +17,14 @@ def _check_int(name: str, value: object, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= INT64_MAX:
         shown = "-2**63" if low == INT64_MIN else low
         raise ValueError(f"{name} must be an integer >= {shown} and < 2**63, got {value!r}")
+
+
+def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    """A finite number in [low, high] ((low, high] with `low_open`); NaN fails every comparison."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value <= high \
+        and (value > low if low_open else value >= low)
+    if not ok:
+        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +39,19 @@ class SamplingParams:
     # Record each token's logprob at this temperature (the policy it was drawn from, as RL
     # needs) rather than under the raw softmax (what OpenAI-style clients get, as from vLLM).
     logprobs_at_temperature: bool = False
+    # vLLM's semantics: presence and frequency penalties count the output tokens; the repetition
+    # penalty divides positive logits (multiplies negative ones) of tokens in prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest
+    min_tokens: int = 0  # until this many output tokens, no stop or end-of-sequence id is drawn
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    top_logprobs: int = 0  # with each token, the logprobs of this many likeliest ones
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (integers must fit int64; floats must be
@@ -48,6 +67,18 @@ class SamplingParams:
             _check_int("seed", self.seed, INT64_MIN)
         for token in self.stop_token_ids:
             _check_int("stop_token_ids[]", token, 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+                     low_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for token, bias in self.logit_bias:
+            _check_int("logit_bias token id", token, 0)
+            _check_float("logit_bias value", bias, -100.0, 100.0)
+        _check_int("top_logprobs", self.top_logprobs, 0)
 
     @property
     def greedy(self) -> bool:

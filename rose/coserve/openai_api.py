@@ -1,12 +1,13 @@
 """The serving model over OpenAI's API: `POST /v1/completions`, `POST /v1/chat/completions`
-(SSE streaming or not), `GET /v1/models`, as the official `openai` client expects; beside them,
-as vLLM has them, `GET /health` (answers only while the engine loop does) and `GET /metrics`
-(Prometheus)."""
+(SSE streaming or not, `n` choices), `GET /v1/models`, as the official `openai` client expects;
+beside them, as vLLM has them, `GET /health` (answers only while the engine loop does),
+`GET /metrics` (Prometheus), `POST /tokenize`, `POST /detokenize` and `GET /version`."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,10 +16,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rose.contracts import SamplingParams
 from rose.coserve.api_errors import APIError
 from rose.coserve.api_state import Served, ServerState, sse, unless_gone
 from rose.coserve.executor import SERVING
-from rose.coserve.protocol import ChatCompletionRequest, CompletionRequest
+from rose.coserve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.steploop import LoopDeadError, RequestFailed
 
@@ -31,30 +39,32 @@ class _Delta:
     text: str
     token_ids: list[int]
     logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per token, its likeliest (id, logprob) (if asked)
     finish_reason: str | None
 
+    def extend(self, later: _Delta) -> None:
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.top += later.top
+        self.finish_reason = later.finish_reason
 
-def _check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
                        "model", "not_found_error")
 
 
-async def _generate(state: ServerState, prompt_ids: list[int],
-                    body: CompletionRequest | ChatCompletionRequest,
-                    max_tokens: int | None, arrived: Callable[[], None]) -> AsyncIterator[_Delta]:
+async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                    stop: list[str], arrived: Callable[[], None]) -> AsyncIterator[_Delta]:
     """Run one serving request; yield one delta per engine output (detokenized incrementally:
     text is held back while a UTF-8 character or a stop string may still be incomplete, but
     the delta still goes out with its token ids, so that the client sees every token when
     it is produced, as vLLM streams). `arrived` ends the request's arrival once it is queued."""
     executor = state.executor
-    body_max = max_tokens or body.max_tokens
-    # By default a request may grow to what the model's context and the KV pool hold.
-    default = max(1, executor.serving.max_request_tokens - len(prompt_ids))
-    # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
-    params = body.model_copy(update={"max_tokens": body_max}).sampling(default, body.stop_token_ids)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    text = IncrementalDetokenizer(state.tokenizer.decode, body.stop_strings)
+    text = IncrementalDetokenizer(state.tokenizer.decode, stop)
 
     def add() -> None:
         try:
@@ -65,9 +75,9 @@ async def _generate(state: ServerState, prompt_ids: list[int],
     try:
         stream = state.loop.stream(rid, add)
         async for out in stream:
-            delta = text.push(out.token_ids, out.finished)
+            delta = text.push(out.token_ids, out.finished, out.num_output_tokens > params.min_tokens)
             finish = "stop" if text.stopped else out.finish_reason if out.finished else None
-            yield _Delta(delta, out.token_ids, out.logprobs, finish)
+            yield _Delta(delta, out.token_ids, out.logprobs, out.top_logprobs, finish)
             if text.stopped:
                 await stream.aclose()  # aborts the request in the engine
                 return
@@ -79,8 +89,63 @@ async def _generate(state: ServerState, prompt_ids: list[int],
         raise APIError(500, str(exc), kind="server_error") from None
 
 
+async def _merge(streams: list[AsyncIterator[_Delta]]) -> AsyncIterator[tuple[int, _Delta]]:
+    """The samples' deltas as they come, each with its sample's index. The others start once
+    the first sends anything: its prompt's KV is in the prefix cache by then, so they compute
+    only their last partial block of it (started together, each would prefill all of it).
+    The first error ends them all; so does closing the merge (each request is aborted)."""
+    # Bounded: a slow reader holds the samples back, and the engine loop's bound on a reader's
+    # queued outputs still applies.
+    queue: asyncio.Queue[tuple[int, _Delta | Exception | None]] = asyncio.Queue(len(streams))
+
+    async def pump(i: int, stream: AsyncIterator[_Delta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((i, delta))
+        except Exception as exc:  # handed to the reader, who answers with it
+            await queue.put((i, exc))
+        else:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(0, streams[0]))]
+    try:
+        running = len(streams)
+        while running:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if len(tasks) == 1:
+                tasks += [asyncio.create_task(pump(j, s)) for j, s in enumerate(streams[1:], 1)]
+            if item is None:
+                running -= 1
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _logprobs(state: ServerState, chat: bool, delta: _Delta) -> dict[str, Any]:
+    """A choice's `logprobs`: chat's `content` entries, or completions' parallel lists, whose
+    `top_logprobs` maps each top token's text to its logprob, the sampled token's included (as
+    vLLM answers)."""
+    def text(token: int) -> str:
+        return state.tokenizer.decode([token], skip_special_tokens=False)
+
+    tops = delta.top or [[] for _ in delta.token_ids]
+    if chat:
+        return {"content": [{"token": text(t), "logprob": lp, "bytes": None, "top_logprobs": [
+            {"token": text(i), "logprob": v, "bytes": None} for i, v in top]}
+            for t, lp, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)]}
+    return {"tokens": [text(t) for t in delta.token_ids], "token_logprobs": delta.logprobs,
+            "top_logprobs": [{text(i): v for i, v in [*top, (t, lp)]}
+                             for t, lp, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)],
+            "text_offset": None}
 
 
 async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
@@ -88,55 +153,52 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
-    deltas = _generate(state, prompt_ids, body, max_tokens, request.state.arrived)
+    # By default a request may grow to what the model's context and the KV pool hold.
+    default = max(1, state.executor.serving.max_request_tokens - len(prompt_ids))
+    # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
+    params = body.model_copy(update={"max_tokens": max_tokens or body.max_tokens}).sampling(
+        default, body.stop_token_ids)
+    deltas = _merge([_generate(state, prompt_ids, p, body.stop_strings, request.state.arrived)
+                     for p in body.samples(params)])
     # Bad input surfaces here, as a 4xx, before any byte is sent.
     first = await state.first(request, deltas, SERVING)
 
-    def choice(delta: _Delta, stream: bool) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": delta.finish_reason}
+    def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
         if chat:
             c["delta" if stream else "message"] = {"role": "assistant", "content": delta.text}
         else:
             c["text"] = delta.text
-        if body.logprobs:
-            tokens = [state.tokenizer.decode([t], skip_special_tokens=False) for t in delta.token_ids]
-            c["logprobs"] = ({"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                          for t, lp in zip(tokens, delta.logprobs, strict=True)]}
-                             if chat else {"tokens": tokens, "token_logprobs": delta.logprobs,
-                                           "top_logprobs": None, "text_offset": None})
-        else:
-            c["logprobs"] = None
+        c["logprobs"] = _logprobs(state, chat, delta) if body.returns_logprobs else None
         return c
 
-    async def collect() -> _Delta:
-        text, finish = first.text, first.finish_reason
-        ids, lps = list(first.token_ids), list(first.logprobs)
-        async for d in deltas:
-            text, finish = text + d.text, d.finish_reason
-            ids += d.token_ids
-            lps += d.logprobs
-        return _Delta(text, ids, lps, finish)
+    async def collect() -> list[_Delta]:
+        whole = [_Delta("", [], [], [], None) for _ in range(body.n)]
+        whole[first[0]].extend(first[1])
+        async for i, delta in deltas:
+            whole[i].extend(delta)
+        return whole
 
     if not body.stream:
         whole = await unless_gone(request, collect())  # a client gone: no use generating on
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                             "choices": [choice(whole, False)],
-                             "usage": _usage(len(prompt_ids), len(whole.token_ids))})
+                             "choices": [choice(i, d, False) for i, d in enumerate(whole)],
+                             "usage": _usage(len(prompt_ids), sum(len(d.token_ids) for d in whole))})
 
     async def events() -> AsyncIterator[str]:
         chunk = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
                  "model": state.model_name}
-        completion = len(first.token_ids)
+        completion = len(first[1].token_ids)
         try:
-            yield sse({**chunk, "choices": [choice(first, True)]})
-            async for delta in deltas:
+            yield sse({**chunk, "choices": [choice(*first, True)]})
+            async for i, delta in deltas:
                 completion += len(delta.token_ids)
-                yield sse({**chunk, "choices": [choice(delta, True)]})
+                yield sse({**chunk, "choices": [choice(i, delta, True)]})
             if body.stream_options and body.stream_options.include_usage:
                 yield sse({**chunk, "choices": [], "usage": _usage(len(prompt_ids), completion)})
             yield sse("[DONE]")
         finally:
-            await deltas.aclose()  # a client that went away: abort the request
+            await deltas.aclose()  # a client that went away: abort the requests
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -180,6 +242,37 @@ async def completions(body: CompletionRequest, request: Request, state: Served) 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: Served) -> Response:
     _check_model(state, body.model)
-    text = state.tokenizer.apply_chat_template([m.model_dump(exclude={"name"}) for m in body.messages])
-    ids = await _encode(state, text, "messages")
+    ids = await _encode(state, _render(state, body.messages, True), "messages")
     return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens)
+
+
+def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    return state.tokenizer.apply_chat_template([m.rendered() for m in messages], add_generation_prompt)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, state: Served) -> dict[str, Any]:
+    _check_model(state, body.model)
+    if body.messages is None:
+        ids = await _encode(state, body.prompt or "", "prompt")
+    else:
+        ids = await _encode(state, _render(state, body.messages, body.add_generation_prompt), "messages")
+    reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.executor.serving.max_model_len,
+                             "tokens": ids}
+    if body.return_token_strs:
+        reply["token_strs"] = [state.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    return reply
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, state: Served) -> dict[str, str]:
+    _check_model(state, body.model)
+    vocab = state.tokenizer.vocab_size
+    if bad := [t for t in body.tokens if t >= vocab]:
+        raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": importlib.metadata.version("rose-rl")}

@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from rose.contracts import SamplingParams, Turn
+from rose.contracts.sampling import MAX_REPETITION_PENALTY
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_STOP = 16  # stop strings, and separately stop token ids, per request
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # torch.Generator.manual_seed takes any int64 or uint64.
@@ -53,22 +55,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's bound; vLLM's default max_logprobs)
+LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-LOGIT_BIAS, LOGIT_BIAS]
+
 # Parameters of OpenAI's API (and vLLM's) this server does not implement, with the values
 # that mean "off": anything else is refused with a 400 naming the parameter.
 NEUTRAL: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
-    "top_logprobs": (None, 0),
-    "min_tokens": (None, 0),
 }
 _UNSUPPORTED = Field(default=None, description="not implemented: only its neutral value is accepted")
 
@@ -83,55 +83,157 @@ def _check_neutral(value: object, field: str) -> object:
     return value
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}`, each bias clamped as vLLM does (the engine checks the ids
+    against its vocabulary)."""
+    biases: dict[int, float] = {}  # "5" and "05" name one token: the last wins, as in vLLM's dict
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:  # not an integer (or one of thousands of digits)
+            token = -1
+        if token < 0:
+            raise PydanticCustomError("logit_bias", "logit_bias keys must be token ids (integers >= 0), "
+                                      "got {key!r}", {"key": key})
+        biases[token] = min(LOGIT_BIAS, max(-LOGIT_BIAS, value))
+    return tuple(biases.items())
+
+
 class _OpenAIRequest(_Sampling):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1  # one choice per request
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     user: str | None = None  # accepted, unused
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
     best_of: Any = _UNSUPPORTED
-    presence_penalty: Any = _UNSUPPORTED
-    frequency_penalty: Any = _UNSUPPORTED
-    repetition_penalty: Any = _UNSUPPORTED
-    logit_bias: Any = _UNSUPPORTED
     response_format: Any = _UNSUPPORTED
     tools: Any = _UNSUPPORTED
     tool_choice: Any = _UNSUPPORTED
     functions: Any = _UNSUPPORTED
     function_call: Any = _UNSUPPORTED
-    min_tokens: Any = _UNSUPPORTED
 
-    # check_fields=False: `suffix` and `top_logprobs` belong to one subclass each.
+    # check_fields=False: `suffix` belongs to one subclass.
     @field_validator(*NEUTRAL, check_fields=False)
     @classmethod
-    def _neutral(cls, value: object, info: Any) -> object:
+    def _neutral(cls, value: object, info: ValidationInfo) -> object:
         return _check_neutral(value, info.field_name)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        _logit_bias(value)
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def num_top_logprobs(self) -> int:
+        """How many likeliest tokens' logprobs to return with each token."""
+        raise NotImplementedError
+
+    @property
+    def returns_logprobs(self) -> bool:
+        raise NotImplementedError
+
+    def sampling(self, default_max_tokens: int, stop_token_ids: list[int]) -> SamplingParams:
+        return dataclasses.replace(
+            super().sampling(default_max_tokens, stop_token_ids),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p,
+            min_tokens=self.min_tokens, logit_bias=_logit_bias(self.logit_bias),
+            top_logprobs=self.num_top_logprobs)
+
+    def samples(self, params: SamplingParams) -> list[SamplingParams]:
+        """The `n` samples' parameters: a seed gives sample i `seed + i`, as vLLM does, so that
+        the samples differ and each is reproducible."""
+        if params.seed is None:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=params.seed + i) for i in range(self.n)]
+
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
-    logprobs: int | None = Field(default=None, ge=0, le=1)  # the sampled token's only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with this many top ones
     echo: Literal[False] = False
     suffix: Any = _UNSUPPORTED
 
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.logprobs or 0
+
+    @property
+    def returns_logprobs(self) -> bool:
+        return self.logprobs is not None  # 0: the sampled token's alone
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
     name: str | None = None  # accepted, unused
+
+    def rendered(self) -> dict[str, str]:
+        """The message as the chat template takes it: its text parts joined by newlines, as vLLM
+        joins them; the role as sent (a template that knows no `developer` renders it as is)."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Any = _UNSUPPORTED
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # OpenAI's and vLLM's rule
+            raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return self.top_logprobs or 0
+
+    @property
+    def returns_logprobs(self) -> bool:
+        return self.logprobs
+
+
+class TokenizeRequest(_Strict):
+    """`POST /tokenize` (vLLM's): a prompt's token ids, or a chat's as the template renders it."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True  # with `messages`
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise PydanticCustomError("tokenize", "give either prompt or messages, not both nor neither")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 class TurnRequest(_Sampling):

@@ -34,7 +34,7 @@ from rose.engine import RequestOutput
 from rose.model import Tokenizer
 from rose.steploop import StepLoop
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,10 @@ class IncrementalDetokenizer:
         self._pending = ""  # text read but not yet sent: a stop string may start in it
         self.stopped = False  # a stop string was found: the text ends before it
 
-    def push(self, token_ids: list[int], finished: bool) -> str:
-        """Take a step's new tokens; the text that may be sent now (all of it once finished)."""
+    def push(self, token_ids: list[int], finished: bool, check_stop: bool = True) -> str:
+        """Take a step's new tokens; the text that may be sent now (all of it once finished).
+        Without `check_stop` (before min_tokens, as vLLM) stop strings are not looked for; the
+        text that may begin one is still held back."""
         self._window += token_ids
         text = self._decode(self._window) if self._window else ""
         complete = finished or not text.endswith(INCOMPLETE)
@@ -39,10 +41,11 @@ class IncrementalDetokenizer:
             self._read_chars = len(self._decode(self._window))
         if complete:
             self._context = len(self._window)
-        return self._emit(finished)
+        return self._emit(finished, check_stop)
 
-    def _emit(self, finished: bool) -> str:
-        cut = min((i for s in self._stop if (i := self._pending.find(s)) >= 0), default=-1)
+    def _emit(self, finished: bool, check_stop: bool) -> str:
+        stops = self._stop if check_stop else []
+        cut = min((i for s in stops if (i := self._pending.find(s)) >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             text, self._pending = self._pending[:cut], ""

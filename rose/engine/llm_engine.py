@@ -17,7 +17,7 @@ from rose.contracts import SamplingParams, TokenLoad
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import IterationInterrupted, ModelRunner
-from rose.engine.sampling import sample, unsampleable_rows
+from rose.engine.sampling import Sampled, sample, unsampleable_rows
 from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from rose.engine.sequence import RequestOutput, Sequence, Status
 from rose.model import ModelConfig, load_model
@@ -128,10 +128,11 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"{where}: the prompt has {len(prompt_token_ids)} tokens; the model's "
                              f"context is {self.max_model_len}, so at most {self.max_model_len - 1}")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where}: token id {bad[0]!r} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        for field, ids in (("", prompt_token_ids), ("logit_bias ", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{where}: {field}token id {bad[0]!r} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         try:
             params.validate()
         except ValueError as exc:
@@ -240,8 +241,8 @@ class LLMEngine:
         sampling, logits = self.runner.run(batch, interrupt)
         bad = set(unsampleable_rows(logits)) if sampling else set()
         good = [i for i in range(len(sampling)) if i not in bad]
-        tokens, logprobs = sample(logits[good], [sampling[i].params for i in good],
-                                  [sampling[i].generator for i in good]) if good else ([], [])
+        drawn = sample(logits[good], [sampling[i] for i in good], self.eos_token_ids) if good \
+            else Sampled([], [], [])
         outputs = [self._finish(sampling[i], "error", "the model's logits hold NaN or +inf; "
                                 "refusing to sample from them") for i in sorted(bad)]
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
@@ -251,12 +252,13 @@ class LLMEngine:
                 if seq.kv_version is None:
                     seq.kv_version = self.policy_version
         now = time.monotonic()
-        for i, token, logprob in zip(good, tokens, logprobs, strict=True):
+        for i, token, logprob, top in zip(good, drawn.tokens, drawn.logprobs, drawn.top, strict=True):
             seq = sampling[i]
             seq.append(token, now)
             if reason := self._finish_reason(seq, token):
                 self._retire(seq, reason)
-            outputs.append(RequestOutput.of(seq, [token], [logprob], [seq.kv_version]))
+            outputs.append(RequestOutput.of(seq, [token], [logprob], [seq.kv_version],
+                                            [top] if seq.params.top_logprobs else None))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

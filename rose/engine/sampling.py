@@ -1,5 +1,7 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds (its parameters are
-`rose.contracts.SamplingParams`).
+"""The sampler: logit bias, min_tokens, presence, frequency and repetition penalties, then
+greedy or temperature, min-p, top-k and top-p, with per-request seeds (its parameters are
+`rose.contracts.SamplingParams`), in vLLM's order. Logprobs (the sampled token's and the top
+ones) come from the raw logits, as with vLLM's default (`logprobs_mode="raw_logprobs"`).
 
 Everything runs on the logits' device, each row drawing from its request's own generator on that
 device. A seed gives the same tokens on the same device type whatever else shares the batch; the
@@ -8,11 +10,13 @@ CPU's and CUDA's random streams differ, so a seed gives other tokens on the othe
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Collection
 
 import torch
 
-from rose.contracts.sampling import SamplingParams
+from rose.engine.sequence import Sequence
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -36,34 +40,106 @@ def unsampleable_rows(logits: torch.Tensor) -> list[int]:
     return (logits.isnan() | logits.isposinf()).any(-1).nonzero()[:, 0].tolist()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
-    """Pick one token per row; return them with their log-probability: under the raw softmax,
-    or with `logprobs_at_temperature` under the softmax of logits / temperature, the policy the
-    token was drawn from (RL's behaviour policy; over the whole vocabulary: top-k and top-p
-    shape the draw, not the recorded policy, as the trainer recomputes it).
+def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """`[rows, vocab]`: how often each token occurs in each row's list."""
+    width = max(map(len, token_lists), default=0)
+    index = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long,
+                         device=device).reshape(len(token_lists), width)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)  # column `vocab`: the padding
+    return counts.scatter_add_(1, index, torch.ones_like(index, dtype=counts.dtype))[:, :vocab]
 
-    Each row draws from its own generator, so a seeded request gives the same tokens whatever
-    else shares its batch. Rows must be sampleable (see `unsampleable_rows`): a NaN would
-    silently pick token 0.
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device)[:, None]
+
+
+def _process(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The logits a token is drawn (or taken greedily) from, before temperature: the bias,
+    min_tokens' mask, then the penalties (vLLM's order). Untouched (not copied) when no row asks
+    for any: the common case, and a batch's logits are large."""
+    vocab, device = logits.shape[-1], logits.device
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        edits = list(p.logit_bias)
+        if seq.num_output_tokens < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            edits += [(token, -math.inf) for token in stops if token < vocab]
+        for token, value in edits:
+            rows.append(i)
+            cols.append(token)
+            values.append(value)
+    penalized = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty
+                 or s.params.repetition_penalty != 1]
+    if not rows and not penalized:
+        return logits
+    logits = logits.clone()
+    if rows:
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(values, device=device), accumulate=True)
+    if not penalized:
+        return logits
+    params = [seqs[i].params for i in penalized]
+    out = _counts([seqs[i].output_token_ids for i in penalized], vocab, device)
+    prompt = _counts([seqs[i].token_ids[:seqs[i].num_prompt_tokens] for i in penalized], vocab, device)
+    rep = _column([p.repetition_penalty for p in params], device)
+    x = logits[penalized]
+    x = torch.where((out > 0) | (prompt > 0), torch.where(x > 0, x / rep, x * rep), x)
+    x -= _column([p.frequency_penalty for p in params], device) * out
+    x -= _column([p.presence_penalty for p in params], device) * (out > 0)
+    logits[penalized] = x
+    return logits
+
+
+@dataclasses.dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per row, its `top_logprobs` likeliest (id, logprob)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int] = ()) -> Sampled:
+    """Pick one token per row, for the sequence of that row; return them with their
+    log-probability: under the raw softmax, or with `logprobs_at_temperature` under the softmax
+    of logits / temperature, the policy the token was drawn from (RL's behaviour policy; over the
+    whole vocabulary: bias, penalties, min-p, top-k and top-p shape the draw, not the recorded
+    policy, as the trainer recomputes it). The top logprobs are under the same softmax.
+
+    Each row draws from its sequence's own generator, so a seeded request gives the same tokens
+    whatever else shares its batch. Rows must be sampleable (see `unsampleable_rows`): a NaN
+    would silently pick token 0.
     """
     logits = logits.float()
     device = logits.device
-    scale = torch.tensor([p.temperature if p.logprobs_at_temperature and not p.greedy else 1.0
-                          for p in params], device=device)[:, None]
+    params = [s.params for s in seqs]
+    scale = _column([p.temperature if p.logprobs_at_temperature and not p.greedy else 1.0
+                     for p in params], device)
     logprobs = (logits / scale).log_softmax(-1)
-    tokens = logits.argmax(-1)
+    processed = _process(logits, seqs, eos_token_ids)
+    tokens = processed.argmax(-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        temperatures = torch.tensor([params[i].temperature for i in sampled], device=device)
-        rows = logits[sampled] / temperatures[:, None]
+        rows = processed[sampled] / _column([params[i].temperature for i in sampled], device)
+        if any(params[i].min_p > 0 for i in sampled):
+            probs = rows.softmax(-1)
+            min_p = _column([params[i].min_p for i in sampled], device)
+            rows = rows.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
         if any(params[i].top_k > 0 or params[i].top_p < 1 for i in sampled):
             rows = _filter_top_k_top_p(rows, [params[i].top_k for i in sampled],
                                        [params[i].top_p for i in sampled])
         probs = rows.softmax(-1)
         # Exponential race (Gumbel-max in another guise): argmax p / E with E ~ Exp(1).
-        noise = torch.stack([torch.empty(probs.shape[-1], device=device).exponential_(generator=generators[i])
-                             for i in sampled])
+        noise = torch.stack([torch.empty(probs.shape[-1], device=device).exponential_(
+            generator=seqs[i].generator) for i in sampled])
         tokens[sampled] = (probs / noise).argmax(-1)
     chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in params]
+    k = min(max((p.top_logprobs for p in params), default=0), logprobs.shape[-1])
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        for i, (row_ids, row_values) in enumerate(zip(ids.tolist(), values.tolist(), strict=True)):
+            n = params[i].top_logprobs
+            top[i] = list(zip(row_ids[:n], row_values[:n], strict=True))
+    return Sampled(tokens.tolist(), chosen.tolist(), top)

@@ -91,14 +91,17 @@ class RequestOutput:
     first_token_time: float | None
     last_token_time: float | None
     error: str | None = None
+    # Per token, the `top_logprobs` likeliest (id, logprob) at its position (empty if not asked).
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, seq: Sequence, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
-           versions: list[int] | None = None) -> RequestOutput:
+           versions: list[int] | None = None,
+           top_logprobs: list[list[tuple[int, float]]] | None = None) -> RequestOutput:
         return cls(seq.request_id, token_ids or [], logprobs or [], versions or [],
                    seq.num_prompt_tokens, seq.num_output_tokens, seq.status is Status.FINISHED,
                    seq.finish_reason, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
-                   seq.last_token_time, seq.error)
+                   seq.last_token_time, seq.error, top_logprobs or [])
 
     def merge(self, later: RequestOutput) -> None:
         """Append a later output of the same request (its tokens and its state)."""
@@ -107,6 +110,7 @@ class RequestOutput:
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.versions += later.versions
+        self.top_logprobs += later.top_logprobs
         for field in ("num_output_tokens", "finished", "finish_reason", "num_cached_tokens",
                       "first_token_time", "last_token_time", "error"):
             setattr(self, field, getattr(later, field))
