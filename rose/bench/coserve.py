@@ -45,6 +45,7 @@ from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
+from rose.progress import bar
 from rose.reporting import write_report
 
 MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
@@ -214,14 +215,6 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
     """serving_alone (which sets the SLO), then every other mode on a fresh server."""
     duration = args.duration or (45.0 if args.quick else 700.0)
     baseline = args.baseline_duration or (duration if args.quick else 200.0)
-    loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
-    with _server(serving, rollout, "rose", loose, core) as url:
-        alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
-    slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
-           "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
-    results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
-    added: dict[str, dict[str, float]] = {}
-    print("serving_alone", alone, "slo", slo, flush=True)
     # rollout_alone runs under the same admission settings as rose: its capacity is what rose
     # could harvest from an idle device (the idle cap bounds each step).
     modes = [("rollout_alone", "rose", baseline, _rose_args(args)), ("naive_share", "naive", baseline, ()),
@@ -230,12 +223,25 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
                for q in _floats(args.sweep_quantile)),
              *((f"rose_i{e:g}", "rose", duration, _rose_args(args, tpot_inflation=e))
                for e in _floats(args.sweep_inflation))]
-    for mode, policy, seconds, extra in modes:
-        with _server(serving, rollout, policy, slo, core, extra) as url:
-            results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
-        if served and seconds == duration:  # the same trace requests as serving alone's
-            added[mode] = _ttft_added(requests, served)
-        print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
+    loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
+    with bar("bench coserve", 1 + len(modes)) as progress:
+        progress.describe("serving_alone")
+        with _server(serving, rollout, "rose", loose, core) as url:
+            alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
+        progress.advance()
+        slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
+               "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
+        results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
+        added: dict[str, dict[str, float]] = {}
+        print("serving_alone", alone, "slo", slo, flush=True)
+        for mode, policy, seconds, extra in modes:
+            progress.describe(mode)
+            with _server(serving, rollout, policy, slo, core, extra) as url:
+                results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
+            if served and seconds == duration:  # the same trace requests as serving alone's
+                added[mode] = _ttft_added(requests, served)
+            print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
+            progress.advance()
 
     idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
     capacity = results["rollout_alone"]["rollout_tokens_per_s"]

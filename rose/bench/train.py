@@ -14,6 +14,7 @@ import argparse
 from collections.abc import Sequence
 
 from rose.config import named_config
+from rose.progress import bar
 from rose.reporting import write_report
 from rose.runtime.config import Config, Mode, load_config, validate
 
@@ -37,13 +38,16 @@ def run(args: argparse.Namespace) -> int:
 
     quick = ["train.steps=3"] if args.quick else []
     runs = {}
-    for mode in Mode:
-        config = bench_config([*quick, f"train.out_dir={args.out_dir}/{mode.value}", *args.overrides])
-        validate(config, mode)
-        result = train(config, mode)
-        runs[mode.value] = {**result.summary, "elastic_alloc_s": result.elastic_alloc_s,
-                            "elastic_cancelled_s": result.elastic_cancelled_s}
-        print(mode.value, runs[mode.value], flush=True)
+    with bar("bench train", len(Mode)) as progress:
+        for mode in Mode:
+            progress.describe(mode.value)
+            config = bench_config([*quick, f"train.out_dir={args.out_dir}/{mode.value}", *args.overrides])
+            validate(config, mode)
+            result = train(config, mode)
+            runs[mode.value] = {**result.summary, "elastic_alloc_s": result.elastic_alloc_s,
+                                "elastic_cancelled_s": result.elastic_cancelled_s}
+            print(mode.value, runs[mode.value], flush=True)
+            progress.advance()
     fixed, elastic, rose = runs["fixed"], runs["elastic"], runs["rose"]
     summary = {
         "speedup_rose_vs_fixed": round(fixed["mean_step_s"] / rose["mean_step_s"], 3),

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rose.progress import bar
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Config, Mode
 from rose.runtime.loggers import Loggers
@@ -39,27 +40,30 @@ def train(config: Config, mode: Mode, resume: Path | None = None) -> TrainRun:
     try:  # a start that fails half-way also releases what it started (actors, pinned cores)
         cluster.start()
         loggers = Loggers(config, first_step=cluster.version)
-        for step in range(cluster.version, t.steps):  # a resumed run goes on from its checkpoint
-            clock = StepClock.start(run_start, len(cluster.restarts))
-            # 0. held-out success of the policy this step's rollouts sample, every eval.every steps
-            evaluates = config.eval.every > 0 and (step % config.eval.every == 0 or step + 1 == t.steps)
-            heldout = cluster.evaluate(step) if evaluates else None
-            clock.lap("eval")
-            # 1. rollouts: every episode, turn by turn, across dedicated (and borrowed) devices
-            rollout = cluster.rollout(step)
-            clock.lap("rollout")
-            # 2. train on whatever came back (whole GRPO groups: no trajectory is lost)
-            metrics = cluster.train(rollout.trajectories)
-            clock.lap("train")
-            # 3. weight sync: the trainer's new version reaches every replica through the relay
-            sync = cluster.sync_weights()
-            if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps:
-                checkpoints.append(cluster.save(step + 1))
-            # 4. record
-            records.append(step_record(step, cluster, clock, rollout, metrics, sync, heldout))
-            loggers.log(records[-1].record())
-            for restart in records[-1].restarts:
-                log.warning(restart)
+        steps = range(cluster.version, t.steps)  # a resumed run goes on from its checkpoint
+        with bar(f"train ({mode.value})", len(steps)) as progress:
+            for step in steps:
+                clock = StepClock.start(run_start, len(cluster.restarts))
+                # 0. held-out success of the policy this step's rollouts sample, every eval.every steps
+                evaluates = config.eval.every > 0 and (step % config.eval.every == 0 or step + 1 == t.steps)
+                heldout = cluster.evaluate(step) if evaluates else None
+                clock.lap("eval")
+                # 1. rollouts: every episode, turn by turn, across dedicated (and borrowed) devices
+                rollout = cluster.rollout(step)
+                clock.lap("rollout")
+                # 2. train on whatever came back (whole GRPO groups: no trajectory is lost)
+                metrics = cluster.train(rollout.trajectories)
+                clock.lap("train")
+                # 3. weight sync: the trainer's new version reaches every replica through the relay
+                sync = cluster.sync_weights()
+                if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.steps:
+                    checkpoints.append(cluster.save(step + 1))
+                # 4. record
+                records.append(step_record(step, cluster, clock, rollout, metrics, sync, heldout))
+                loggers.log(records[-1].record())
+                for restart in records[-1].restarts:
+                    log.warning(restart)
+                progress.advance()
         results = cluster.serving_results(stop=True)
     finally:
         if loggers is not None:

@@ -9,6 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from rose.progress import bar
+from rose.sim.engine import SimRun
 from rose.sim.runner import ScenarioResult, is_sweep, run_scenario, run_sweep
 from rose.sim.scenarios import SWEEPS, list_scenarios, load_scenario
 
@@ -44,15 +46,24 @@ def run(args: argparse.Namespace) -> int:
     if not args.scenario:
         raise ValueError("give --scenario NAME (see --list)")
     if is_sweep(args.scenario):
-        result = run_sweep(SWEEPS[args.scenario], args.overrides,
-                           progress=lambda v, r: console.print(f"{args.scenario}: {v} done "
-                                                                f"({r.wall_s:.1f} s)"))
+        sweep = SWEEPS[args.scenario]
+        with bar(f"simulate {args.scenario}", len(sweep.values)) as progress:
+            def point_done(value: object, r: ScenarioResult) -> None:
+                console.print(f"{args.scenario}: {value} done ({r.wall_s:.1f} s)")
+                progress.advance()
+
+            result = run_sweep(sweep, args.overrides, progress=point_done)
         if args.plot:
             from rose.sim.plots import plot_sweep
             plot_sweep(result, args.plot)
     else:
         sc = load_scenario(args.scenario, args.overrides)
-        result = run_scenario(sc, progress=lambda n, r: console.print(f"  {n}: {r.wall_s:.1f} s"))
+        with bar(f"simulate {args.scenario}", len(sc.sim.systems)) as progress:
+            def system_done(name: str, r: SimRun) -> None:
+                console.print(f"  {name}: {r.wall_s:.1f} s")
+                progress.advance()
+
+            result = run_scenario(sc, progress=system_done)
         console.print(_table(result))
         if args.plot:
             from rose.sim.plots import plot_scenario

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,7 +120,7 @@ class ScenarioResult:
                 "systems": systems, "serving": serving, "summary": self.summary()}
 
 
-def run_scenario(sc: Scenario, progress=None) -> ScenarioResult:
+def run_scenario(sc: Scenario, progress: Callable[[str, SimRun], None] | None = None) -> ScenarioResult:
     """Every system of `sc.sim.systems` on the same workload and traffic, then serving alone
     over the same span for the SLO baseline."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
@@ -158,7 +159,8 @@ class SweepResult:
                 "summary": self.summary()}
 
 
-def run_sweep(sweep: Sweep, overrides: list[str], progress=None) -> SweepResult:
+def run_sweep(sweep: Sweep, overrides: list[str],
+              progress: Callable[[Any, ScenarioResult], None] | None = None) -> SweepResult:
     wall0 = time.perf_counter()
     points = []
     base = load_scenario(sweep.base, [*sweep.overrides, f"sim.systems=[{','.join(sweep.systems)}]"])
