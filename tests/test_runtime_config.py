@@ -238,3 +238,35 @@ def test_cli_address_names_the_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(SystemExit):
         main(["train", "--address", "ray://head:10001", "train.steps=1"])
     assert seen["address"] == "ray://head:10001"
+
+
+@pytest.mark.parametrize("given, env", [("ray://head:10001", None), (None, "ray://head:10001")])
+def test_joining_a_ray_cluster_passes_no_local_resources(monkeypatch: pytest.MonkeyPatch, given: str | None,
+                                                         env: str | None) -> None:
+    """`--address` or `$RAY_ADDRESS` alone joins a cluster: Ray refuses `num_cpus` when joining."""
+    import ray
+
+    from rose.runtime.devices import init_ray
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    init_ray(given, num_cpus=2)
+    assert seen["address"] == "ray://head:10001"
+    assert "num_cpus" not in seen and "_system_config" not in seen
+
+
+def test_a_local_ray_is_sized_by_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from rose.runtime.devices import init_ray
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    init_ray(None, num_cpus=2)
+    assert seen["address"] is None and seen["num_cpus"] == 2
+    assert seen["_system_config"] == {"worker_niceness": 0}

@@ -19,8 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rose: borrow serving devices")
     p.add_argument("--json", help="write the summary and per-step records here")
     p.add_argument("--resume", help="a checkpoint directory (or a run's out_dir) to go on from")
-    p.add_argument("--address", help="an existing Ray cluster (same as ray_address=...; default: a "
-                                     "local Ray started on demand)")
+    p.add_argument("--address", help="an existing Ray cluster (same as ray_address=...; default: "
+                                     "$RAY_ADDRESS, else a local Ray started on demand)")
 
 
 def run(args: argparse.Namespace) -> int:

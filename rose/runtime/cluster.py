@@ -70,7 +70,7 @@ class Cluster:
         # here, belong to the training side: on the trainer's cores, never on a serving device's.
         self._pinned.enter_context(pinned(c.devices.trainer))
         if not ray.is_initialized():
-            init_ray(c.ray_address, **({} if c.ray_address else {"num_cpus": len(available_cores())}))
+            init_ray(c.ray_address, num_cpus=len(available_cores()))
         # Created here, the relay's directory belongs to the driver: it outlives any actor's death.
         self._relay = RayRelay(self._relay_name)
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -28,21 +28,25 @@ def pin(cores: Iterable[int]) -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
-def init_ray(address: str | None = None, **options: object) -> None:
-    """`ray.init` (a local instance unless `address`) whose workers keep the driver's priority
-    and log at its level, their lines forwarded to the driver's terminal (each actor names its
-    role in them: `rose.logs`).
+def init_ray(address: str | None = None, **local: object) -> None:
+    """`ray.init` whose workers keep the driver's priority and log at its level, their lines
+    forwarded to the driver's terminal (each actor names its role in them: `rose.logs`).
 
-    Ray starts its workers at niceness 15 by default, so any ordinary process -- the driver, a
-    shell, a test run -- would preempt an actor that holds a device's cores; a serving device
-    then misses its SLOs for reasons no admission policy can see.
+    It joins the cluster at `address`, else at `$RAY_ADDRESS` (as `ray.init` itself does), else
+    starts a local instance sized by `local` (`num_cpus`, `object_store_memory`): Ray refuses
+    resource options when joining a cluster, whose nodes declare their own.
+
+    A local Ray starts its workers at niceness 15 by default, so any ordinary process -- the
+    driver, a shell, a test run -- would preempt an actor that holds a device's cores; a serving
+    device then misses its SLOs for reasons no admission policy can see.
     """
     import ray
 
-    local = {} if address else {"_system_config": {"worker_niceness": 0}}
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    options = {} if address else {"_system_config": {"worker_niceness": 0}, **local}
     level = {LEVEL_ENV: os.environ.get(LEVEL_ENV, DEFAULT_LEVEL)}
     ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True,
-             runtime_env={"env_vars": level}, **local, **options)
+             runtime_env={"env_vars": level}, **options)
 
 
 def available_cores() -> set[int]:
