@@ -66,3 +66,21 @@ def test_model_flags_are_checked_before_anything_starts(tiny_qwen2: Path, tmp_pa
                  "--rollout-model", str(small)]) == 2
     assert f"--rollout-model {small}: a vocabulary of {PROMPT_IDS[1] - 1} tokens" in capsys.readouterr().err
     assert os.sched_getaffinity(0) == cores  # refused before the benchmark pinned itself
+
+
+@pytest.mark.parametrize("bench", ["coserve", "soak"])
+def test_device_flags_are_checked_before_anything_starts(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cores = os.sched_getaffinity(0)
+    assert main(["bench", bench, "--quick", "--device", "tpu"]) == 2
+    assert "--device/--dtype: device 'tpu'" in capsys.readouterr().err
+    assert os.sched_getaffinity(0) == cores
+
+
+def test_device_flags_reach_the_servers_a_benchmark_starts() -> None:
+    import argparse
+
+    from rose.bench import serve_device_args
+
+    assert serve_device_args(argparse.Namespace(device=None, dtype=None)) == ()
+    assert serve_device_args(argparse.Namespace(device="cpu", dtype="bfloat16")) == (
+        "--device", "cpu", "--dtype", "bfloat16")

@@ -37,7 +37,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from rose.bench import checkpoint_arg
+from rose.bench import checkpoint_arg, serve_device_args
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.cli import serve_process
 from rose.coserve.executor import ExecutorConfig
@@ -45,6 +45,7 @@ from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
+from rose.model.device import add_device_arguments
 from rose.progress import bar
 from rose.reporting import write_report
 
@@ -91,6 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-factor", type=float, default=1.5, help="SLO = this x serving-alone P99")
     p.add_argument("--trajectories", type=int, default=16, help="concurrent rollout trajectories")
     p.add_argument("--start", type=float, default=600.0, help="offset into the trace, seconds")
+    add_device_arguments(p)
 
 
 @contextlib.contextmanager
@@ -210,8 +212,8 @@ def _floats(spec: str | None) -> list[float]:
     return [float(x) for x in spec.split(",")] if spec else []
 
 
-def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None
-             ) -> dict[str, Any]:
+def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None,
+             device: tuple[str, ...]) -> dict[str, Any]:
     """serving_alone (which sets the SLO), then every other mode on a fresh server."""
     duration = args.duration or (45.0 if args.quick else 700.0)
     baseline = args.baseline_duration or (duration if args.quick else 200.0)
@@ -226,7 +228,7 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     with bar("bench coserve", 1 + len(modes)) as progress:
         progress.describe("serving_alone")
-        with _server(serving, rollout, "rose", loose, core) as url:
+        with _server(serving, rollout, "rose", loose, core, device) as url:
             alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
         progress.advance()
         slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
@@ -236,7 +238,7 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
         print("serving_alone", alone, "slo", slo, flush=True)
         for mode, policy, seconds, extra in modes:
             progress.describe(mode)
-            with _server(serving, rollout, policy, slo, core, extra) as url:
+            with _server(serving, rollout, policy, slo, core, (*extra, *device)) as url:
                 results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
             if served and seconds == duration:  # the same trace requests as serving alone's
                 added[mode] = _ttft_added(requests, served)
@@ -325,7 +327,8 @@ def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The checkpoints given are checked before anything changes or starts.
+    # The checkpoints and device given are checked before anything changes or starts.
+    device = serve_device_args(args)
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
@@ -337,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         serving = serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
         rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
-        runs = [_one_run(args, serving, rollout, server_core) for _ in range(args.runs)]
+        runs = [_one_run(args, serving, rollout, server_core, device) for _ in range(args.runs)]
     summaries = [r["summary"] for r in runs]
     summary = summaries[0] if len(runs) == 1 else _across_runs(summaries)
     if args.plot:
@@ -345,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     config = {k: getattr(args, k) for k in ("serving_model", "rollout_model", "duration", "baseline_duration",
                                             "quick", "rate", "trajectories", "start", "slo_factor", "runs",
                                             "admission_quantile", "tpot_inflation", "ttft_inflation",
-                                            "sweep_quantile", "sweep_inflation")}
+                                            "sweep_quantile", "sweep_inflation", "device", "dtype")}
     write_report(args.json, summary, config=config, runs=runs)
     return 0
 def _slo_kwargs(slo: dict[str, float]) -> dict[str, float]:

@@ -64,11 +64,13 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from rose.bench import serve_device_args
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, stream_completion, summarize
 from rose.engine import SamplingParams
 from rose.model import init_model
+from rose.model.device import add_device_arguments
 from rose.reporting import write_report
 from rose.traces import Trace, load_trace
 
@@ -92,6 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trajectories", type=int, default=4, help="concurrent rollout trajectories")
     p.add_argument("--drain", type=float, default=60.0, help="seconds in-flight work may take to end")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and the clients' choices")
+    add_device_arguments(p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +181,7 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def _serve(root: Path, keys: Keys) -> Iterator[ServerProcess]:
+def _serve(root: Path, keys: Keys, device: tuple[str, ...] = ()) -> Iterator[ServerProcess]:
     serving = init_model("qwen2", "tiny", root / "serving", seed=1)
     rollout = init_model("qwen3", "tiny", root / "rollout", seed=2)
     with socket.socket() as s:
@@ -186,7 +189,7 @@ def _serve(root: Path, keys: Keys) -> Iterator[ServerProcess]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "rose.cli", "serve", "--model", str(serving), "--rollout-model",
            str(rollout), "--port", str(port), "--threads", "1", "--pool-mb", str(POOL_MB),
-           *keys.server_args()]
+           *keys.server_args(), *device]
     server = ServerProcess(cmd, port, root / "server.log")
     try:
         server.wait_ready()
@@ -635,8 +638,8 @@ class Soak:
 
 def run(args: argparse.Namespace) -> int:
     duration = args.duration or (60.0 if args.quick else 600.0)
-    keys = Keys.generate()
-    with tempfile.TemporaryDirectory() as tmp, _serve(Path(tmp), keys) as server:
+    keys, device = Keys.generate(), serve_device_args(args)
+    with tempfile.TemporaryDirectory() as tmp, _serve(Path(tmp), keys, device) as server:
         model = httpx.get(f"{server.url}/v1/models", headers=keys.headers("openai")).json()["data"][0]["id"]
         base = load_trace("azure-conv")
         # Prompts a quarter of the trace's (mean ~290 tokens); outputs capped at MAX_OUTPUT.
