@@ -19,13 +19,16 @@ log-softmax is never built. The KL penalty's reference policy exists only with k
 
 Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
 (`process_group_backend`: NCCL on CUDA, one device per rank; gloo on the CPU) and give each rank
-whole GRPO groups (`shard_by_group`). Losses are divided by the token or sequence count of the
-whole batch (all ranks), gradients are summed across ranks in one all-reduce, so N ranks with 1/N
-of the batch each take the same step as one rank with all of it.
+whole GRPO groups (`shard_by_group`). The policy's forward runs under PyTorch's
+DistributedDataParallel, whose bucketed all-reduce overlaps the backward; micro-batches
+accumulate without it (`no_sync`) and the last one of each optimizer update synchronises. Losses
+are divided by the token or sequence count of the whole batch (all ranks) and gradients summed
+across ranks, so N ranks with 1/N of the batch each take the same step as one rank with all of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from rose.contracts.sampling import MIN_TEMPERATURE
 from rose.model import CausalLM, load_model, save_model
@@ -136,12 +140,36 @@ def _pad(sequences: list[TokenSequence], device: torch.device
             stack("versions", -1), behaviour)
 
 
+def _join(ddp: DistributedDataParallel, device: torch.device) -> None:
+    """A backward of nothing (zero gradients) that synchronises: a rank with no sequence in an
+    update still takes part in the all-reduce the other ranks wait in."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    (ddp(ids[:, :1], ids[:, 1:])[0].sum() * 0.0).backward()
+
+
+class TokenLogprobs(torch.nn.Module):
+    """A policy's forward as the trainer uses it: each target token's log-probability and each
+    position's entropy at the rollouts' temperature (`rose.rl.logprobs`), in the compute dtype.
+    It is the module DistributedDataParallel wraps, so that DDP sees the forward the loss uses."""
+
+    def __init__(self, model: CausalLM, temperature: float, dtype: torch.dtype, chunk_tokens: int) -> None:
+        super().__init__()
+        self.model, self.dtype, self.chunk_tokens = model, dtype, chunk_tokens
+        self.temperature = temperature if temperature >= MIN_TEMPERATURE else 1.0  # greedy: taken at 1
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = inputs.device.type
+        with torch.autocast(device, self.dtype, enabled=self.dtype != torch.float32):
+            return token_logprobs(self.model.model(inputs), self.model.lm_head, targets, self.temperature,
+                                  self.chunk_tokens)
+
+
 class Trainer:
     def __init__(self, model: CausalLM | str | Path, objective: Objective | None = None,
                  config: TrainerConfig | None = None, group: dist.ProcessGroup | None = None) -> None:
         """`model`: a policy (moved to the config's device) or a checkpoint directory (loaded there
         in fp32). With a process group initialised, this is one data-parallel rank of `group`
-        (default: the whole world); rank 0's weights are broadcast to the others."""
+        (default: the whole world); rank 0's weights are broadcast to the others (by DDP)."""
         self.config = config or TrainerConfig()
         self.device, self.compute_dtype = resolve(self.config.device, self.config.dtype)
         self.model = (load_model(model, torch.float32, self.device) if isinstance(model, (str, Path))
@@ -157,13 +185,17 @@ class Trainer:
         self.rank = dist.get_rank(group) if distributed else 0
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.params = list(self.model.parameters())
-        if self.world_size > 1:
-            src = dist.get_global_rank(group, 0) if group is not None else 0
-            for p in self.params:
-                dist.broadcast(p.data, src=src, group=group)
+        c = self.config
+        self.policy = TokenLogprobs(self.model, c.temperature, self.compute_dtype, c.logprob_chunk_tokens)
+        # Buffers (RoPE tables) are never broadcast: they are constants, and a broadcast per
+        # forward would need every rank to run as many micro-batches as the others.
+        self.ddp = (DistributedDataParallel(self.policy, process_group=group, broadcast_buffers=False)
+                    if self.world_size > 1 else None)
         # The reference policy of the KL penalty is the policy as it starts.
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
                           if self.objective.kl_coef > 0 else None)
+        self.reference = None if self.ref_model is None else TokenLogprobs(
+            self.ref_model, c.temperature, self.compute_dtype, c.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            weight_decay=self.config.weight_decay)
         self.version = 0
@@ -198,11 +230,13 @@ class Trainer:
             denominator = tokens if self.objective.aggregation == "token-mean" else sequences
             if denominator == 0:
                 continue  # nothing to learn from anywhere (e.g. dynamic sampling dropped all)
-            for micro in _chunks(mini, math.ceil(len(mini) / self.config.micro_batch_size) or 1):
-                if micro:
+            micros = [m for m in _chunks(mini, math.ceil(len(mini) / self.config.micro_batch_size) or 1) if m]
+            for i, micro in enumerate(micros):
+                with self._accumulating(last=i + 1 == len(micros)):
                     for key, value in self._forward_backward(micro, int(denominator)).items():
                         sums[key] += value
-            self._all_reduce_gradients()
+            if not micros and self.ddp is not None:
+                _join(self.ddp, self.device)
             limit = self.config.max_grad_norm or math.inf
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, limit)))
             self.optimizer.step()
@@ -272,22 +306,12 @@ class Trainer:
             if not micro:
                 continue
             ids = _pad([s for s, _ in micro], self.device)[0]
-            old = self._logprobs(self.model, ids[:, :-1], ids[:, 1:])[0].cpu()  # kept with the sequences
+            old = self.policy(ids[:, :-1], ids[:, 1:])[0].cpu()  # kept with the sequences
             for row, (seq, advantages) in zip(old, micro, strict=True):
                 mine = torch.cat([row.new_zeros(1), row[:len(seq.token_ids) - 1]]) * seq.loss_mask
                 out.append((dataclasses.replace(seq, old_logprobs=mine, behaviour_logprobs=seq.old_logprobs),
                             advantages))
         return out
-
-    def _logprobs(self, model: CausalLM, inputs: torch.Tensor,
-                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probability of each target token and the entropy at each position, `[B, T]` in
-        fp32, at the rollouts' temperature; computed in the compute dtype."""
-        temperature = self.config.temperature if self.config.temperature >= MIN_TEMPERATURE else 1.0
-        autocast = self.compute_dtype != torch.float32
-        with torch.autocast(self.device.type, self.compute_dtype, enabled=autocast):
-            return token_logprobs(model.model(inputs), model.lm_head, targets, temperature,
-                                  self.config.logprob_chunk_tokens)
 
     def _forward_backward(self, micro: list[tuple[TokenSequence, torch.Tensor]],
                           denominator: int) -> dict[str, float]:
@@ -297,13 +321,15 @@ class Trainer:
         behaviour = behaviour[:, 1:] if behaviour is not None else None
         advantages = torch.nn.utils.rnn.pad_sequence([a for _, a in micro], batch_first=True)[:, 1:]
         advantages = advantages.to(self.device)
-        logprobs, entropy = self._logprobs(self.model, inputs, targets)
+        logprobs, entropy = (self.ddp or self.policy)(inputs, targets)
         ref = None
-        if self.ref_model is not None:
+        if self.reference is not None:
             with torch.no_grad():
-                ref = self._logprobs(self.ref_model, inputs, targets)[0]
+                ref = self.reference(inputs, targets)[0]
         loss, sums = self.objective.loss(logprobs, old, advantages, mask, ref, denominator, behaviour)
-        loss.backward()
+        # DDP averages gradients over ranks; the loss is already divided by the whole batch's
+        # count, so their sum is the step's gradient.
+        (loss * self.world_size).backward()
         with torch.no_grad():
             out = {key: float(value) for key, value in sums.items()}
             out.update(loss=float(loss), tokens=float(mask.sum()), sequences=float(mask.any(-1).sum()),
@@ -320,19 +346,9 @@ class Trainer:
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
-    def _all_reduce_gradients(self) -> None:
-        """Sum gradients over ranks in one flat buffer (one collective, not one per tensor)."""
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)  # a rank with nothing to train still joins
-        if self.world_size == 1:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+    def _accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Gradients of a micro-batch that is not its update's `last` stay on this rank."""
+        return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
 
     # -- weights out, checkpoints --------------------------------------------------------------
 
