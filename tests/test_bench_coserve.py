@@ -69,7 +69,8 @@ def test_model_flags_are_checked_before_anything_starts(tiny_qwen2: Path, tmp_pa
 
 
 @pytest.mark.parametrize("bench", ["coserve", "soak"])
-def test_device_flags_are_checked_before_anything_starts(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_device_flags_are_checked_before_anything_starts(bench: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     cores = os.sched_getaffinity(0)
     assert main(["bench", bench, "--quick", "--device", "tpu"]) == 2
     assert "--device/--dtype: device 'tpu'" in capsys.readouterr().err

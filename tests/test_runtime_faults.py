@@ -17,6 +17,7 @@ import pytest
 from rose.coserve.server import ServerLimits
 from rose.runtime.cluster import PROMETHEUS_TARGETS, Cluster
 from rose.runtime.config import Mode, ServingDeviceConfig, load_config
+from rose.runtime.placement import PlacementPolicy
 from rose.runtime.trainers import TrainerGroup
 
 ray = pytest.importorskip("ray")
@@ -72,7 +73,8 @@ class _Rank:
 @pytest.mark.parametrize("dies_again", [False, True])
 def test_a_dead_trainer_restarts_and_retrains_or_the_run_stops(dies_again: bool, tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    group = TrainerGroup(load_config(None, [f"train.out_dir={tmp_path}"]), "relay", "rollout", tmp_path, [])
+    group = TrainerGroup(load_config(None, [f"train.out_dir={tmp_path}"]), "relay", "rollout", tmp_path, [],
+                         PlacementPolicy())
     group.ranks, group.version = [_Rank(dead=True)], 3
     restarts: list[int] = []
 

@@ -1,6 +1,8 @@
 """The Ray actors of a training run: the trainer, dedicated rollout workers, serving devices.
 
-Each pins itself to its device's cores first (`devices.pin`). Weights travel from the trainer's
+In local mode each pins itself to its device's cores first (`devices.pin`) and binds the loopback;
+on a joined Ray cluster (rose/runtime/placement.py) Ray's CPU count bounds it instead and it
+binds its node's address, which it advertises. Weights travel from the trainer's
 `Sender` through the relay (Ray's object store) to a `Receiver` in every rollout replica, which
 hands them to its engine between two iterations. A dedicated worker's actor hosts an
 `EngineWorker` itself; the rollout manager reaches it through `rose.rollout.workers.RemoteWorker`:
@@ -43,35 +45,49 @@ from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
 
 
 class _Role:
-    """An actor whose log lines carry its role; Ray prefixes the lines it forwards with the
-    actor's repr, so that names the role too."""
+    """An actor whose log lines carry its role (Ray prefixes the lines it forwards with the
+    actor's repr, so that names the role too), on its device: its cores (local mode) or the
+    share of its node Ray gave it."""
 
     role = "actor"
+    host = LOOPBACK
 
-    def _log_as(self, role: str) -> None:
+    def _start_as(self, role: str, cores: list[int], local: bool) -> None:
         self.role = role
         logs.configure(role=role)  # at the driver's level, which the worker got as ROSE_LOG_LEVEL
+        if local:
+            pin(cores)
+        else:
+            import ray
+
+            self.host = ray.util.get_node_ip_address()  # where other nodes reach this one
 
     def __repr__(self) -> str:
         return self.role
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
 
 class TrainerActor(_Role):
     """One data-parallel rank of the trainer (NCCL between ranks on CUDA, gloo on the CPU); rank 0
     publishes the weights and writes the checkpoints."""
 
-    def __init__(self, cores: list[int], rank: int = 0, world: int = 1) -> None:
-        self._log_as("trainer" if world == 1 else f"trainer-{rank}")
-        pin(cores)
+    def __init__(self, cores: list[int], rank: int = 0, world: int = 1, local: bool = True) -> None:
+        self._start_as("trainer" if world == 1 else f"trainer-{rank}", cores, local)
 
     def address(self) -> str:
-        """Where rank 0 takes the other ranks' connections (this node, like the serving URLs)."""
+        """Where rank 0 takes the other ranks' connections."""
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+            sock.bind((self.host, 0))
+            return f"tcp://{self.host}:{sock.getsockname()[1]}"
 
     def start(self, model_path: str, objective: str, objective_options: dict[str, Any],
               config: dict[str, Any], relay: str, group: str, resume: bool = False, rank: int = 0,
@@ -149,10 +165,9 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
     `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
     plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
-    def __init__(self, worker_id: str, cores: list[int], model_path: str, engine: dict[str, Any],
+    def __init__(self, worker_id: str, cores: list[int], local: bool, model_path: str, engine: dict[str, Any],
                  relay: str, group: str) -> None:
-        self._log_as(worker_id)
-        pin(cores)
+        self._start_as(worker_id, cores, local)
         engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
         EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
         self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
@@ -171,11 +186,10 @@ class ServingDeviceActor(_Replica):
     replay driving its serving side from this process. Synced weights reach the executor in
     process, through the engine loop the server runs on."""
 
-    def __init__(self, worker_id: str, cores: list[int], serving_path: str, rollout_path: str,
+    def __init__(self, worker_id: str, cores: list[int], local: bool, serving_path: str, rollout_path: str,
                  config: ExecutorConfig, replay_spec: ServingDeviceConfig, relay: str, group: str,
                  limits: ServerLimits) -> None:
-        self._log_as(worker_id)
-        pin(cores)
+        self._start_as(worker_id, cores, local)
         import uvicorn
 
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
@@ -184,8 +198,8 @@ class ServingDeviceActor(_Replica):
         loop = StepLoop(executor, name="rose-executor")
         app = build_app(loop, executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
         sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        sock.bind((self.host, 0))
+        self.url = f"http://{self.host}:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                                     limit_concurrency=limits.max_connections))
         threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()

@@ -22,11 +22,12 @@ from rose.coserve.server import ServerLimits
 from rose.model import load_tokenizer
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
-from rose.runtime.config import Config, Mode
-from rose.runtime.devices import available_cores, init_ray, pinned
+from rose.runtime.config import Config, Mode, actor_device
+from rose.runtime.devices import available_cores, cluster_address, init_ray, pinned
+from rose.runtime.placement import Demand, PlacementPolicy, check_placeable
 from rose.runtime.replicas import Replicas
 from rose.runtime.rollouts import RolloutContext, RolloutFunction, heldout_rollout, load_rollout_function
-from rose.runtime.trainers import TrainerGroup
+from rose.runtime.trainers import TrainerGroup, rank_cores
 from rose.transfer import RayRelay
 
 PROMETHEUS_TARGETS = "prometheus_targets.json"  # in the run directory: the serving devices' /metrics
@@ -45,12 +46,14 @@ class Cluster:
         self.registry = WorkerRegistry(config.rollout.stall_timeout_s)
         relay, group = f"rose-relay-{uuid.uuid4().hex[:8]}", "rollout"
         self.restarts: list[str] = []  # what died and how it came back, in order
-        self.trainers = TrainerGroup(config, relay, group, out_dir, self.restarts)
+        self.placement = PlacementPolicy(local=cluster_address(config.ray_address) is None,
+                                   resources=config.devices.resources)
+        self.trainers = TrainerGroup(config, relay, group, out_dir, self.restarts, self.placement)
         # The serving devices' HTTP APIs are locked with keys of this run's own: only its driver
         # leases turns and loads weights, only its trace replay sends serving requests.
         limits = ServerLimits(api_key=secrets.token_urlsafe(32), lease_key=secrets.token_urlsafe(32))
         self.replicas = Replicas(config, self.registry, self.trainers, relay, group, limits, self.restarts,
-                                 out_dir / PROMETHEUS_TARGETS)
+                                 out_dir / PROMETHEUS_TARGETS, self.placement)
         self.rollout_function = load_rollout_function(config.rollout.function)
         self._pinned = contextlib.ExitStack()
         self._relay: RayRelay | None = None
@@ -66,11 +69,15 @@ class Cluster:
         import ray
 
         c, r = self.config, self.replicas
-        # The driver (rollout manager, environments) and a local Ray's own processes, started from
-        # here, belong to the training side: on the trainer's cores, never on a serving device's.
-        self._pinned.enter_context(pinned(c.devices.trainer))
+        if self.placement.local:
+            # The driver (rollout manager, environments) and a local Ray's own processes, started
+            # from here, belong to the training side: on the trainer's cores, never on a serving
+            # device's.
+            self._pinned.enter_context(pinned(c.devices.trainer))
         if not ray.is_initialized():
             init_ray(c.ray_address, num_cpus=len(available_cores()))
+        if not self.placement.local:
+            check_placeable(self._demands(), [n["Resources"] for n in ray.nodes() if n["Alive"]])
         # Created here, the relay's directory belongs to the driver: it outlives any actor's death.
         self._relay = RayRelay(self._relay_name)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +96,18 @@ class Cluster:
         self.sync_weights()  # every replica gets the trainer's weights (a full copy) before step one
         for handle in r.serving.values():
             ray.get(handle.start_replay.remote())
+
+    def _demands(self) -> list[Demand]:
+        """What every actor this run starts asks of its node (on a cluster)."""
+        c, d, n = self.config, self.config.devices, self.config.train.data_parallel
+        roles = [("trainer", c.train.device, [rank_cores(d.trainer, r, n) for r in range(n)]),
+                 ("dedicated", c.rollout.device, d.dedicated)]
+        if self.mode is Mode.ROSE:
+            roles.append(("serving", c.serving.device, d.serving))
+        if self.mode is Mode.ELASTIC:
+            roles.append(("elastic", c.rollout.device, d.elastic))
+        return [self.placement.demand(role, cores, actor_device(device).startswith("cuda"))
+                for role, device, listed in roles for cores in listed]
 
     def shutdown(self) -> None:
         self.loop.run_until_complete(self.replicas.close())

@@ -29,8 +29,9 @@ from rose.rl.envs import env_options, list_envs, make_env
 from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import COMPLETE_FILE, is_complete
-from rose.runtime.devices import available_cores
+from rose.runtime.devices import available_cores, cluster_address
 from rose.runtime.loggers import LOGGERS, missing_package
+from rose.runtime.placement import ROLES
 from rose.runtime.rollouts import env_kwargs, load_rollout_function
 from rose.traces import TRACE_NAMES
 
@@ -144,6 +145,10 @@ class DevicesConfig:
     serving: list[list[int]] = dataclasses.field(default_factory=lambda: [[1]])  # rose mode
     elastic: list[list[int]] = dataclasses.field(default_factory=lambda: [[1]])  # elastic mode
     provision_delay_s: float = 5.0  # elastic: waiting for an allocation, before the real start-up
+    # On a Ray cluster the run joins, each role's custom Ray resources (trainer, dedicated,
+    # serving, elastic: rose/runtime/placement.py), e.g. {serving: {serving: 1}}; a device's
+    # core list then counts the CPUs its actor asks for.
+    resources: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -224,19 +229,27 @@ def validate(config: Config, mode: Mode | None = None) -> None:
                                               f"(a prompt of at least one token), got {s.max_context} "
                                               f"and {s.max_output}")
     _check_fits(config)
+    # Core ids and CUDA devices are this machine's: checked here in local mode; on a cluster
+    # core lists count CPUs and Ray finds the GPUs (`rose.runtime.placement`).
+    local = cluster_address(config.ray_address) is None
     trainer_device = resolve(t.device)[0]
-    if trainer_device.type == "cuda" and t.data_parallel > 1:
+    if local and trainer_device.type == "cuda" and t.data_parallel > 1:
         gpus = torch.cuda.device_count()
         _check(trainer_device.index is None and t.data_parallel <= gpus,
                f"train.data_parallel ({t.data_parallel}) ranks on cuda take one CUDA device each, cuda:0 "
                f"to cuda:{t.data_parallel - 1}: give train.device=cuda and at most {gpus} ranks")
     _check(bool(d.dedicated), "devices.dedicated needs at least one device")
+    unknown = sorted(set(d.resources) - set(ROLES))
+    _check(not unknown, f"devices.resources: no role {', '.join(unknown)}; the roles are {', '.join(ROLES)}")
+    for role, asked in d.resources.items():
+        _check(all(math.isfinite(v) and v >= 0 for v in asked.values()),
+               f"devices.resources.{role}: amounts must be finite and >= 0, got {dict(asked)}")
     cores = available_cores()
     for name, devices in (("trainer", [d.trainer]), ("dedicated", d.dedicated), ("serving", d.serving),
                           ("elastic", d.elastic)):
         for device in devices:
             _check(bool(device), f"devices.{name}: a device needs at least one core")
-            missing = sorted(set(device) - cores)
+            missing = sorted(set(device) - cores) if local else []
             _check(not missing, f"devices.{name} uses core(s) {missing}, but this machine has only "
                                 f"{sorted(cores)}; give fewer devices or cores")
     if mode is Mode.ROSE:
@@ -285,11 +298,12 @@ def actor_device(device: str | None) -> str:
     return str(resolve(device)[0])
 
 
-def rank_device(device: str | None, rank: int, world: int) -> str:
-    """Data-parallel trainer rank `rank`'s device: on CUDA one each (cuda:RANK; NCCL needs
-    distinct devices), else `device` for all."""
+def rank_device(device: str | None, rank: int, world: int, local: bool = True) -> str:
+    """Data-parallel trainer rank `rank`'s device: on CUDA one each (cuda:RANK on this machine;
+    NCCL needs distinct devices; on a cluster Ray gives each rank its own GPU, which it sees as
+    `cuda`), else `device` for all."""
     resolved = actor_device(device)
-    return f"cuda:{rank}" if world > 1 and resolved.startswith("cuda") else resolved
+    return f"cuda:{rank}" if local and world > 1 and resolved.startswith("cuda") else resolved
 
 _OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old_logprobs", "tis_cap",
                    "max_version_lag", "overlong_max_tokens", "overlong_cache_tokens", "step_advantage_weight",

@@ -28,6 +28,12 @@ def pin(cores: Iterable[int]) -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
+def cluster_address(address: str | None) -> str | None:
+    """The Ray cluster a run joins: `address`, else `$RAY_ADDRESS` (as `ray.init` reads it);
+    None: a local instance."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def init_ray(address: str | None = None, **local: object) -> None:
     """`ray.init` whose workers keep the driver's priority and log at its level, their lines
     forwarded to the driver's terminal (each actor names its role in them: `rose.logs`).
@@ -42,7 +48,7 @@ def init_ray(address: str | None = None, **local: object) -> None:
     """
     import ray
 
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = cluster_address(address)
     options = {} if address else {"_system_config": {"worker_niceness": 0}, **local}
     level = {LEVEL_ENV: os.environ.get(LEVEL_ENV, DEFAULT_LEVEL)}
     ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True,

@@ -30,6 +30,7 @@ from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import LeaseWorker, RemoteWorker
 from rose.runtime.actors import DedicatedWorkerActor, ServingDeviceActor
 from rose.runtime.config import Config, actor_device
+from rose.runtime.placement import PlacementPolicy
 from rose.runtime.trainers import TrainerGroup
 
 SYNC_TIMEOUT_S = 120.0
@@ -38,8 +39,9 @@ SYNC_ROUNDS = 3  # publishes per weight sync: a replica that missed one, or was 
 
 class Replicas:
     def __init__(self, config: Config, registry: WorkerRegistry, trainers: TrainerGroup, relay: str,
-                 group: str, server_limits: ServerLimits, restarts: list[str], targets_file: Path) -> None:
-        self.config, self.registry, self.trainers = config, registry, trainers
+                 group: str, server_limits: ServerLimits, restarts: list[str], targets_file: Path,
+                 placement: PlacementPolicy) -> None:
+        self.config, self.registry, self.trainers, self.placement = config, registry, trainers, placement
         self.targets_file = targets_file  # the serving devices' /metrics, for Prometheus's file_sd
         self.metrics_urls: dict[str, str] = {}
         self.relay, self.group, self.server_limits = relay, group, server_limits
@@ -57,14 +59,16 @@ class Replicas:
     # -- start, route, stop --------------------------------------------------------------------
 
     def start_dedicated(self, wid: str, cores: list[int]) -> Any:
+        """A dedicated (or, named `elastic-N`, an elastic) rollout worker on `cores`."""
         import ray
 
-        r = self.config.rollout
+        r, p = self.config.rollout, self.placement
         engine = {"kv_cache_bytes": r.kv_cache_mb << 20, "device": actor_device(r.device)}
+        demand = p.demand(wid.split("-")[0], cores, engine["device"].startswith("cuda"))
         self.cores[wid] = cores
         self.dedicated[wid] = ray.remote(DedicatedWorkerActor).options(
-            num_cpus=0, max_concurrency=1000).remote(wid, cores, self.model_path, engine, self.relay,
-                                                     self.group)
+            max_concurrency=1000, **p.options(demand)).remote(wid, cores, p.local, self.model_path, engine,
+                                                              self.relay, self.group)
         return self.dedicated[wid]
 
     def start_serving(self, wid: str, cores: list[int]) -> Any:
@@ -76,9 +80,11 @@ class Replicas:
                                   tpot_inflation=s.tpot_inflation, ttft_inflation=s.ttft_inflation,
                                   max_rollout_turns=self.config.rollout.serving_concurrency,
                                   device=actor_device(s.device))
+        p = self.placement
+        demand = p.demand("serving", cores, str(executor.device).startswith("cuda"))
         self.cores[wid] = cores
-        self.serving[wid] = ray.remote(ServingDeviceActor).options(num_cpus=0).remote(
-            wid, cores, self.serving_path, self.model_path, executor, s, self.relay, self.group,
+        self.serving[wid] = ray.remote(ServingDeviceActor).options(**p.options(demand)).remote(
+            wid, cores, p.local, self.serving_path, self.model_path, executor, s, self.relay, self.group,
             self.server_limits)
         return self.serving[wid]
 

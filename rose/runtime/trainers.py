@@ -17,13 +17,23 @@ from rose.rl import shard_by_group
 from rose.rl.trainer import is_complete
 from rose.runtime.actors import TrainerActor
 from rose.runtime.config import Config, objective_options, rank_device, trainer_options
+from rose.runtime.placement import Demand, PlacementPolicy
 
 RESTARTS = 1  # per call: a trainer that dies again right after a restart stops the run
+PLACEMENT_TIMEOUT_S = 120.0  # for the ranks' placement group on a cluster: then a clear error, not a hang
+
+
+def rank_cores(cores: list[int], rank: int, world: int) -> list[int]:
+    """Data-parallel rank `rank`'s share of the trainer's cores (all of them, if too few)."""
+    return cores[rank::world] if len(cores) >= world else cores
 
 
 class TrainerGroup:
-    def __init__(self, config: Config, relay: str, group: str, out_dir: Path, restarts: list[str]) -> None:
+    def __init__(self, config: Config, relay: str, group: str, out_dir: Path, restarts: list[str],
+                 placement: PlacementPolicy) -> None:
         self.config, self.relay, self.group, self.out_dir = config, relay, group, out_dir
+        self.placement = placement
+        self.bundles: Any = None  # the ranks' placement group, on a cluster
         self.restarts = restarts  # the run's log of what died and came back, shared
         self.ranks: list[Any] = []
         self.version = 0
@@ -42,17 +52,47 @@ class TrainerGroup:
         import ray
 
         self.start_path = self.start_path or path
-        c = self.config
-        # Data-parallel ranks share out the trainer's cores (all of them each, if too few).
-        n, own = c.train.data_parallel, c.devices.trainer
-        actor = ray.remote(TrainerActor).options(num_cpus=0)
-        self.ranks = [actor.remote(own[r::n] if len(own) >= n else own, r, n) for r in range(n)]
+        c, p = self.config, self.placement
+        n, local = c.train.data_parallel, p.local
+        devices = [rank_device(c.train.device, rank, n, local) for rank in range(n)]
+        cores = [rank_cores(c.devices.trainer, rank, n) for rank in range(n)]
+        demands = [p.demand("trainer", cores[r], devices[r].startswith("cuda")) for r in range(n)]
+        # On a cluster the ranks are placed together, or not at all.
+        options = [p.options(d) for d in demands] if local else await self._bundle(demands)
+        self.ranks = [ray.remote(TrainerActor).options(**options[r]).remote(cores[r], r, n, local)
+                      for r in range(n)]
         master = await self.leader.address.remote() if n > 1 else None
         objective = objective_options(c)
         return [t.start.remote(path, c.train.objective, objective,
-                               {**trainer_options(c), "device": rank_device(c.train.device, rank, n)},
-                               self.relay, self.group, is_complete(path), rank, n, master)
+                               {**trainer_options(c), "device": devices[rank]}, self.relay, self.group,
+                               is_complete(path), rank, n, master)
                 for rank, t in enumerate(self.ranks)]
+
+    async def _bundle(self, demands: list[Demand]) -> list[dict[str, Any]]:
+        """The ranks' Ray options, each in its bundle of one placement group, once Ray has
+        reserved it; a ValueError naming what was asked if it cannot within the timeout."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._unbundle()
+        bundles = [d.resources() for d in demands]
+        self.bundles = placement_group(bundles, strategy="PACK")
+        try:
+            await asyncio.wait_for(self.bundles.ready(), PLACEMENT_TIMEOUT_S)
+        except TimeoutError:
+            remove_placement_group(self.bundles)
+            self.bundles = None
+            raise ValueError(f"devices.trainer: the Ray cluster did not place the trainer's ranks {bundles} "
+                             f"within {PLACEMENT_TIMEOUT_S:g} s") from None
+        return [{**d.options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(self.bundles, r)}
+                for r, d in enumerate(demands)]
+
+    def _unbundle(self) -> None:
+        if self.bundles is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.bundles)
+            self.bundles = None
 
     async def call(self, call: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """The results of `call(ranks)` (one Ray call per rank), made again on new ranks after a
@@ -105,3 +145,4 @@ class TrainerGroup:
 
         for t in self.ranks:
             ray.kill(t)
+        self._unbundle()
