@@ -191,6 +191,7 @@ class Trainer:
         # forward would need every rank to run as many micro-batches as the others.
         self.ddp = (DistributedDataParallel(self.policy, process_group=group, broadcast_buffers=False)
                     if self.world_size > 1 else None)
+        self.forward: torch.nn.Module = self.ddp if self.ddp is not None else self.policy  # with gradients
         # The reference policy of the KL penalty is the policy as it starts.
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
                           if self.objective.kl_coef > 0 else None)
@@ -321,7 +322,7 @@ class Trainer:
         behaviour = behaviour[:, 1:] if behaviour is not None else None
         advantages = torch.nn.utils.rnn.pad_sequence([a for _, a in micro], batch_first=True)[:, 1:]
         advantages = advantages.to(self.device)
-        logprobs, entropy = (self.ddp or self.policy)(inputs, targets)
+        logprobs, entropy = self.forward(inputs, targets)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
