@@ -47,7 +47,7 @@ class Cluster:
         relay, group = f"rose-relay-{uuid.uuid4().hex[:8]}", "rollout"
         self.restarts: list[str] = []  # what died and how it came back, in order
         self.placement = PlacementPolicy(local=cluster_address(config.ray_address) is None,
-                                   resources=config.devices.resources)
+                                         resources=config.devices.resources)
         self.trainers = TrainerGroup(config, relay, group, out_dir, self.restarts, self.placement)
         # The serving devices' HTTP APIs are locked with keys of this run's own: only its driver
         # leases turns and loads weights, only its trace replay sends serving requests.

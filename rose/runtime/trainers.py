@@ -71,7 +71,7 @@ class TrainerGroup:
     async def _bundle(self, demands: list[Demand]) -> list[dict[str, Any]]:
         """The ranks' Ray options, each in its bundle of one placement group, once Ray has
         reserved it; a ValueError naming what was asked if it cannot within the timeout."""
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._unbundle()
@@ -80,8 +80,7 @@ class TrainerGroup:
         try:
             await asyncio.wait_for(self.bundles.ready(), PLACEMENT_TIMEOUT_S)
         except TimeoutError:
-            remove_placement_group(self.bundles)
-            self.bundles = None
+            self._unbundle()
             raise ValueError(f"devices.trainer: the Ray cluster did not place the trainer's ranks {bundles} "
                              f"within {PLACEMENT_TIMEOUT_S:g} s") from None
         return [{**d.options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(self.bundles, r)}
