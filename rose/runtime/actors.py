@@ -28,11 +28,12 @@ import torch
 from rose import logs
 from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import LLMEngine, RequestOutput
 from rose.engine.async_engine import AsyncLLMEngine
-from rose.model import load_tokenizer
+from rose.model import CausalLM, ModelConfig, load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
 from rose.rollout.workers import EngineWorker
@@ -56,11 +57,13 @@ class _Role:
     role = "actor"
     host = LOOPBACK
 
-    def _start_as(self, role: str, cores: list[int], local: bool) -> None:
+    def _start_as(self, role: str, cores: list[int] | None = None, local: bool = True) -> None:
+        """Log as `role`; pin to `cores` in local mode (None: an actor with no device)."""
         self.role = role
         logs.configure(role=role)  # at the driver's level, which the worker got as ROSE_LOG_LEVEL
         if local:
-            pin(cores)
+            if cores is not None:
+                pin(cores)
         else:
             import ray
 
@@ -247,3 +250,41 @@ class ServingDeviceActor(_Replica):
             self._stop.set()
             self._replay.join()
         return [(t, r) for t, r in self.results if t >= since]
+
+
+class EndpointActor(_Replica):
+    """A `rose serve` process started on its own (a serving team's replica), attached to the run
+    by URL and lease key (`serving.endpoints`): the run neither starts nor stops it. This actor is
+    its receiving end: it mirrors the policy's weights from the relay and pushes each sync's
+    changed tensors to the server's lease API (`POST /v1/lease/weights`); turns go to the server
+    directly (`LeaseWorker`). Killing the actor leaves the server as it was."""
+
+    def __init__(self, worker_id: str, url: str, key: str | None, policy_path: str, relay: str,
+                 group: str) -> None:
+        self._start_as(worker_id)
+        self.url, self.key = url, key
+        with torch.device("meta"):  # the parameters' names and shapes, no memory
+            shapes = CausalLM(ModelConfig.from_dir(policy_path))
+        self.receiver = Receiver(RayRelay(relay), model_spec(shapes), ReceiverSpec(worker_id), self._push,
+                                 group=group)
+        self.receiver.join()
+        log.info("attached to %s", url)
+
+    def _push(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        async def post() -> None:
+            client = LeaseClient(self.url, key=self.key)
+            try:
+                await client.load_weights(named, version)
+            finally:
+                await client.aclose()
+
+        asyncio.run(post())
+
+    def address(self) -> str:
+        return self.url
+
+    def ready(self) -> bool:
+        return True
+
+    def sync_weights(self, timeout: float) -> dict[str, Any]:
+        return self._synced(timeout)

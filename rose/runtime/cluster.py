@@ -90,6 +90,8 @@ class Cluster:
             r.serving_path = str(c.serving.model.checkpoint(self.out_dir / "serving-model"))
             for i, cores in enumerate(c.devices.serving):
                 r.start_serving(f"serving-{i}", cores)
+            for i, url in enumerate(c.serving.endpoints):
+                r.attach(f"endpoint-{i}", url)
         self.trainers.version = ray.get(starts)[0]  # a resumed run goes on from its checkpoint's
         for wid in r.all():
             self.loop.run_until_complete(r.register(wid))

@@ -173,6 +173,12 @@ class ServingDeviceConfig:
     ttft_inflation: float = ExecutorConfig.ttft_inflation
     pool_mb: int = 64
     device: str | None = None  # both models (None: cuda if there is one, else cpu; bfloat16 on cuda)
+    # `rose serve` processes started on their own (a serving team's replicas), attached by URL
+    # beside or instead of `devices.serving`: turns are leased there and the policy's weights
+    # pushed there with `endpoint_key` (their lease key; `${oc.env:ROSE_LEASE_KEY}` reads it from
+    # the environment). The run neither starts nor stops them, nor replays a trace against them.
+    endpoints: list[str] = dataclasses.field(default_factory=list)
+    endpoint_key: str | None = None
 
 
 @dataclasses.dataclass
@@ -253,7 +259,12 @@ def validate(config: Config, mode: Mode | None = None) -> None:
             _check(not missing, f"devices.{name} uses core(s) {missing}, but this machine has only "
                                 f"{sorted(cores)}; give fewer devices or cores")
     if mode is Mode.ROSE:
-        _check(bool(d.serving), "mode rose needs at least one serving device (devices.serving)")
+        _check(bool(d.serving or s.endpoints),
+               "mode rose needs at least one serving device (devices.serving) or endpoint "
+               "(serving.endpoints)")
+    for url in s.endpoints:
+        _check(re.fullmatch(r"https?://[^/\s]+/?", url) is not None,
+               f"serving.endpoints: {url!r} is not a server's URL (expected http://HOST:PORT)")
     if mode is Mode.ELASTIC:
         _check(bool(d.elastic), "mode elastic needs at least one device to add (devices.elastic)")
 

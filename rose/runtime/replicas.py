@@ -1,4 +1,5 @@
-"""The rollout replicas of a training run: dedicated workers, serving devices, elastic devices.
+"""The rollout replicas of a training run: dedicated workers, serving devices, attached serving
+endpoints, elastic devices.
 
 Each replica is a Ray actor on its own cores. This module starts them, routes to them (the
 worker registry), gives them the trainer's weights (`sync`), starts a dead one again on its
@@ -28,7 +29,7 @@ from rose.coserve.server import ServerLimits
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import LeaseWorker, RemoteWorker
-from rose.runtime.actors import DedicatedWorkerActor, ServingDeviceActor
+from rose.runtime.actors import DedicatedWorkerActor, EndpointActor, ServingDeviceActor
 from rose.runtime.config import Config, actor_device
 from rose.runtime.placement import PlacementPolicy
 from rose.runtime.trainers import TrainerGroup
@@ -48,13 +49,15 @@ class Replicas:
         self.restarts = restarts  # the run's log of what died and came back, shared
         self.dedicated: dict[str, Any] = {}
         self.serving: dict[str, Any] = {}
+        self.endpoints: dict[str, Any] = {}  # attached `rose serve` processes' receiving ends, by id
+        self.endpoint_urls: dict[str, str] = {}
         self.cores: dict[str, list[int]] = {}  # each replica's device, to start it again there
         self.model_path = self.serving_path = ""
         self.elastic_alloc_s: list[float] = []  # allocations that arrived: seconds from request to routable
         self.elastic_cancelled_s: list[float] = []  # still pending when a step's rollouts ended: time wasted
 
     def all(self) -> dict[str, Any]:
-        return {**self.dedicated, **self.serving}
+        return {**self.dedicated, **self.serving, **self.endpoints}
 
     # -- start, route, stop --------------------------------------------------------------------
 
@@ -88,13 +91,38 @@ class Replicas:
             self.server_limits)
         return self.serving[wid]
 
+    def attach(self, wid: str, url: str) -> Any:
+        """A `rose serve` process started on its own, at `url`: its receiving end of the weights
+        (`EndpointActor`), with nothing asked of Ray; the server is not this run's to start."""
+        import ray
+
+        self.endpoint_urls[wid] = url
+        self.endpoints[wid] = ray.remote(EndpointActor).options(num_cpus=0).remote(
+            wid, url, self.config.serving.endpoint_key, self.model_path, self.relay, self.group)
+        return self.endpoints[wid]
+
+    async def detach(self, wid: str, why: object) -> None:
+        """Stop using attached server `wid` (it could not take the weights): it keeps serving its
+        own traffic, the run goes on without it."""
+        import ray
+
+        worker = self.registry.workers.get(wid)
+        self.registry.remove(wid)
+        if worker is not None:
+            await worker.close()
+        ray.kill(self.endpoints.pop(wid))
+        self.metrics_urls.pop(wid, None)
+        write_prometheus_targets(self.targets_file, self.metrics_urls)
+        self.restarts.append(f"{wid} ({self.endpoint_urls[wid]}) detached: {why}")
+
     async def register(self, wid: str) -> None:
         """Route to replica `wid` (in place of a dead one of the same name)."""
         handle, r = self.all()[wid], self.config.rollout
-        if wid in self.serving:
+        if wid in self.serving or wid in self.endpoints:
             url = self.metrics_urls[wid] = await handle.address.remote()
             write_prometheus_targets(self.targets_file, self.metrics_urls)
-            worker: Any = LeaseWorker(wid, url, r.serving_concurrency, key=self.server_limits.lease_key)
+            key = self.config.serving.endpoint_key if wid in self.endpoints else self.server_limits.lease_key
+            worker: Any = LeaseWorker(wid, url, r.serving_concurrency, key=key)
         else:
             await handle.ready.remote()
             worker = RemoteWorker(wid, handle, r.dedicated_concurrency)
@@ -138,6 +166,8 @@ class Replicas:
                 if revive:
                     await self.revive(wid)  # it syncs as it starts
                     del errors[wid]
+            for wid in [w for w in errors if w in self.endpoints]:
+                await self.detach(wid, errors.pop(wid))
             todo = {wid: todo[wid] for wid in errors}
             if not todo:
                 return sent
@@ -162,8 +192,11 @@ class Replicas:
         import ray
 
         old = self.all()[wid]
-        start = self.start_serving if wid in self.serving else self.start_dedicated
-        new = start(wid, self.cores[wid])
+        if wid in self.endpoints:
+            new = self.attach(wid, self.endpoint_urls[wid])
+        else:
+            start = self.start_serving if wid in self.serving else self.start_dedicated
+            new = start(wid, self.cores[wid])
         with contextlib.suppress(Exception):
             ray.kill(old)
         await new.ready.remote()  # it has joined the relay group: the next publish includes it
