@@ -37,6 +37,7 @@ from rose.model import CausalLM, ModelConfig, load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
 from rose.rollout.workers import EngineWorker
+from rose.runtime.checkpoints import Checkpoint, open_checkpoint
 from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
 from rose.steploop import StepLoop
@@ -92,11 +93,12 @@ class TrainerActor(_Role):
             sock.bind((self.host, 0))
             return f"tcp://{self.host}:{sock.getsockname()[1]}"
 
-    def start(self, model_path: str, objective: str, objective_options: dict[str, Any],
+    def start(self, checkpoint: Checkpoint, objective: str, objective_options: dict[str, Any],
               config: dict[str, Any], relay: str, group: str, resume: bool = False, rank: int = 0,
               world: int = 1, master: str | None = None) -> int:
         """Join the ranks' process group (every rank's `start` runs at once), load the policy; the
         version it starts from."""
+        model_path = open_checkpoint(checkpoint)
         if world > 1:
             device = torch.device(config["device"])
             if device.type == "cuda":
@@ -168,10 +170,10 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
     `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
     plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
-    def __init__(self, worker_id: str, cores: list[int], local: bool, model_path: str, engine: dict[str, Any],
-                 relay: str, group: str) -> None:
+    def __init__(self, worker_id: str, cores: list[int], local: bool, policy: Checkpoint,
+                 engine: dict[str, Any], relay: str, group: str) -> None:
         self._start_as(worker_id, cores, local)
-        engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(model_path, **engine))
+        engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(open_checkpoint(policy), **engine))
         EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
         self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
                    self.engine.engine.load_weights)
@@ -189,10 +191,11 @@ class ServingDeviceActor(_Replica):
     replay driving its serving side from this process. Synced weights reach the executor in
     process, through the engine loop the server runs on."""
 
-    def __init__(self, worker_id: str, cores: list[int], local: bool, serving_path: str, rollout_path: str,
+    def __init__(self, worker_id: str, cores: list[int], local: bool, serving: Checkpoint, policy: Checkpoint,
                  config: ExecutorConfig, replay_spec: ServingDeviceConfig, relay: str, group: str,
                  limits: ServerLimits) -> None:
         self._start_as(worker_id, cores, local)
+        serving_path, rollout_path = open_checkpoint(serving), open_checkpoint(policy)
         import uvicorn
 
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
@@ -259,12 +262,12 @@ class EndpointActor(_Replica):
     changed tensors to the server's lease API (`POST /v1/lease/weights`); turns go to the server
     directly (`LeaseWorker`). Killing the actor leaves the server as it was."""
 
-    def __init__(self, worker_id: str, url: str, key: str | None, policy_path: str, relay: str,
+    def __init__(self, worker_id: str, url: str, key: str | None, policy: Checkpoint, relay: str,
                  group: str) -> None:
         self._start_as(worker_id)
         self.url, self.key = url, key
         with torch.device("meta"):  # the parameters' names and shapes, no memory
-            shapes = CausalLM(ModelConfig.from_dir(policy_path))
+            shapes = CausalLM(ModelConfig.from_dir(open_checkpoint(policy)))
         self.receiver = Receiver(RayRelay(relay), model_spec(shapes), ReceiverSpec(worker_id), self._push,
                                  group=group)
         self.receiver.join()

@@ -22,6 +22,7 @@ from rose.coserve.server import ServerLimits
 from rose.model import load_tokenizer
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
+from rose.runtime.checkpoints import for_actors
 from rose.runtime.config import Config, Mode, actor_device
 from rose.runtime.devices import available_cores, cluster_address, init_ray, pinned
 from rose.runtime.placement import Demand, PlacementPolicy, check_placeable
@@ -81,13 +82,15 @@ class Cluster:
         # Created here, the relay's directory belongs to the driver: it outlives any actor's death.
         self._relay = RayRelay(self._relay_name)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        r.model_path = str(self.resume or c.model.checkpoint(self.out_dir / "initial"))
-        self.tokenizer = load_tokenizer(r.model_path)
-        starts = self.loop.run_until_complete(self.trainers.launch(r.model_path))
+        policy = str(self.resume or c.model.checkpoint(self.out_dir / "initial"))
+        self.tokenizer = load_tokenizer(policy)
+        r.policy = for_actors(policy, self.placement.local)
+        starts = self.loop.run_until_complete(self.trainers.launch(r.policy))
         for i, cores in enumerate(c.devices.dedicated):
             r.start_dedicated(f"dedicated-{i}", cores)
         if self.mode is Mode.ROSE:
-            r.serving_path = str(c.serving.model.checkpoint(self.out_dir / "serving-model"))
+            serving = str(c.serving.model.checkpoint(self.out_dir / "serving-model"))
+            r.serving_model = for_actors(serving, self.placement.local)
             for i, cores in enumerate(c.devices.serving):
                 r.start_serving(f"serving-{i}", cores)
             for i, url in enumerate(c.serving.endpoints):

@@ -30,6 +30,7 @@ from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import LeaseWorker, RemoteWorker
 from rose.runtime.actors import DedicatedWorkerActor, EndpointActor, ServingDeviceActor
+from rose.runtime.checkpoints import Checkpoint
 from rose.runtime.config import Config, actor_device
 from rose.runtime.placement import PlacementPolicy
 from rose.runtime.trainers import TrainerGroup
@@ -52,7 +53,10 @@ class Replicas:
         self.endpoints: dict[str, Any] = {}  # attached `rose serve` processes' receiving ends, by id
         self.endpoint_urls: dict[str, str] = {}
         self.cores: dict[str, list[int]] = {}  # each replica's device, to start it again there
-        self.model_path = self.serving_path = ""
+        # The policy's and the serving model's checkpoints as the actors get them (paths in local
+        # mode, shipped through the object store on a cluster: rose/runtime/checkpoints.py).
+        self.policy: Checkpoint = ""
+        self.serving_model: Checkpoint = ""
         self.elastic_alloc_s: list[float] = []  # allocations that arrived: seconds from request to routable
         self.elastic_cancelled_s: list[float] = []  # still pending when a step's rollouts ended: time wasted
 
@@ -70,7 +74,7 @@ class Replicas:
         demand = p.demand(wid.split("-")[0], cores, engine["device"].startswith("cuda"))
         self.cores[wid] = cores
         self.dedicated[wid] = ray.remote(DedicatedWorkerActor).options(
-            max_concurrency=1000, **p.options(demand)).remote(wid, cores, p.local, self.model_path, engine,
+            max_concurrency=1000, **p.options(demand)).remote(wid, cores, p.local, self.policy, engine,
                                                               self.relay, self.group)
         return self.dedicated[wid]
 
@@ -87,7 +91,7 @@ class Replicas:
         demand = p.demand("serving", cores, str(executor.device).startswith("cuda"))
         self.cores[wid] = cores
         self.serving[wid] = ray.remote(ServingDeviceActor).options(**p.options(demand)).remote(
-            wid, cores, p.local, self.serving_path, self.model_path, executor, s, self.relay, self.group,
+            wid, cores, p.local, self.serving_model, self.policy, executor, s, self.relay, self.group,
             self.server_limits)
         return self.serving[wid]
 
@@ -98,7 +102,7 @@ class Replicas:
 
         self.endpoint_urls[wid] = url
         self.endpoints[wid] = ray.remote(EndpointActor).options(num_cpus=0).remote(
-            wid, url, self.config.serving.endpoint_key, self.model_path, self.relay, self.group)
+            wid, url, self.config.serving.endpoint_key, self.policy, self.relay, self.group)
         return self.endpoints[wid]
 
     async def detach(self, wid: str, why: object) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from rose.rl import shard_by_group
 from rose.rl.trainer import is_complete
 from rose.runtime.actors import TrainerActor
+from rose.runtime.checkpoints import Checkpoint, written_at
 from rose.runtime.config import Config, objective_options, rank_device, trainer_options
 from rose.runtime.placement import Demand, PlacementPolicy
 
@@ -37,7 +38,7 @@ class TrainerGroup:
         self.restarts = restarts  # the run's log of what died and came back, shared
         self.ranks: list[Any] = []
         self.version = 0
-        self.start_path = ""  # the checkpoint the run started from
+        self.first_checkpoint: Checkpoint = ""  # the one the run started from
         self.checkpoints: list[Path] = []  # complete ones this run wrote, oldest first
 
     @property
@@ -45,13 +46,13 @@ class TrainerGroup:
         """Rank 0."""
         return self.ranks[0]
 
-    async def launch(self, path: str) -> list[Any]:
-        """Start the ranks on checkpoint `path` (its optimizer state too, if it is one of ours);
-        the refs of their `start` calls, each resolving to the version it starts from (the
-        caller starts the rollout replicas meanwhile, then sets `version`)."""
+    async def launch(self, checkpoint: Checkpoint) -> list[Any]:
+        """Start the ranks on `checkpoint` (its optimizer state too, if it is one of ours); the
+        refs of their `start` calls, each resolving to the version it starts from (the caller
+        starts the rollout replicas meanwhile, then sets `version`)."""
         import ray
 
-        self.start_path = self.start_path or path
+        self.first_checkpoint = self.first_checkpoint or checkpoint
         c, p = self.config, self.placement
         n, local = c.train.data_parallel, p.local
         devices = [rank_device(c.train.device, rank, n, local) for rank in range(n)]
@@ -63,9 +64,9 @@ class TrainerGroup:
                       for r in range(n)]
         master = await self.leader.address.remote() if n > 1 else None
         objective = objective_options(c)
-        return [t.start.remote(path, c.train.objective, objective,
+        return [t.start.remote(checkpoint, c.train.objective, objective,
                                {**trainer_options(c), "device": devices[rank]}, self.relay, self.group,
-                               is_complete(path), rank, n, master)
+                               is_complete(written_at(checkpoint)), rank, n, master)
                 for rank, t in enumerate(self.ranks)]
 
     async def _bundle(self, demands: list[Demand]) -> list[dict[str, Any]]:
@@ -116,11 +117,12 @@ class TrainerGroup:
 
         for t in self.ranks:  # the surviving ranks wait in a collective for the dead one
             ray.kill(t)
-        path = str(self.checkpoints[-1] if self.checkpoints else self.start_path)
-        await asyncio.gather(*await self.launch(path))
+        # The newest checkpoint this run wrote is on the trainer's node (rose/runtime/checkpoints.py).
+        checkpoint = str(self.checkpoints[-1]) if self.checkpoints else self.first_checkpoint
+        await asyncio.gather(*await self.launch(checkpoint))
         # Weights go back to the checkpoint's; the version goes on, so versions only move forward.
         await asyncio.gather(*(t.set_version.remote(self.version) for t in self.ranks))
-        self.restarts.append(f"trainer restarted from {path} at version {self.version}")
+        self.restarts.append(f"trainer restarted from {written_at(checkpoint)} at version {self.version}")
 
     async def train(self, trajectories: list) -> dict[str, float]:
         """One optimizer step over the trajectories, whole GRPO groups per rank; rank 0's metrics."""

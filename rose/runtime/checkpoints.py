@@ -1,0 +1,81 @@
+"""Checkpoint directories that every actor of a run can open, on any node.
+
+Locally a checkpoint is its path. On a Ray cluster the run joined, nodes need not share the
+driver's filesystem: the driver puts the files of the checkpoints it hands out (the initial
+policy, the serving model, a resumed run's checkpoint) into Ray's object store once (`ship`),
+and an actor writes them to a directory of its own node, named by their digest, before it loads
+(`open_checkpoint`). A path on another node could hold other files under the same name (a
+relative `train.out_dir`, an earlier run's), so on a cluster actors always open the shipped copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+COPY_PREFIX = "rose-checkpoint-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedCheckpoint:
+    """A checkpoint directory as the driver wrote it, its files in Ray's object store."""
+
+    path: str  # where the driver wrote it (for messages)
+    digest: str  # of the files' names and bytes: names the copy on each node
+    files: Any  # ObjectRef of {path relative to the directory: bytes}
+
+
+Checkpoint = str | ShippedCheckpoint
+
+
+def written_at(checkpoint: Checkpoint) -> str:
+    """Where the driver wrote `checkpoint` (its path on the driver's node)."""
+    return checkpoint.path if isinstance(checkpoint, ShippedCheckpoint) else checkpoint
+
+
+def ship(path: str | Path) -> ShippedCheckpoint:
+    """Every file under `path` into the object store (the driver holds the reference)."""
+    import ray
+
+    root = Path(path)
+    files = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+    if not files:
+        raise ValueError(f"checkpoint {path}: no files to ship")
+    digest = xxhash.xxh3_128()
+    for name, data in files.items():
+        digest.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return ShippedCheckpoint(str(root), digest.hexdigest(), ray.put(files))
+
+
+def open_checkpoint(checkpoint: Checkpoint, root: str | Path | None = None) -> str:
+    """A directory of this node holding `checkpoint`: its path, or the shipped files written
+    under `root` (default: the temporary directory) once per node, whole or not at all."""
+    if isinstance(checkpoint, str):
+        return checkpoint
+    import ray
+
+    target = Path(root or tempfile.gettempdir()) / f"{COPY_PREFIX}{checkpoint.digest}"
+    if target.is_dir():
+        return str(target)  # written by an earlier actor on this node: renamed into place whole
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for name, data in ray.get(checkpoint.files).items():
+        (partial / name).parent.mkdir(parents=True, exist_ok=True)
+        (partial / name).write_bytes(data)
+    try:
+        partial.rename(target)
+    except OSError:  # another actor of this node renamed its copy first: the same files
+        shutil.rmtree(partial, ignore_errors=True)
+    return str(target)
+
+
+def for_actors(path: str, local: bool) -> Checkpoint:
+    """What the run hands its actors for the checkpoint at `path`: the path itself in local mode."""
+    return path if local else ship(path)

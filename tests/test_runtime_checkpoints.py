@@ -1,0 +1,51 @@
+"""Checkpoints through the object store: an actor on a node that does not share the driver's
+filesystem opens a copy of its own, written whole, once per node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rose.model import load_model
+from rose.runtime.checkpoints import for_actors, open_checkpoint, ship, written_at
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def test_a_shipped_checkpoint_opens_as_a_copy_on_another_node(local_ray: None, tiny_qwen3: Path,
+                                                               tmp_path: Path) -> None:
+    shipped = for_actors(str(tiny_qwen3), local=False)
+    assert written_at(shipped) == str(tiny_qwen3)
+    assert for_actors(str(tiny_qwen3), local=True) == str(tiny_qwen3)  # locally: the path itself
+    node = tmp_path / "other-node"  # what that node's temporary directory holds
+    copy = Path(open_checkpoint(shipped, node))
+    assert copy.parent == node and copy != tiny_qwen3
+    assert sorted(f.name for f in copy.iterdir()) == sorted(f.name for f in tiny_qwen3.iterdir())
+    assert all((copy / f.name).read_bytes() == f.read_bytes() for f in tiny_qwen3.iterdir())
+    load_model(copy)  # a checkpoint, whole
+    written = (copy / "config.json").stat().st_mtime_ns
+    assert open_checkpoint(shipped, node) == str(copy)  # once per node
+    assert (copy / "config.json").stat().st_mtime_ns == written
+    assert not [p for p in node.iterdir() if p.name.endswith(".partial")]
+
+
+def test_other_files_are_another_copy(local_ray: None, tiny_qwen3: Path, tiny_qwen2: Path,
+                                      tmp_path: Path) -> None:
+    a, b = ship(tiny_qwen3), ship(tiny_qwen2)
+    assert a.digest != b.digest and ship(tiny_qwen3).digest == a.digest
+    assert open_checkpoint(a, tmp_path) != open_checkpoint(b, tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no files to ship"):
+        ship(tmp_path / "empty")
