@@ -45,6 +45,7 @@ def test_an_attached_server_takes_turns_and_weights_and_outlives_the_job(tmp_pat
                 [sys.executable, "-m", "rose.cli", "train", "--mode", "rose", f"model.path={policy}",
                  f"serving.endpoints=[{url}]", f"serving.endpoint_key={lease_key}", "devices.serving=[]",
                  "train.steps=100", "rollout.groups=2", "rollout.group_size=2",
+                 "rollout.dedicated_concurrency=1",  # the dedicated worker full: turns spill there
                  f"train.out_dir={tmp_path / 'run'}"],
                 stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
         try:
