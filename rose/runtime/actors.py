@@ -186,7 +186,22 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
         return await asyncio.to_thread(self._synced, timeout)
 
 
-class ServingDeviceActor(_Replica):
+class _HttpReplica(_Replica):
+    """A replica the rollout manager reaches over HTTP at `self.url` (a lease API)."""
+
+    url = ""
+
+    def address(self) -> str:
+        return self.url
+
+    def ready(self) -> bool:
+        return True
+
+    def sync_weights(self, timeout: float) -> dict[str, Any]:
+        return self._synced(timeout)
+
+
+class ServingDeviceActor(_HttpReplica):
     """A co-serving executor (serving model + rollout model) behind its HTTP server, with a trace
     replay driving its serving side from this process. Synced weights reach the executor in
     process, through the engine loop the server runs on."""
@@ -218,15 +233,6 @@ class ServingDeviceActor(_Replica):
         self._replay: threading.Thread | None = None
         self._join(relay, group, worker_id, executor.rollout.model, loop, executor.load_weights)
 
-    def address(self) -> str:
-        return self.url
-
-    def ready(self) -> bool:
-        return True
-
-    def sync_weights(self, timeout: float) -> dict[str, Any]:
-        return self._synced(timeout)
-
     def start_replay(self) -> None:
         self._replay = threading.Thread(target=lambda: asyncio.run(self._replay_windows()), daemon=True)
         self._replay.start()
@@ -255,7 +261,7 @@ class ServingDeviceActor(_Replica):
         return [(t, r) for t, r in self.results if t >= since]
 
 
-class EndpointActor(_Replica):
+class EndpointActor(_HttpReplica):
     """A `rose serve` process started on its own (a serving team's replica), attached to the run
     by URL and lease key (`serving.endpoints`): the run neither starts nor stops it. This actor is
     its receiving end: it mirrors the policy's weights from the relay and pushes each sync's
@@ -282,12 +288,3 @@ class EndpointActor(_Replica):
                 await client.aclose()
 
         asyncio.run(post())
-
-    def address(self) -> str:
-        return self.url
-
-    def ready(self) -> bool:
-        return True
-
-    def sync_weights(self, timeout: float) -> dict[str, Any]:
-        return self._synced(timeout)
