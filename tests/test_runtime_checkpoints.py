@@ -18,7 +18,8 @@ ray = pytest.importorskip("ray")
 def local_ray() -> Iterator[None]:
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False,
+                 log_to_driver=False)
     yield
     if started:
         ray.shutdown()

@@ -268,5 +268,5 @@ def test_a_local_ray_is_sized_by_this_machine(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     init_ray(None, num_cpus=2)
-    assert seen["address"] is None and seen["num_cpus"] == 2
+    assert seen["address"] == "local" and seen["num_cpus"] == 2  # its own, not a `ray start` cluster
     assert seen["_system_config"] == {"worker_niceness": 0}

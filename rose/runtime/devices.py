@@ -39,8 +39,9 @@ def init_ray(address: str | None = None, **local: object) -> None:
     forwarded to the driver's terminal (each actor names its role in them: `rose.logs`).
 
     It joins the cluster at `address`, else at `$RAY_ADDRESS` (as `ray.init` itself does), else
-    starts a local instance sized by `local` (`num_cpus`, `object_store_memory`): Ray refuses
-    resource options when joining a cluster, whose nodes declare their own.
+    starts a local instance of its own sized by `local` (`num_cpus`, `object_store_memory`),
+    never the cluster a `ray start` on this machine left running (which `ray.init()` would join):
+    Ray refuses resource options when joining a cluster, whose nodes declare their own.
 
     A local Ray starts its workers at niceness 15 by default, so any ordinary process -- the
     driver, a shell, a test run -- would preempt an actor that holds a device's cores; a serving
@@ -51,7 +52,7 @@ def init_ray(address: str | None = None, **local: object) -> None:
     address = cluster_address(address)
     options = {} if address else {"_system_config": {"worker_niceness": 0}, **local}
     level = {LEVEL_ENV: os.environ.get(LEVEL_ENV, DEFAULT_LEVEL)}
-    ray.init(address=address, include_dashboard=False, configure_logging=False, log_to_driver=True,
+    ray.init(address=address or "local", include_dashboard=False, configure_logging=False, log_to_driver=True,
              runtime_env={"env_vars": level}, **options)
 
 
