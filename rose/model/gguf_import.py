@@ -187,15 +187,23 @@ def _tensors(reader: GGUFReader, path: Path, config: ModelConfig
         yield where, name, w
 
 
+def _read_config(reader: GGUFReader) -> tuple[dict[str, Any], ModelConfig]:
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    return meta, gguf_config(meta, {t.name: _hf_shape(t) for t in reader.tensors})
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """The model config of the GGUF file `path`, from its metadata alone (no tensor is read)."""
+    return _read_config(_open(Path(path)))[1]
+
+
 def import_gguf(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write the GGUF file `path` to `out` as `config.json`, safetensors in `dtype`, and the
     tokenizer files (`tokenizer.json`, `tokenizer_config.json` with the chat template,
     `generation_config.json`); return `out`."""
     path, out = Path(path), Path(out)
     reader = _open(path)
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    shapes = {t.name: _hf_shape(t) for t in reader.tensors}
-    config = gguf_config(meta, shapes)
+    meta, config = _read_config(reader)
     tok = gguf_tokenizer(meta, config.vocab_size)
     model = assemble_model(config, _tensors(reader, path, config), str(path), dtype)
     save_model(model, out)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from rose.model.gguf_import import import_gguf
+from rose.model.config import ModelConfig
+from rose.model.gguf_import import import_gguf, read_gguf_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,20 @@ PRETRAINED: dict[str, Pretrained] = {
 }
 
 
-def init_pretrained(name: str, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Import pretrained model `name`'s installed file into `out` (HF format); return `out`."""
+def installed_file(name: str) -> Path:
+    """Pretrained model `name`'s installed file (ValueError for an unknown name,
+    FileNotFoundError saying how to install a missing one)."""
     if name not in PRETRAINED:
         raise ValueError(f"unknown pretrained model {name!r}; expected one of {', '.join(PRETRAINED)}")
-    return import_gguf(PRETRAINED[name].path(), out, dtype)
+    return PRETRAINED[name].path()
+
+
+def init_pretrained(name: str, out: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Import pretrained model `name`'s installed file into `out` (HF format); return `out`."""
+    return import_gguf(installed_file(name), out, dtype)
+
+
+def pretrained_config(name: str) -> ModelConfig:
+    """Pretrained model `name`'s config, read from its installed file without importing it."""
+    return read_gguf_config(installed_file(name))
+

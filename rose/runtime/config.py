@@ -24,6 +24,7 @@ from rose.engine.kv_pool import KVSpec
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, init_model, preset_config
+from rose.model.pretrained import PRETRAINED, init_pretrained, pretrained_config
 from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
 from rose.rl.envs.heldout import SPLITS
@@ -44,18 +45,27 @@ class Mode(enum.Enum):
 
 @dataclasses.dataclass
 class ModelSource:
-    """A model of the run (`model:`, the policy; `serving.model:`): a preset's random weights, or a
-    checkpoint."""
+    """A model of the run (`model:`, the policy; `serving.model:`): a preset's random weights, a
+    checkpoint, or a packaged pretrained model."""
 
     arch: str = "qwen3"
     preset: str = "tiny"
     seed: int = 0
     path: str | None = None  # an existing HF-format checkpoint instead of a random one
+    # A packaged pretrained model (rose.model.pretrained, e.g. smollm2-135m-instruct), imported
+    # into the run's directory when it starts: `rose init-model --preset` without the extra step.
+    pretrained: str | None = None
+
+    @property
+    def is_pretrained(self) -> bool:
+        return self.path is not None or self.pretrained is not None
 
     def checkpoint(self, out: Path) -> Path:
-        """`path`, else a random `arch`/`preset` checkpoint written to `out`."""
+        """`path`, else the `pretrained` model or a random `arch`/`preset` checkpoint written to `out`."""
         if self.path is not None:
             return Path(self.path)
+        if self.pretrained is not None:
+            return init_pretrained(self.pretrained, out)
         return init_model(self.arch, self.preset, out, seed=self.seed)
 
 
@@ -215,6 +225,10 @@ def validate(config: Config, mode: Mode | None = None) -> None:
         _check(model.arch in ARCHS, f"{key}.arch must be one of {', '.join(ARCHS)}, got {model.arch!r}")
         _check(model.preset in PRESETS,
                f"{key}.preset must be one of {', '.join(PRESETS)}, got {model.preset!r}")
+        _check(model.path is None or model.pretrained is None,
+               f"{key}.path and {key}.pretrained both name the model; give one")
+        _check(model.pretrained is None or model.pretrained in PRETRAINED,
+               f"{key}.pretrained must be one of {', '.join(PRETRAINED)}, got {model.pretrained!r}")
         _check(model.path is None or (Path(model.path) / "config.json").is_file(),
                f"{key}.path {model.path} is not an HF-format checkpoint (expected a directory with "
                "config.json, safetensors and tokenizer files, e.g. from `rose init-model`)")
@@ -344,12 +358,12 @@ RANDOM_MODEL_DEFAULTS = ModelDefaults(3e-3, 0, "a random model.preset initialise
 # warmup) trained their policies at, with the 10 warmup steps of verl's DAPO recipe (recipe/dapo):
 # Adam's first moments are noise, and full-size steps at the tiny recipe's 3e-3 would wreck a
 # pretrained policy.
-PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path is a pretrained checkpoint: verl's actor lr and "
-                                              "its DAPO recipe's warmup")
+PRETRAINED_DEFAULTS = ModelDefaults(1e-6, 10, "model.path or model.pretrained is a pretrained model: "
+                                              "verl's actor lr and its DAPO recipe's warmup")
 
 
 def model_defaults(model: ModelSource) -> ModelDefaults:
-    return RANDOM_MODEL_DEFAULTS if model.path is None else PRETRAINED_DEFAULTS
+    return PRETRAINED_DEFAULTS if model.is_pretrained else RANDOM_MODEL_DEFAULTS
 
 
 def chosen_defaults(config: Config) -> dict[str, Any]:
@@ -423,12 +437,17 @@ def _check_env(config: Config) -> None:
 
 
 def _context(key: str, model: ModelSource) -> ModelConfig:
-    """The model's configuration: its checkpoint's config.json, else the preset's."""
+    """The model's configuration: its checkpoint's config.json, the pretrained model's, else the
+    preset's."""
     try:
+        if model.pretrained is not None:
+            return pretrained_config(model.pretrained)
         return (ModelConfig.from_dir(model.path) if model.path is not None
                 else preset_config(model.arch, model.preset))
+    except FileNotFoundError as exc:  # the package that ships the pretrained model is not installed
+        raise ValueError(f"config: {key}.pretrained: {exc}") from None
     except CheckpointError as exc:
-        raise ValueError(f"config: {key}.path: {exc}") from None
+        raise ValueError(f"config: {key}.{'path' if model.path else 'pretrained'}: {exc}") from None
 
 
 def _pages(config: ModelConfig, tokens: int, device: str | None) -> int:

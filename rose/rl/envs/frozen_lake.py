@@ -90,7 +90,7 @@ class FrozenLake(TextEnv):
     def __init__(self, size: int = 4, random_map: bool = False, desc: Sequence[str] | None = None,
                  slippery: bool = False, p_frozen: float = 0.8, max_turns: int | None = None,
                  invalid_penalty: float = 0.1, show_grid: bool = True, progress_reward: float = 0.0,
-                 split: str | None = None) -> None:
+                 split: str | None = None, ask: bool = False) -> None:
         """`desc` (rows of S/F/H/G) overrides the map; else `random_map` draws a solvable
         `size` x `size` map from each reset's seed (only from the `split` "train" or "eval" of
         rose.rl.envs.heldout when given), else the standard 4x4 or 8x8 map."""
@@ -110,7 +110,7 @@ class FrozenLake(TextEnv):
         self.split = check_split(self.name, split, self._fixed is None)
         side = len(self._fixed) if self._fixed else size
         super().__init__(DEFAULT_MAX_TURNS.get(side, 4 * side) if max_turns is None else max_turns,
-                         invalid_penalty)
+                         invalid_penalty, ask)
         self._rng = random.Random()
         self.desc: tuple[str, ...] = self._fixed or ()
         self.pos = self._start = (0, 0)

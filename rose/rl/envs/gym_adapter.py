@@ -22,7 +22,8 @@ class GymEnvAdapter(TextEnv):
     def __init__(self, env: Any, actions: Sequence[str], system_prompt: str,
                  render: Callable[[Any, dict[str, Any]], str] | None = None,
                  success: Callable[[float, bool, dict[str, Any]], bool] = _reached_reward,
-                 max_turns: int = 20, invalid_penalty: float = 0.1, name: str = "gym") -> None:
+                 max_turns: int = 20, invalid_penalty: float = 0.1, name: str = "gym",
+                 ask: bool = False) -> None:
         """`actions`: a name per discrete action id, in id order. `success(reward, terminated,
         info)` judges the last step (default: it terminated with a positive reward)."""
         self.name = name
@@ -37,7 +38,7 @@ class GymEnvAdapter(TextEnv):
         n = getattr(getattr(env, "action_space", None), "n", None)
         if n is not None and int(n) != len(self.actions):
             raise ValueError(f"{name}: {len(self.actions)} action names for an action space of {int(n)}")
-        super().__init__(max_turns, invalid_penalty)
+        super().__init__(max_turns, invalid_penalty, ask)
         self.env, self._system_prompt = env, system_prompt
         self._render, self._success = render, success
         self._obs: Any = None

@@ -154,7 +154,8 @@ class Sokoban(TextEnv):
 
     def __init__(self, size: int = 6, num_boxes: int = 1, level: int | Sequence[str] | None = None,
                  max_turns: int = 20, invalid_penalty: float = 0.1, step_penalty: float = 0.1,
-                 box_reward: float = 1.0, solve_reward: float = 10.0, split: str | None = None) -> None:
+                 box_reward: float = 1.0, solve_reward: float = 10.0, split: str | None = None,
+                 ask: bool = False) -> None:
         """`level`: an index into `FIXED_LEVELS` or rows of text; None generates a `size` x
         `size` level with `num_boxes` boxes from each reset's seed (only from the `split`
         "train" or "eval" of rose.rl.envs.heldout when given)."""
@@ -178,7 +179,7 @@ class Sokoban(TextEnv):
         self.box_reward = check_non_negative(self.name, "box_reward", box_reward)
         self.solve_reward = check_non_negative(self.name, "solve_reward", solve_reward)
         self.split = check_split(self.name, split, self._fixed is None)
-        super().__init__(max_turns, invalid_penalty)
+        super().__init__(max_turns, invalid_penalty, ask)
         self._rng = random.Random()
         self.level = Level.parse(self._fixed or FIXED_LEVELS[0])
 
