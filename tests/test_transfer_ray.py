@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def relay():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
              object_store_memory=200 << 20)
     relay = RayRelay(name="rose-test-relay")
     yield relay

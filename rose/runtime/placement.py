@@ -62,17 +62,21 @@ class PlacementPolicy:
         return {"num_cpus": 0} if self.local else demand.options()
 
 
+class Unplaceable(ValueError):
+    """No alive node of the cluster can hold what the run asks for."""
+
+
 def check_placeable(demands: Sequence[Demand], nodes: Sequence[Mapping[str, float]]) -> None:
-    """ValueError naming what is missing when the cluster's alive `nodes` (each one's total
+    """`Unplaceable` naming what is missing when the cluster's alive `nodes` (each one's total
     resources) cannot hold the actors: one that fits on no node, or more of a resource asked
     for in all than the nodes have together. Only certain failures: a set that passes may still
     wait for resources that other jobs hold."""
     if not nodes:
-        raise ValueError("the Ray cluster has no alive node")
+        raise Unplaceable("the Ray cluster has no alive node")
     for d in demands:
         if all(d.lacks(node) for node in nodes):
             closest = min(nodes, key=lambda node: len(d.lacks(node)))
-            raise ValueError(f"devices.{d.role}: no node of the Ray cluster can hold a {d.role} actor "
+            raise Unplaceable(f"devices.{d.role}: no node of the Ray cluster can hold a {d.role} actor "
                              f"({_words(d.resources())}); the closest lacks {', '.join(d.lacks(closest))}. "
                              f"Start a node with those resources (`ray start --num-cpus N --num-gpus N "
                              f"--resources JSON`) or ask for less (devices.{d.role}, devices.resources)")
@@ -84,7 +88,7 @@ def check_placeable(demands: Sequence[Demand], nodes: Sequence[Mapping[str, floa
         have = sum(node.get(name, 0) for node in nodes)
         if have < amount:
             roles = sorted({d.role for d in demands if d.resources().get(name)})
-            raise ValueError(f"the run's actors ({', '.join(roles)}) ask for {amount:g} {name} in all; "
+            raise Unplaceable(f"the run's actors ({', '.join(roles)}) ask for {amount:g} {name} in all; "
                              f"the Ray cluster's nodes have {have:g}")
 
 

@@ -32,10 +32,13 @@ from rose.rollout.workers import LeaseWorker, RemoteWorker
 from rose.runtime.actors import DedicatedWorkerActor, EndpointActor, ServingDeviceActor
 from rose.runtime.checkpoints import Checkpoint
 from rose.runtime.config import Config, actor_device
-from rose.runtime.placement import PlacementPolicy
+from rose.runtime.placement import PlacementPolicy, Unplaceable, check_placeable
 from rose.runtime.trainers import TrainerGroup
 
 SYNC_TIMEOUT_S = 120.0
+# A replica started again must be up (model loaded, joined the relay) within this: past it, the
+# run goes on without it rather than wait on an actor Ray cannot place.
+REVIVE_TIMEOUT_S = 300.0
 SYNC_ROUNDS = 3  # publishes per weight sync: a replica that missed one, or was just restarted, gets the next
 
 
@@ -69,13 +72,13 @@ class Replicas:
         """A dedicated (or, named `elastic-N`, an elastic) rollout worker on `cores`."""
         import ray
 
-        r, p = self.config.rollout, self.placement
+        r = self.config.rollout
         engine = {"kv_cache_bytes": r.kv_cache_mb << 20, "device": actor_device(r.device)}
-        demand = p.demand(wid.split("-")[0], cores, engine["device"].startswith("cuda"))
+        options = self._options(wid.split("-")[0], cores, engine["device"])
         self.cores[wid] = cores
-        self.dedicated[wid] = ray.remote(DedicatedWorkerActor).options(
-            max_concurrency=1000, **p.options(demand)).remote(wid, cores, p.local, self.policy, engine,
-                                                              self.relay, self.group)
+        actor = ray.remote(DedicatedWorkerActor).options(max_concurrency=1000, **options)
+        self.dedicated[wid] = actor.remote(wid, cores, self.placement.local, self.policy, engine, self.relay,
+                                           self.group)
         return self.dedicated[wid]
 
     def start_serving(self, wid: str, cores: list[int]) -> Any:
@@ -87,13 +90,23 @@ class Replicas:
                                   tpot_inflation=s.tpot_inflation, ttft_inflation=s.ttft_inflation,
                                   max_rollout_turns=self.config.rollout.serving_concurrency,
                                   device=actor_device(s.device))
-        p = self.placement
-        demand = p.demand("serving", cores, str(executor.device).startswith("cuda"))
+        options = self._options("serving", cores, str(executor.device))
         self.cores[wid] = cores
-        self.serving[wid] = ray.remote(ServingDeviceActor).options(**p.options(demand)).remote(
-            wid, cores, p.local, self.serving_model, self.policy, executor, s, self.relay, self.group,
-            self.server_limits)
+        self.serving[wid] = ray.remote(ServingDeviceActor).options(**options).remote(
+            wid, cores, self.placement.local, self.serving_model, self.policy, executor, s, self.relay,
+            self.group, self.server_limits)
         return self.serving[wid]
+
+    def _options(self, role: str, cores: list[int], device: str) -> dict[str, Any]:
+        """A `role` actor's Ray options; on a cluster, `Unplaceable` naming the missing resource
+        when no live node can hold it now (its node left: Ray would keep it pending forever)."""
+        import ray
+
+        p = self.placement
+        demand = p.demand(role, cores, device.startswith("cuda"))
+        if not p.local:
+            check_placeable([demand], [n["Resources"] for n in ray.nodes() if n["Alive"]])
+        return p.options(demand)
 
     def attach(self, wid: str, url: str) -> Any:
         """A `rose serve` process started on its own, at `url`: its receiving end of the weights
@@ -105,19 +118,23 @@ class Replicas:
             wid, url, self.config.serving.endpoint_key, self.policy, self.relay, self.group)
         return self.endpoints[wid]
 
-    async def detach(self, wid: str, why: object) -> None:
-        """Stop using attached server `wid` (it could not take the weights): it keeps serving its
-        own traffic, the run goes on without it."""
+    async def forget(self, wid: str, why: str) -> None:
+        """Route to replica `wid` no more and leave it out of weight syncs: the run goes on
+        without it (an attached server that could not take the weights keeps serving its own
+        traffic; a replica that could not be started again is gone with its node)."""
         import ray
 
         worker = self.registry.workers.get(wid)
         self.registry.remove(wid)
         if worker is not None:
             await worker.close()
-        ray.kill(self.endpoints.pop(wid))
-        self.metrics_urls.pop(wid, None)
-        write_prometheus_targets(self.targets_file, self.metrics_urls)
-        self.restarts.append(f"{wid} ({self.endpoint_urls[wid]}) detached: {why}")
+        for replicas in (self.dedicated, self.serving, self.endpoints):
+            if wid in replicas:
+                with contextlib.suppress(Exception):  # already dead
+                    ray.kill(replicas.pop(wid))
+        if self.metrics_urls.pop(wid, None) is not None:
+            write_prometheus_targets(self.targets_file, self.metrics_urls)
+        self.restarts.append(f"{wid} {why}")
 
     async def register(self, wid: str) -> None:
         """Route to replica `wid` (in place of a dead one of the same name)."""
@@ -168,10 +185,10 @@ class Replicas:
                       if isinstance(g, BaseException) or g["version"] != self.trainers.version}
             for wid in [w for w, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]:
                 if revive:
-                    await self.revive(wid)  # it syncs as it starts
                     del errors[wid]
+                    await self.revive_or_forget(wid)  # it syncs as it starts
             for wid in [w for w in errors if w in self.endpoints]:
-                await self.detach(wid, errors.pop(wid))
+                await self.forget(wid, f"({self.endpoint_urls[wid]}) detached: {errors.pop(wid)}")
             todo = {wid: todo[wid] for wid in errors}
             if not todo:
                 return sent
@@ -203,7 +220,11 @@ class Replicas:
             new = start(wid, self.cores[wid])
         with contextlib.suppress(Exception):
             ray.kill(old)
-        await new.ready.remote()  # it has joined the relay group: the next publish includes it
+        try:  # then it has joined the relay group: the next publish includes it
+            await asyncio.wait_for(new.ready.remote(), REVIVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{wid} was not up {REVIVE_TIMEOUT_S:g} s after it was started again "
+                               "(no node free to hold it?)") from None
         await self.sync({wid: new}, revive=False)
         await self.register(wid)
         if wid in self.serving:
@@ -224,9 +245,17 @@ class Replicas:
             for wid in reaped:
                 if await self._dead(wid):
                     try:
-                        await self.revive(wid)
+                        await self.revive_or_forget(wid)
                     except Exception as exc:  # the step goes on without it; the weight sync tries again
                         self.restarts.append(f"{wid} could not be restarted: {exc!r}")
+
+    async def revive_or_forget(self, wid: str) -> None:
+        """Start dead replica `wid` again, or go on without it when no node can hold it (its
+        node left the cluster); any other failure is raised."""
+        try:
+            await self.revive(wid)
+        except (Unplaceable, TimeoutError) as exc:
+            await self.forget(wid, f"could not be restarted, the run goes on without it: {exc}")
 
     # -- elastic devices --------------------------------------------------------------------------
 
