@@ -21,8 +21,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def relay():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             object_store_memory=200 << 20)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
+             log_to_driver=False, object_store_memory=200 << 20)
     relay = RayRelay(name="rose-test-relay")
     yield relay
     relay.close()
