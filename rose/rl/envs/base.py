@@ -7,10 +7,9 @@ limit ended the episode). A reply that names no legal action is never an error: 
 an observation that says so, the `invalid_penalty` is subtracted, and the turn counts.
 
 With `ask`, every observation ends with the question a person would ask ("Which action do you
-take: Left, Down, Right or Up?"). A small pretrained chat model, answering what its last message
-asks, names a legal action in about half of its first replies with it and hardly ever without
-(SmolLM2-135M-Instruct on FrozenLake, docs/rl.md); a policy trained from scratch needs no such
-prompt.
+take: Left, Down, Right or Up?"). A small pretrained chat model answers what its last message
+asks: SmolLM2-135M-Instruct named a legal action in 16 of 32 first FrozenLake replies with it,
+1 of 32 without (docs/rl.md). A policy trained from scratch needs no such prompt.
 """
 
 from __future__ import annotations
