@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import init_model, load_model
@@ -71,7 +73,8 @@ def _record_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     updates: list[dict[str, torch.Tensor]] = []
     trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: updates.append(
-        {names[id(p)]: p.grad.clone() for group in opt.param_groups for p in group["params"]}))
+        {names[id(p)]: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+         for group in opt.param_groups for p in group["params"]}))
     return updates
 
 
@@ -389,21 +392,29 @@ PARALLEL_OBJECTIVES = {
 
 
 def _rank(rank: int, world: int, port: int, path: Path, objective: Objective,
-          batches: list[list[list[Trajectory]]], out: Path) -> None:
+          batches: list[list[list[Trajectory]]], out: Path, sharding: str = "ddp") -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        trainer = Trainer(path, objective, CONFIG)
+        trainer = Trainer(path, objective, dataclasses.replace(CONFIG, sharding=sharding))
         gradients = _record_gradients(trainer)
         metrics = [trainer.step(shards[rank]) for shards in batches]
+        weights = dict(trainer.export_weights(torch.float32))  # every rank: the shards are gathered
+        trainer.save(out.with_suffix(".ckpt"))
         if rank == 0:
-            torch.save({"gradients": gradients, "metrics": metrics}, out)
+            torch.save({"gradients": gradients, "metrics": metrics, "weights": weights}, out)
     finally:
         dist.destroy_process_group()
     # Done: skip the interpreter's teardown. In about 1 run in 20 a rank aborted there, after
     # both had destroyed their group ("terminate called without an active exception", no Python
     # frame: a thread inside torch's gloo torn down at exit), failing a test whose work was done.
     os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _loss_by_hand(model: torch.nn.Module, batch: list[Trajectory], objective: Objective) -> float:
@@ -431,11 +442,14 @@ def _loss_by_hand(model: torch.nn.Module, batch: list[Trajectory], objective: Ob
     return sum(sum(s) / (len(s) if mean else objective.norm_tokens) for s in sequences) / len(sequences)
 
 
-@pytest.mark.parametrize("aggregation", list(PARALLEL_OBJECTIVES))
+@pytest.mark.parametrize("aggregation, sharding", [*((a, "ddp") for a in PARALLEL_OBJECTIVES),
+                                                    ("token-mean", "fsdp")])
 def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp_path: Path,
-                                                           aggregation: str) -> None:
+                                                           aggregation: str, sharding: str) -> None:
     """Off policy (behaviour logprobs away from the model's: ratios != 1, some clipped): two
-    ranks take one rank's step, whose loss is the one computed by hand."""
+    ranks take one rank's step, whose loss is the one computed by hand; replicated (DDP) or
+    sharded (FSDP2, whose ranks run different numbers of micro-batches here), with the same
+    weights exported and saved."""
     objective = PARALLEL_OBJECTIVES[aggregation]
     assert objective.aggregation == aggregation
     # Five groups (uneven over two ranks), one of them uninformative (dropped by DAPO).
@@ -448,12 +462,10 @@ def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp
     expected = [single.step(batch) for batch in steps]
     assert expected[0]["loss"] == pytest.approx(by_hand, rel=1e-5)
     assert expected[0]["clip_fraction"] > 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     out = tmp_path / "rank0.pt"
     shards = [shard_by_group(b, 2) for b in steps]
-    mp.spawn(_rank, args=(2, port, tiny_qwen3, objective, shards, out), nprocs=2)
+    mp.spawn(_rank, args=(2, port, tiny_qwen3, objective, shards, out, sharding), nprocs=2)
     got = torch.load(out, weights_only=False)
     # The first step's gradients match to fp32 summation order; the second step starts from
     # weights that Adam's near-sign first update moved by that noise, so it matches less tightly.
@@ -463,6 +475,25 @@ def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp
                     "reward_mean"):
             assert have[key] == pytest.approx(want[key], rel=rel, abs=1e-7), key
     assert expected[0]["groups_kept"] == (4 if objective.dynamic_sampling else 5)
+    # Two Adam updates at lr 1e-2 from gradients equal to fp32 summation order: a gathered shard
+    # out of place would be off by the weights' own scale, not a tenth of one update.
+    single_weights = dict(single.export_weights(torch.float32))
+    for name, w in got["weights"].items():
+        torch.testing.assert_close(w, single_weights[name], rtol=0, atol=1e-3)
+    saved = load_model(out.with_suffix(".ckpt"), torch.float32)
+    for name, w in saved.named_parameters():
+        torch.testing.assert_close(w, got["weights"][name])
+
+
+def test_an_fsdp_checkpoint_resumes_only_sharded(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Its optimizer state is saved whole by parameter name: a one-rank run cannot take it."""
+    port = _free_port()
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_rank, args=(2, port, tiny_qwen3, Objective.grpo(), [shard_by_group(_batch(), 2)], out, "fsdp"),
+             nprocs=2)
+    trainer = Trainer(out.with_suffix(".ckpt"), config=CONFIG)
+    with pytest.raises(ValueError, match=r"saved with sharding fsdp; resume with train.sharding=fsdp"):
+        trainer.load_state(out.with_suffix(".ckpt"))
 
 
 def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -> None:

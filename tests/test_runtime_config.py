@@ -85,6 +85,7 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
      r"^config: serving\.model\.path /nonexistent/ckpt is not an HF-format checkpoint \(expected a "
      r"directory with config\.json"),
     (["serving.model.arch=gpt2"], r"serving\.model\.arch must be one of .*got 'gpt2'"),
+    (["train.sharding=zero3"], r"train\.sharding must be one of ddp, fsdp, got 'zero3'"),
     (["model.pretrained=gpt-5"], r"model\.pretrained must be one of smollm2-135m-instruct, got 'gpt-5'"),
     (["model.pretrained=smollm2-135m-instruct", "model.path=/some/ckpt"],
      r"model\.path and model\.pretrained both name the model; give one"),

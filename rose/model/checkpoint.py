@@ -112,17 +112,17 @@ def _write(path: Path, write: Callable[[Path], None]) -> None:
     os.replace(tmp, path)
 
 
-def save_model(model: CausalLM, path: str | Path,
-               max_shard_bytes: int = 2 * 1024**3) -> None:
+def save_model(model: CausalLM, path: str | Path, max_shard_bytes: int = 2 * 1024**3,
+               state: dict[str, torch.Tensor] | None = None) -> None:
     """Write `config.json` and safetensors (sharded with an index past `max_shard_bytes`).
 
     Each file replaces its old version whole, and stale shards go only once the new ones are
     in place, so an interrupted save never leaves `path` without weights. A checkpoint that must
     change as one (weights, optimizer state) is written to a fresh directory and renamed
-    (`Trainer.save`)."""
+    (`Trainer.save`). `state`: the model's state dict gathered elsewhere (from FSDP shards)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.checkpoint_state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in model.checkpoint_state_dict(state).items()}
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

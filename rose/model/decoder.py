@@ -179,9 +179,10 @@ class CausalLM(nn.Module):
         """Recompute each layer's activations in backward: less memory, about 30% more compute."""
         self.model.gradient_checkpointing = enabled
 
-    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters under their checkpoint names; a tied lm_head is stored once, as HF does."""
-        state = {k: v for k, v in self.state_dict().items()}
+    def checkpoint_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Parameters (or `state`, this model's state dict gathered elsewhere) under their
+        checkpoint names; a tied lm_head is stored once, as HF does."""
+        state = dict(self.state_dict() if state is None else state)
         if self.config.tie_word_embeddings:
-            state.pop("lm_head.weight")
+            state.pop("lm_head.weight", None)
         return state

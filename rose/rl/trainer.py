@@ -24,6 +24,13 @@ DistributedDataParallel, whose bucketed all-reduce overlaps the backward; micro-
 accumulate without it (`no_sync`) and the last one of each optimizer update synchronises. Losses
 are divided by the token or sequence count of the whole batch (all ranks) and gradients summed
 across ranks, so N ranks with 1/N of the batch each take the same step as one rank with all of it.
+
+`sharding="fsdp"` shards instead of replicating: PyTorch's FSDP2 (`fully_shard`, each decoder
+layer a unit, then the rest) keeps 1/N of the weights, gradients and AdamW state on each rank and
+gathers a layer's weights for its forward and backward, for models one device cannot hold with
+their optimizer. Every forward is a collective then, so the ranks run as many micro-batches as
+the busiest one (the others forward and backward nothing: zero gradients). The full weights are
+gathered for `export_weights` and `save`, which every rank calls.
 """
 
 from __future__ import annotations
@@ -40,6 +47,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from rose.contracts.sampling import MIN_TEMPERATURE
@@ -53,6 +69,7 @@ from rose.rl.trajectory import TokenSequence, Trajectory
 STATE_FILE = "trainer_state.pt"
 REFERENCE_DIR = "reference"  # the KL penalty's reference policy, beside the weights
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: its presence vouches for the rest
+SHARDINGS = ("ddp", "fsdp")  # how data-parallel ranks hold the policy: whole on each, or 1/N
 
 
 def process_group_backend(device: torch.device) -> str:
@@ -90,6 +107,7 @@ class TrainerConfig:
     device: str | None = None
     dtype: str | None = None
     logprob_chunk_tokens: int = 1024  # tokens whose fp32 logits exist at once (rose.rl.logprobs)
+    sharding: str = "ddp"  # with several ranks: DDP replicas, or FSDP2 shards (SHARDINGS)
 
     def __post_init__(self) -> None:
         def number(name: str, value: Any) -> float:
@@ -114,6 +132,9 @@ class TrainerConfig:
             raise ValueError(f"trainer: temperature must be >= 0, got {self.temperature}")
         if not 0 <= number("min_lr_ratio", self.min_lr_ratio) <= 1:
             raise ValueError(f"trainer: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"trainer: sharding must be one of {', '.join(SHARDINGS)}, "
+                             f"got {self.sharding!r}")
         resolve(self.device, self.dtype, label="trainer: ")
 
 
@@ -140,11 +161,16 @@ def _pad(sequences: list[TokenSequence], device: torch.device
             stack("versions", -1), behaviour)
 
 
-def _join(ddp: DistributedDataParallel, device: torch.device) -> None:
-    """A backward of nothing (zero gradients) that synchronises: a rank with no sequence in an
-    update still takes part in the all-reduce the other ranks wait in."""
+def _join(forward: torch.nn.Module, device: torch.device) -> None:
+    """A forward and backward of nothing (zero gradients) that synchronises: a rank with no
+    sequence left in an update still takes part in the collectives the other ranks wait in."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    (ddp(ids[:, :1], ids[:, 1:])[0].sum() * 0.0).backward()
+    (forward(ids[:, :1], ids[:, 1:])[0].sum() * 0.0).backward()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (FSDP) tensor gathered whole; any other as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class TokenLogprobs(torch.nn.Module):
@@ -169,7 +195,7 @@ class Trainer:
                  config: TrainerConfig | None = None, group: dist.ProcessGroup | None = None) -> None:
         """`model`: a policy (moved to the config's device) or a checkpoint directory (loaded there
         in fp32). With a process group initialised, this is one data-parallel rank of `group`
-        (default: the whole world); rank 0's weights are broadcast to the others (by DDP)."""
+        (default: the whole world); rank 0's weights are broadcast to the others."""
         self.config = config or TrainerConfig()
         self.device, self.compute_dtype = resolve(self.config.device, self.config.dtype)
         self.model = (load_model(model, torch.float32, self.device) if isinstance(model, (str, Path))
@@ -184,17 +210,28 @@ class Trainer:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
         self.world_size = dist.get_world_size(group) if distributed else 1
-        self.params = list(self.model.parameters())
         c = self.config
         self.policy = TokenLogprobs(self.model, c.temperature, self.compute_dtype, c.logprob_chunk_tokens)
-        # Buffers (RoPE tables) are never broadcast: they are constants, and a broadcast per
-        # forward would need every rank to run as many micro-batches as the others.
-        self.ddp = (DistributedDataParallel(self.policy, process_group=group, broadcast_buffers=False)
-                    if self.world_size > 1 else None)
-        self.forward: torch.nn.Module = self.ddp if self.ddp is not None else self.policy  # with gradients
-        # The reference policy of the KL penalty is the policy as it starts.
+        self.sharded = self.world_size > 1 and c.sharding == "fsdp"
+        if self.world_size > 1:  # rank 0's weights, before the reference copies them
+            source = dist.get_global_rank(group, 0) if group is not None else 0
+            for t in self.model.state_dict().values():
+                dist.broadcast(t, source, group=group)
+        # The reference policy of the KL penalty is the policy as it starts (whole on each rank).
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
                           if self.objective.kl_coef > 0 else None)
+        self.ddp = None
+        if self.sharded:
+            mesh = DeviceMesh.from_group(group or dist.group.WORLD, self.device.type)
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.policy, mesh=mesh)
+        elif self.world_size > 1:
+            # Buffers (RoPE tables) are never broadcast: they are constants, and a broadcast per
+            # forward would need every rank to run as many micro-batches as the others.
+            self.ddp = DistributedDataParallel(self.policy, process_group=group, broadcast_buffers=False)
+        self.forward: torch.nn.Module = self.ddp if self.ddp is not None else self.policy  # with gradients
+        self.params = list(self.model.parameters())  # FSDP's sharded ones, once sharded
         self.reference = None if self.ref_model is None else TokenLogprobs(
             self.ref_model, c.temperature, self.compute_dtype, c.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
@@ -232,14 +269,15 @@ class Trainer:
             if denominator == 0:
                 continue  # nothing to learn from anywhere (e.g. dynamic sampling dropped all)
             micros = [m for m in _chunks(mini, math.ceil(len(mini) / self.config.micro_batch_size) or 1) if m]
+            idle = self._idle_passes(len(micros))  # agreed on before any pass: each is a collective
             for i, micro in enumerate(micros):
                 with self._accumulating(last=i + 1 == len(micros)):
                     for key, value in self._forward_backward(micro, int(denominator)).items():
                         sums[key] += value
-            if not micros and self.ddp is not None:
-                _join(self.ddp, self.device)
+            for _ in range(idle):
+                _join(self.forward, self.device)
             limit = self.config.max_grad_norm or math.inf
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.params, limit)))
+            grad_norms.append(float(_full(torch.nn.utils.clip_grad_norm_(self.params, limit))))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             updates += 1
@@ -303,9 +341,12 @@ class Trainer:
         """The old policy's logprobs as this trainer computes them (its weights before the step),
         the behaviour ones kept beside them for the importance weights."""
         out = []
-        for micro in _chunks(samples, math.ceil(len(samples) / self.config.micro_batch_size) or 1):
-            if not micro:
-                continue
+        count = math.ceil(len(samples) / self.config.micro_batch_size) or 1
+        micros = [m for m in _chunks(samples, count) if m]
+        for _ in range(self._idle_passes(len(micros)) if self.sharded else 0):
+            ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+            self.policy(ids[:, :1], ids[:, 1:])  # a forward of nothing: the shards' all-gathers
+        for micro in micros:
             ids = _pad([s for s, _ in micro], self.device)[0]
             old = self.policy(ids[:, :-1], ids[:, 1:])[0].cpu()  # kept with the sequences
             for row, (seq, advantages) in zip(old, micro, strict=True):
@@ -347,6 +388,16 @@ class Trainer:
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
+    def _idle_passes(self, passes: int) -> int:
+        """How many passes of nothing this rank, with `passes` of its own, runs beside the others:
+        under FSDP every pass is a collective, so as many as the busiest rank's; under DDP only
+        the last one of an update synchronises, so one when it has none."""
+        if self.sharded:
+            most = torch.tensor([passes], device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+            return int(most) - passes
+        return int(self.ddp is not None and passes == 0)
+
     def _accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Gradients of a micro-batch that is not its update's `last` stay on this rank."""
         return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
@@ -358,7 +409,7 @@ class Trainer:
         what `LLMEngine.load_weights` and the weight transfer engine consume. A tied output
         head is yielded once, under the embedding's name."""
         for name, p in self.model.named_parameters():
-            yield name, p.detach().to(dtype, copy=True)
+            yield name, _full(p.detach()).to(dtype, copy=True)
 
     def save(self, path: str | Path, assets: Iterable[str | Path] = ()) -> Path:
         """An HF-format checkpoint of the fp32 weights plus the optimizer state and version, with
@@ -366,16 +417,25 @@ class Trainer:
 
         Written whole into a sibling temporary directory, flushed, marked complete and renamed
         into place: a crash at any point leaves the previous checkpoint at `path` (or none), never
-        a torn one, and `is_complete` tells the two apart."""
+        a torn one, and `is_complete` tells the two apart. Every rank calls it (FSDP's shards are
+        gathered); rank 0 writes."""
         path = Path(path)
+        weights, optimizer = None, self.optimizer.state_dict()
+        if self.sharded:  # whole, by parameter name: a run of any number of ranks resumes from it
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=options)
+            optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.rank != 0:
+            return path
         tmp, old = path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
         shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died saving
         try:
-            save_model(self.model, tmp)
+            save_model(self.model, tmp, state=weights)
             if self.ref_model is not None:
                 save_model(self.ref_model, tmp / REFERENCE_DIR)
                 fsync_dir(tmp / REFERENCE_DIR)
-            torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, tmp / STATE_FILE)
+            torch.save({"optimizer": optimizer, "version": self.version, "sharding": self.config.sharding},
+                       tmp / STATE_FILE)
             for asset in map(Path, assets):
                 shutil.copyfile(asset, tmp / asset.name)
             (tmp / COMPLETE_FILE).write_text(json.dumps({"version": self.version}) + "\n")
@@ -408,5 +468,13 @@ class Trainer:
                                  "saved without kl_coef > 0; resume with kl_coef 0, or start afresh")
             self.ref_model.load_state_dict(load_model(reference, torch.float32, self.device).state_dict())
         state = torch.load(file, weights_only=True, map_location=self.device)
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved = state.get("sharding", "ddp")
+        if (saved == "fsdp") != self.sharded:
+            raise ValueError(f"{path}: its optimizer state was saved with sharding {saved}; resume with "
+                             f"train.sharding={saved} (and more than one rank for fsdp)")
+        if self.sharded:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

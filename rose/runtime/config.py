@@ -29,7 +29,7 @@ from rose.rl import Objective
 from rose.rl.envs import env_options, list_envs, make_env
 from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
-from rose.rl.trainer import COMPLETE_FILE, is_complete
+from rose.rl.trainer import COMPLETE_FILE, SHARDINGS, is_complete
 from rose.runtime.devices import available_cores, cluster_address
 from rose.runtime.loggers import LOGGERS, missing_package
 from rose.runtime.placement import ROLES
@@ -137,6 +137,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     micro_batch_size: int = 32
     data_parallel: int = 1  # trainer ranks, each a Ray actor on its share of devices.trainer
+    # How the ranks hold the policy: ddp (a whole copy each) or fsdp (FSDP2: 1/N of the weights,
+    # gradients and optimizer state each, for a model one device cannot hold with its optimizer).
+    sharding: str = "ddp"
     # fp32 master weights there, bf16 compute on cuda (None: cuda if there is one, else cpu)
     device: str | None = None
     mini_batches: int = 4  # optimizer updates per step (docs/rl.md: 2 learned more slowly)
@@ -241,6 +244,8 @@ def validate(config: Config, mode: Mode | None = None) -> None:
     except ValueError as exc:  # "objective: NAME must ...": NAME is the train key of that name
         raise ValueError(f"config: {str(exc).replace('objective: ', 'train.', 1)}") from None
     _check_loggers(t.logger)
+    _check(t.sharding in SHARDINGS,
+           f"train.sharding must be one of {', '.join(SHARDINGS)}, got {t.sharding!r}")
     _check(t.lr_schedule in ("constant", "cosine"),
            f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
     _check(s.trace in TRACE_NAMES or Path(s.trace).is_file(),
@@ -382,7 +387,7 @@ def trainer_options(config: Config) -> dict[str, Any]:
             "micro_batch_size": t.micro_batch_size, "mini_batches": t.mini_batches,
             "min_lr_ratio": t.min_lr_ratio, "lr_decay_steps": t.steps if t.lr_schedule == "cosine" else 0,
             "temperature": config.rollout.temperature, "max_grad_norm": t.max_grad_norm,
-            "weight_decay": t.weight_decay}
+            "weight_decay": t.weight_decay, "sharding": t.sharding}
 
 
 def _check_numbers(config: Config) -> None:

@@ -138,7 +138,7 @@ class TrainerGroup:
         return int(report["payload_bytes"])
 
     async def save(self, path: Path) -> None:
-        await self.call(lambda ranks: [ranks[0].save.remote(str(path))])
+        await self.call(lambda ranks: [t.save.remote(str(path)) for t in ranks])  # rank 0 writes
         self.checkpoints.append(path)
 
     def kill(self) -> None:
