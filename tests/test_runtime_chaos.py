@@ -5,12 +5,11 @@ from the newest complete checkpoint, its step's trajectories trained on, not dro
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from faults import rollout_with_fault
 
 from rose.model import load_tokenizer
 from rose.rl.trainer import is_complete
@@ -27,14 +26,13 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 VICTIMS = {0: "dedicated-0", 1: "serving-0", 2: "trainer"}
 
 
-def _kill_when_busy(cluster: Cluster, victim: str, done: threading.Event) -> None:
-    """Kill `victim` once it has turns in flight (the trainer: once any worker has)."""
-    in_flight = cluster.registry.table.in_flight
-    while not done.is_set() and not (any(in_flight.values()) if victim == "trainer"
-                                     else in_flight.get(victim)):
-        time.sleep(0.02)
-    if not done.is_set():
+def _kill_when_busy(cluster: Cluster, step: int, victim: str) -> Any:
+    """Step `step`'s rollouts, `victim` killed once it has turns in flight (the trainer: once any
+    worker has)."""
+    def kill() -> None:
         ray.kill(cluster.trainers.leader if victim == "trainer" else cluster.replicas.all()[victim])
+
+    return rollout_with_fault(cluster, step, None if victim == "trainer" else victim, kill)
 
 
 def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,14 +47,7 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
         seen["cluster"] = self
         if step not in VICTIMS:
             return rollout(self, step)
-        done = threading.Event()
-        killer = threading.Thread(target=_kill_when_busy, args=(self, VICTIMS[step], done))
-        killer.start()
-        try:
-            report = rollout(self, step)
-        finally:
-            done.set()
-            killer.join()
+        report = _kill_when_busy(self, step, VICTIMS[step])
         seen["killed"].append((step, VICTIMS[step], len(report.trajectories)))
         return report
 
@@ -89,14 +80,8 @@ def test_the_only_dedicated_worker_comes_back_within_the_step(tmp_path: Path) ->
     cluster = Cluster(config, Mode.FIXED, tmp_path)
     try:
         cluster.start()
-        old, done = cluster.replicas.dedicated["dedicated-0"], threading.Event()
-        killer = threading.Thread(target=_kill_when_busy, args=(cluster, "dedicated-0", done))
-        killer.start()
-        try:
-            report = cluster.rollout(0)
-        finally:
-            done.set()
-            killer.join()
+        old = cluster.replicas.dedicated["dedicated-0"]
+        report = _kill_when_busy(cluster, 0, "dedicated-0")
         assert report.lost_trajectories == 0 and len(report.trajectories) == 8
         assert any(p.outcome == "lost" for p in report.placements)  # it died with turns in flight
         assert cluster.replicas.dedicated["dedicated-0"] is not old

@@ -5,13 +5,12 @@ before any actor starts, and a node that leaves mid-step loses no trajectory."""
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from faults import rollout_with_fault
 
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Mode, load_config, validate
@@ -96,23 +95,10 @@ def test_a_node_removed_mid_step_loses_no_trajectory(three_nodes: ThreeNodes, tm
                                 "rollout.dedicated_concurrency=2", f"train.out_dir={tmp_path}",
                                 *ROLE_RESOURCES])
     cluster = Cluster(config, Mode.ROSE, tmp_path)
-    done = threading.Event()
-
-    def remove_serving_node_when_busy() -> None:
-        while not done.is_set() and not cluster.registry.table.in_flight.get("serving-0"):
-            time.sleep(0.02)
-        if not done.is_set():
-            three_nodes.cluster.remove_node(three_nodes.nodes["serving"])
-
     try:
         cluster.start()
-        remover = threading.Thread(target=remove_serving_node_when_busy)
-        remover.start()
-        try:
-            report = cluster.rollout(0)
-        finally:
-            done.set()
-            remover.join()
+        report = rollout_with_fault(cluster, 0, "serving-0",
+                                    lambda: three_nodes.cluster.remove_node(three_nodes.nodes["serving"]))
         assert report.lost_trajectories == 0 and len(report.trajectories) == 8
         assert any(p.worker_id == "serving-0" and p.outcome == "lost" for p in report.placements)
         assert cluster.train(report.trajectories)["sequences"] > 0
