@@ -4,7 +4,9 @@ the same weights: greedy turns token for token (up to a near-tie), sampled token
 relay through the replica's apply hook, a failed engine failing the heartbeat.
 
 vLLM is not in the default venv: run with `make install-vllm` then
-`.venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py`."""
+`.venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py`. vLLM keeps process-wide state
+(its parallel groups, torn down when an engine is freed): one engine at a time per process, so
+the tests that start an engine of their own come after those of the module's shared one."""
 
 from __future__ import annotations
 
@@ -121,27 +123,6 @@ def test_greedy_turns_equal_the_native_engines(worker: EngineWorker, ckpt: Path)
     assert exact >= 5  # a near-tie is rare: most turns match to the end
 
 
-def test_smollm2_greedy_turns_equal_the_native_engines(smollm2: Path) -> None:
-    """A real pretrained model (SmolLM2-135M-Instruct, `rose init-model --preset
-    smollm2-135m-instruct`), chat prompts, a turn that stops at its end of turn."""
-    tokenizer = load_tokenizer(smollm2)
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-               for q in ("What is the capital of France?", "Name three colours.", "Count from 1 to 5.")]
-    params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=tuple(tokenizer.stop_token_ids))
-    worker = _worker(smollm2, "vllm-smol")
-    try:
-        got = _turns(worker, prompts, params, "smol")
-    finally:
-        worker.engine.shutdown()
-    model = load_model(smollm2)
-    for prompt, out, ref in zip(prompts, got, LLMEngine.from_pretrained(smollm2).generate(prompts, params),
-                                strict=True):
-        assert out.finish_reason in ("stop", "length") and out.versions == [0] * len(out.token_ids)
-        if _assert_matches(model, prompt, out, ref.token_ids, ref.logprobs) == len(ref.token_ids):
-            assert out.finish_reason == ref.finish_reason
-    assert "Paris" in tokenizer.decode(got[0].token_ids)
-
-
 def test_sampled_tokens_logprobs_equal_the_native_models(worker: EngineWorker, ckpt: Path) -> None:
     """Sampled (temperature 0.7, as RL records it: at the temperature), the draws differ from the
     native engine's (other random streams); each drawn token's logprob is the native model's."""
@@ -237,6 +218,27 @@ def test_sampling_it_cannot_map_is_the_turns_failure(worker: EngineWorker, param
 def test_a_prompt_past_the_context_is_the_turns_failure(worker: EngineWorker) -> None:
     with pytest.raises(ValueError, match="request 'r0'"):
         _turns(worker, [[5] * 3000], GREEDY, "r")
+
+
+def test_smollm2_greedy_turns_equal_the_native_engines(smollm2: Path) -> None:
+    """A real pretrained model (SmolLM2-135M-Instruct, `rose init-model --preset
+    smollm2-135m-instruct`), chat prompts, a turn that stops at its end of turn."""
+    tokenizer = load_tokenizer(smollm2)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("What is the capital of France?", "Name three colours.", "Count from 1 to 5.")]
+    params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=tuple(tokenizer.stop_token_ids))
+    worker = _worker(smollm2, "vllm-smol")
+    try:
+        got = _turns(worker, prompts, params, "smol")
+    finally:
+        worker.engine.shutdown()
+    model = load_model(smollm2)
+    for prompt, out, ref in zip(prompts, got, LLMEngine.from_pretrained(smollm2).generate(prompts, params),
+                                strict=True):
+        assert out.finish_reason in ("stop", "length") and out.versions == [0] * len(out.token_ids)
+        if _assert_matches(model, prompt, out, ref.token_ids, ref.logprobs) == len(ref.token_ids):
+            assert out.finish_reason == ref.finish_reason
+    assert "Paris" in tokenizer.decode(got[0].token_ids)
 
 
 def _sync(sender: Sender, receiver: Receiver, version: int) -> None:
