@@ -223,7 +223,8 @@ def test_cli_refuses_bad_values_before_ray_starts(override: str, key: str, monke
     assert f"config: {key}" in capsys.readouterr().err
 
 
-def test_the_vllm_backend_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_vllm_backend_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     import rose.runtime.config
 
     real = rose.runtime.config.importlib.util.find_spec
@@ -234,6 +235,9 @@ def test_the_vllm_backend_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch) 
                                          r"the run from \.venv-vllm"):
         load_config(None, ["rollout.backend=vllm"])
     assert load_config(None, ["rollout.backend=native"]).rollout.backend == "native"
+    # `rose bench rollout` runs both backends: it says so before either starts.
+    assert main(["bench", "rollout", "--quick", "--out-dir", str(tmp_path)]) != 0
+    assert "rollout.backend=vllm needs the vllm package" in capsys.readouterr().err
 
 
 def test_missing_config_file_and_checkpoint(tmp_path: Path) -> None:
