@@ -318,7 +318,8 @@ def test_the_config_refuses_a_model_vllm_cannot_run(ckpt: Path) -> None:
 
 def test_rose_train_runs_its_rollouts_on_vllm(ckpt: Path, tmp_path: Path) -> None:
     """`rose train rollout.backend=vllm`: the dedicated worker's actor hosts vLLM, takes each
-    step's weights from the relay (a full copy, then deltas) and its turns train on policy."""
+    step's weights from the relay (a full copy, then deltas), its turns train on policy and none
+    is resumed elsewhere."""
     out = tmp_path / "summary.json"
     assert main(["train", "--mode", "fixed", "train.steps=3", f"model.path={ckpt}", "rollout.backend=vllm",
                  "rollout.groups=2", "rollout.group_size=4", f"train.out_dir={tmp_path / 'run'}",
@@ -327,4 +328,7 @@ def test_rose_train_runs_its_rollouts_on_vllm(ckpt: Path, tmp_path: Path) -> Non
     steps, summary = report["steps"], report["summary"]
     assert [s["version"] for s in steps] == [1, 2, 3]
     assert all(s["dedicated_tokens"] > 0 and s["trainer"]["version_lag"] == 0 for s in steps)
+    # No turn handed elsewhere: the engine's first iteration (its one-time costs) ran at start,
+    # not under the first turns, whose heartbeats it would stall past the registry's 2 s.
+    assert [s["resumed_turns"] for s in steps] == [0, 0, 0]
     assert summary["lost_trajectories"] == summary["failed_trajectories"] == summary["restarts"] == 0
