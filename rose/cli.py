@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "coserve": ("rose.bench.coserve", "serving P99 TTFT/TPOT beside rollouts: naive, static, rose"),
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
     "train": ("rose.bench.train", "rose train in fixed, elastic and rose modes side by side"),
+    "rollout": ("rose.bench.rollout", "rose train's rollouts on the native engine and on vLLM side by side"),
     "transfer": ("rose.bench.transfer", "weight sync after AdamW steps: naive, shard-aware, sparse delta"),
     "soak": ("rose.bench.soak", "rose serve under trace, rollouts and misbehaving clients: 5xx, RSS, leaks"),
 }

@@ -140,12 +140,13 @@ class StepLoop(Generic[Out]):
         """Run `fn` on the loop's thread between two iterations and return its result."""
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def ping(self, timeout_s: float) -> None:
-        """Raise LoopDeadError unless the loop's thread runs a command within `timeout_s`."""
+    async def ping(self, timeout_s: float, probe: Callable[[], object] | None = None) -> None:
+        """Raise LoopDeadError unless the loop's thread runs a command (`probe`, which may raise
+        its own error for a target that can no longer run) within `timeout_s`."""
         if self._dead is not None or not self._thread.is_alive():
             raise LoopDeadError(self._dead or f"{self.name}: the loop's thread has ended")
         try:
-            await asyncio.wait_for(self.call(lambda: None), timeout_s)
+            await asyncio.wait_for(self.call(probe or (lambda: None)), timeout_s)
         except asyncio.TimeoutError:
             raise LoopDeadError(f"{self.name}: no answer within {timeout_s} s; an iteration "
                                   "or a command is stuck") from None

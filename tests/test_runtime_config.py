@@ -91,6 +91,7 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
      r"model\.path and model\.pretrained both name the model; give one"),
     (["devices.dedicated=[[0],[999]]"], r"devices\.dedicated uses core\(s\) \[999\], but this machine"),
     (["devices.trainer=[]"], r"devices\.trainer: a device needs at least one core"),
+    (["rollout.backend=sglang"], r"rollout\.backend must be one of native, vllm, got 'sglang'"),
 ])
 def test_bad_config_is_one_clear_error(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -221,6 +222,23 @@ def test_cli_refuses_bad_values_before_ray_starts(override: str, key: str, monke
     monkeypatch.setattr(rose.runtime.driver, "train", never)
     assert main(["train", override, "train.steps=1"]) != 0
     assert f"config: {key}" in capsys.readouterr().err
+
+
+def test_the_vllm_backend_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import rose.runtime.config
+
+    real = rose.runtime.config.importlib.util.find_spec
+    monkeypatch.setattr(rose.runtime.config.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^config: rollout\.backend=vllm needs the vllm package, which is "
+                                         r"not installed in this Python: run `make install-vllm` and start "
+                                         r"the run from \.venv-vllm"):
+        load_config(None, ["rollout.backend=vllm"])
+    assert load_config(None, ["rollout.backend=native"]).rollout.backend == "native"
+    # `rose bench rollout` runs both backends: it says so before either starts.
+    assert main(["bench", "rollout", "--quick", "--out-dir", str(tmp_path)]) != 0
+    assert "rollout.backend=vllm needs the vllm package" in capsys.readouterr().err
 
 
 def test_missing_config_file_and_checkpoint(tmp_path: Path) -> None:

@@ -12,13 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+from rose.engine.vllm_engine import engine_args
+
 
 def main(job_file: str) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     job = json.loads(Path(job_file).read_text())
-    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True,
-              gpu_memory_utilization=0.1, seed=0)
+    llm = LLM(**engine_args(job["model"], job.get("dtype", "float32")))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in job["outputs"]]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

@@ -319,6 +319,9 @@ class LLMEngine:
         self.blocks.reset_prefix_cache()
         self.policy_version = version
 
+    def check_health(self) -> None:
+        """Nothing to check: an iteration that fails fails only its own requests (`step`)."""
+
     def stats(self) -> dict[str, float]:
         return {
             "policy_version": self.policy_version,

@@ -33,6 +33,7 @@ from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import ServerLimits, build_app
 from rose.engine import LLMEngine, RequestOutput
 from rose.engine.async_engine import AsyncLLMEngine
+from rose.engine.vllm_engine import VllmEngine
 from rose.model import CausalLM, ModelConfig, load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
@@ -48,6 +49,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
+
+
+def meta_model(path: str | Path) -> CausalLM:
+    """The checkpoint's model with its parameters' names and shapes, no memory."""
+    with torch.device("meta"):
+        return CausalLM(ModelConfig.from_dir(path))
+
+
+def on_loop(loop: StepLoop[Any], load: WeightUpdate,
+            whole: dict[str, torch.Tensor] | None = None) -> WeightUpdate:
+    """A receiver's apply hook: `load` on the engine's loop, between two iterations, with the
+    tensors that changed, or with all of `whole` (the receiver's copy, already updated) for an
+    engine that takes every weight at once."""
+    def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        given = named if whole is None else whole.items()
+        loop.submit(lambda: load(given, version)).result()
+
+    return apply
 
 
 class _Role:
@@ -148,12 +167,10 @@ class _Replica(_Role):
     which the replica's engine loop runs between two iterations."""
 
     def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
-              loop: StepLoop[RequestOutput], load: WeightUpdate) -> None:
-        def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-            loop.submit(lambda: load(named, version)).result()
-
-        self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), apply,
-                                 group=group)
+              loop: StepLoop[RequestOutput], load: WeightUpdate, whole: bool = False) -> None:
+        """`whole`: `load` takes every weight at each sync (the vLLM backend's)."""
+        self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), group=group)
+        self.receiver.on_apply = on_loop(loop, load, self.receiver.tensors if whole else None)
         self.receiver.join()
 
     def _synced(self, timeout: float) -> dict[str, Any]:
@@ -171,13 +188,19 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
     plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
 
     def __init__(self, worker_id: str, cores: list[int], local: bool, policy: Checkpoint,
-                 engine: dict[str, Any], relay: str, group: str) -> None:
+                 engine: dict[str, Any], relay: str, group: str, backend: str = "native") -> None:
         self._start_as(worker_id, cores, local)
-        engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(open_checkpoint(policy), **engine))
+        path = open_checkpoint(policy)
+        if backend == "vllm":  # the relay's names and shapes are the HF checkpoint's, not vLLM's fused ones
+            engine_loop = AsyncLLMEngine(VllmEngine.from_pretrained(path, **engine))
+            spec_model = meta_model(path)
+        else:
+            engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(path, **engine))
+            spec_model = engine_loop.engine.model
         EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
-        self._join(relay, group, worker_id, self.engine.engine.model, self.engine,
-                   self.engine.engine.load_weights)
-        log.info("rollout engine on %s, cores %s", engine.get("device"), cores)
+        self._join(relay, group, worker_id, spec_model, self.engine, self.engine.engine.load_weights,
+                   whole=backend == "vllm")
+        log.info("rollout engine (%s) on %s, cores %s", backend, engine.get("device"), cores)
 
     async def ready(self) -> bool:
         return True
@@ -272,10 +295,8 @@ class EndpointActor(_HttpReplica):
                  group: str) -> None:
         self._start_as(worker_id)
         self.url, self.key = url, key
-        with torch.device("meta"):  # the parameters' names and shapes, no memory
-            shapes = CausalLM(ModelConfig.from_dir(open_checkpoint(policy)))
-        self.receiver = Receiver(RayRelay(relay), model_spec(shapes), ReceiverSpec(worker_id), self._push,
-                                 group=group)
+        self.receiver = Receiver(RayRelay(relay), model_spec(meta_model(open_checkpoint(policy))),
+                                 ReceiverSpec(worker_id), self._push, group=group)
         self.receiver.join()
         log.info("attached to %s", url)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import math
 import re
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import torch
 from rose.config import load
 from rose.coserve.executor import ExecutorConfig
 from rose.engine.kv_pool import KVSpec
+from rose.engine.vllm_engine import check_model
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, init_model, preset_config
@@ -35,6 +37,8 @@ from rose.runtime.loggers import LOGGERS, missing_package
 from rose.runtime.placement import ROLES
 from rose.runtime.rollouts import env_kwargs, load_rollout_function
 from rose.traces import TRACE_NAMES
+
+BACKENDS = ("native", "vllm")  # rollout.backend: the dedicated workers' engines
 
 
 class Mode(enum.Enum):
@@ -97,6 +101,9 @@ class RolloutConfig:
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
+    # The dedicated workers' engine (serving devices keep the native one): "native" (rose.engine)
+    # or "vllm" (vLLM's, from the venv `make install-vllm` makes: docs/vllm.md).
+    backend: str = "native"
 
 
 @dataclasses.dataclass
@@ -237,6 +244,7 @@ def validate(config: Config, mode: Mode | None = None) -> None:
                "config.json, safetensors and tokenizer files, e.g. from `rose init-model`)")
     _check_env(config)
     load_rollout_function(config.rollout.function)
+    _check_backend(config)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
                                       f"got {t.objective!r}")
     try:
@@ -416,6 +424,20 @@ def _check_loggers(names: list[str]) -> None:
         package = missing_package(name)
         _check(package is None, f"train.logger: {name} needs the {package} package, which is not installed "
                                 f"(pip install {package}), or leave {name} out")
+
+
+def _check_backend(config: Config) -> None:
+    backend = config.rollout.backend
+    _check(backend in BACKENDS, f"rollout.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "vllm":
+        return
+    _check(importlib.util.find_spec("vllm") is not None,
+           "rollout.backend=vllm needs the vllm package, which is not installed in this Python: run "
+           "`make install-vllm` and start the run from .venv-vllm (.venv-vllm/bin/rose train ...)")
+    try:
+        check_model(_context("model", config.model), str(resolve(config.rollout.device)[0]))
+    except ValueError as exc:
+        raise ValueError(f"config: rollout.backend=vllm: {exc} (model, rollout.device)") from None
 
 
 def _check_env(config: Config) -> None:

