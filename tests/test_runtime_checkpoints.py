@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from rose.model import load_model
-from rose.runtime.checkpoints import for_actors, open_checkpoint, ship, written_at
+from rose.runtime.checkpoints import (
+    check_checkpoint_dir,
+    for_actors,
+    open_checkpoint,
+    probe_dir,
+    ship,
+    written_at,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -50,3 +57,18 @@ def test_other_files_are_another_copy(local_ray: None, tiny_qwen3: Path, tiny_qw
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no files to ship"):
         ship(tmp_path / "empty")
+
+
+def test_the_checkpoint_dir_is_checked_from_the_trainers_node(tmp_path: Path) -> None:
+    """Written on the trainer's node and seen from the driver's: fine, the probe removed; written
+    but unseen (no shared filesystem): a warning; not writable: refused, naming the key."""
+    out = tmp_path / "run"
+    probe = probe_dir(out)
+    assert check_checkpoint_dir(out, str(probe)) is None and not probe.exists() and out.is_dir()
+    unseen = check_checkpoint_dir(out, str(out / ".rose-probe-on-another-node"))
+    assert unseen is not None and "is not the driver's" in unseen and "share" in unseen
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        probe_dir(tmp_path / "file" / "run")
+    with pytest.raises(ValueError, match=r"train.out_dir .* is not writable on the trainer's node \(denied"):
+        check_checkpoint_dir(out, PermissionError("denied"))

@@ -103,7 +103,10 @@ def _wait_for_nodes(head: subprocess.Popen, count: int, timeout: float = 180.0) 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert head.poll() is None, head.stderr.read().decode()[-3000:]
-        got = _in_head(head, [sys.executable, "-c", probe], timeout)
+        try:  # a head still starting can keep a connecting driver waiting: ask again
+            got = _in_head(head, [sys.executable, "-c", probe], 45)
+        except subprocess.TimeoutExpired:
+            continue
         if got.returncode == 0 and got.stdout.strip().splitlines()[-1:] == [str(count)]:
             return
         time.sleep(2)

@@ -38,7 +38,7 @@ from rose.model import CausalLM, ModelConfig, load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
 from rose.rollout.workers import EngineWorker
-from rose.runtime.checkpoints import Checkpoint, open_checkpoint
+from rose.runtime.checkpoints import Checkpoint, open_checkpoint, probe_dir
 from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
 from rose.steploop import StepLoop
@@ -135,6 +135,13 @@ class TrainerActor(_Role):
         self.sender = (Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
                        if rank == 0 else None)
         return self.trainer.version
+
+    def probe_dir(self, path: str) -> str | BaseException:
+        """Whether this node can write checkpoints under `path` (`checkpoints.probe_dir`)."""
+        try:
+            return str(probe_dir(path))
+        except OSError as exc:
+            return exc
 
     def digests(self) -> list[int]:
         """xxh3 of every weight: the same on every rank while data parallelism holds."""

@@ -79,3 +79,29 @@ def open_checkpoint(checkpoint: Checkpoint, root: str | Path | None = None) -> s
 def for_actors(path: str, local: bool) -> Checkpoint:
     """What the run hands its actors for the checkpoint at `path`: the path itself in local mode."""
     return path if local else ship(path)
+
+
+def probe_dir(path: str | Path) -> Path:
+    """Make `path` on this node and leave a probe file in it (its path returned): the trainer's
+    node must be able to write its checkpoints there. OSError when it cannot."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / f".rose-probe-{os.getpid()}-{os.urandom(4).hex()}"
+    probe.write_bytes(b"")
+    return probe
+
+
+def check_checkpoint_dir(out_dir: Path, probe: str | BaseException) -> str | None:
+    """What the trainer's node made of `out_dir` (`probe`: its probe file's path, or why it failed),
+    judged from the driver's node: ValueError when the trainer cannot write there; a warning
+    (returned) when the driver cannot see what it wrote, i.e. the two share no filesystem."""
+    if isinstance(probe, BaseException):
+        raise ValueError(f"config: train.out_dir {out_dir} is not writable on the trainer's node "
+                         f"({probe}); give a directory the trainer's nodes can write") from None
+    file = Path(probe)
+    if not file.exists():  # (the probe stays on the trainer's node: an empty hidden file)
+        return (f"train.out_dir {out_dir} on the trainer's node is not the driver's: its checkpoints stay "
+                "on that node, and a trainer restarted on another node cannot resume from them; give a "
+                "directory on a filesystem the trainer's nodes share")
+    file.unlink()
+    return None

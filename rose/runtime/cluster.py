@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import secrets
 import time
 import uuid
@@ -22,7 +23,7 @@ from rose.coserve.server import ServerLimits
 from rose.model import load_tokenizer
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
-from rose.runtime.checkpoints import for_actors
+from rose.runtime.checkpoints import check_checkpoint_dir, for_actors
 from rose.runtime.config import Config, Mode, actor_device
 from rose.runtime.devices import available_cores, cluster_address, init_ray, pinned
 from rose.runtime.placement import Demand, PlacementPolicy, check_placeable
@@ -30,6 +31,8 @@ from rose.runtime.replicas import Replicas
 from rose.runtime.rollouts import RolloutContext, RolloutFunction, heldout_rollout, load_rollout_function
 from rose.runtime.trainers import TrainerGroup, rank_cores
 from rose.transfer import RayRelay
+
+log = logging.getLogger(__name__)
 
 PROMETHEUS_TARGETS = "prometheus_targets.json"  # in the run directory: the serving devices' /metrics
 
@@ -96,6 +99,10 @@ class Cluster:
             for i, url in enumerate(c.serving.endpoints):
                 r.attach(f"endpoint-{i}", url)
         self.trainers.version = ray.get(starts)[0]  # a resumed run goes on from its checkpoint's
+        if not self.placement.local:  # the trainer writes the checkpoints on its node
+            probe = ray.get(self.trainers.leader.probe_dir.remote(str(self.out_dir.resolve())))
+            if warning := check_checkpoint_dir(self.out_dir, probe):
+                log.warning(warning)
         for wid in r.all():
             self.loop.run_until_complete(r.register(wid))
         self.sync_weights()  # every replica gets the trainer's weights (a full copy) before step one
