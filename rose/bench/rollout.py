@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from rose.bench.train import bench_config
+from rose.bench.train import add_workload_arguments, bench_config
 from rose.model import init_model
 from rose.progress import bar
 from rose.reporting import write_report
@@ -23,10 +23,7 @@ from rose.runtime.config import BACKENDS, Mode, validate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", help="dotted overrides of the train config")
-    p.add_argument("--quick", action="store_true", help="3 steps per backend instead of the workload's 6")
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--out-dir", default="runs/bench-rollout")
+    add_workload_arguments(p, "backend", "runs/bench-rollout")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,11 +26,16 @@ def bench_config(overrides: Sequence[str] = ()) -> Config:
     return load_config(named_config(WORKLOAD), overrides)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser, each: str, out_dir: str) -> None:
+    """The options of a benchmark that runs the workload once for `each` of its variants."""
     p.add_argument("overrides", nargs="*", help="dotted overrides of the train config")
-    p.add_argument("--quick", action="store_true", help="3 steps per mode instead of the workload's 6")
+    p.add_argument("--quick", action="store_true", help=f"3 steps per {each} instead of the workload's 6")
     p.add_argument("--json", help="write the report here")
-    p.add_argument("--out-dir", default="runs/bench-train")
+    p.add_argument("--out-dir", default=out_dir)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p, "mode", "runs/bench-train")
 
 
 def run(args: argparse.Namespace) -> int:
