@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "coserve": ("rose.bench.coserve", "serving P99 TTFT/TPOT beside rollouts: naive, static, rose"),
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
+    "profile": ("rose.bench.profile", "where one engine iteration's time goes: decode and prefill"),
     "train": ("rose.bench.train", "rose train in fixed, elastic and rose modes side by side"),
     "rollout": ("rose.bench.rollout", "rose train's rollouts on the native engine and on vLLM side by side"),
     "transfer": ("rose.bench.transfer", "weight sync after AdamW steps: naive, shard-aware, sparse delta"),

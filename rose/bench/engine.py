@@ -7,7 +7,7 @@ load the same checkpoint):
   trace (context / 4 capped at 512, output capped at 256); ROSE takes them all at once
   (continuous batching), transformers in static batches of 16, left padded, as users run it;
   throughput counts useful tokens (each request's own output length) per second;
-- batch-1 decode: one short prompt, 128 new tokens;
+- batch-1 decode: one short prompt, 128 new tokens (each engine, vLLM too);
 - the prefix-cache hit rate of a multi-turn replay (each turn = the trajectory so far + a new
   observation), the reuse that cache-affinity routing relies on;
 - vLLM's CPU build as a third column when it is installed (`rose.bench.vllm_peer`).
@@ -175,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         "batch1_ratio_vs_hf": round(rose_b1 / hf_b1, 3),
         "vllm_tokens_per_s": round(vllm["tokens_per_s"], 2) if vllm else None,
         "speedup_vs_vllm": round(rose["tokens_per_s"] / vllm["tokens_per_s"], 3) if vllm else None,
+        "vllm_batch1_tokens_per_s": round(vllm["batch1_tokens_per_s"], 2) if vllm else None,
+        "batch1_ratio_vs_vllm": round(rose_b1 / vllm["batch1_tokens_per_s"], 3) if vllm else None,
         "prefix_cache_hit_rate": round(hit_rate, 4),
     }
     write_report(args.json, summary, workload={"model": args.model or "qwen3 small (random)", "requests": n,

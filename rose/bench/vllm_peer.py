@@ -1,7 +1,9 @@
 """vLLM's CPU build as a benchmark peer: `python -m rose.bench.vllm_peer JOB.json`.
 
 Run in its own process (vLLM must start under `__main__`); reads the model, prompts (token ids)
-and output lengths from the job file and writes its throughput to `JOB.out.json`. On the CPU
+and output lengths from the job file and writes its throughput on them, and its batch-1 decode
+(the first prompt's first 32 tokens, 128 new ones, as `rose.bench.engine.batch1`), to
+`JOB.out.json`. On the CPU
 backend `gpu_memory_utilization` is the share of RAM vLLM reserves for its KV cache.
 """
 
@@ -12,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from rose.bench.engine import batch1
 from rose.engine.vllm_engine import engine_args
 
 
@@ -27,7 +30,13 @@ def main(job_file: str) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    result = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed}
+    one = [TokensPrompt(prompt_token_ids=job["prompts"][0][:32])]
+
+    def generate_one(k: int) -> None:
+        llm.generate(one, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True), use_tqdm=False)
+
+    result = {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+              "batch1_tokens_per_s": batch1(generate_one)}
     Path(job_file).with_suffix(".out.json").write_text(json.dumps(result))
 
 

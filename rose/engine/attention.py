@@ -4,14 +4,24 @@ Per layer: the new tokens' K/V are written to their slots in the pool's pages. O
 queries (decodes) attend in batched SDPA calls over their gathered pages, grouped by context
 length so that padding stays small; each prefill chunk attends to its cached prefix plus itself
 with a bottom-right causal mask (a chunk with no prefix attends to its own K/V directly).
+
+Pages are head-major (`KVPool`), so one `index_select` over the pool's rows gathers a group's
+K and V straight into the `[seqs, kv_heads, tokens, head_dim]` layout SDPA reads fastest, and
+every SDPA call is 4-D (3-D inputs fall back to its slow math path on the CPU). On the CPU in
+float32 the decodes skip the gather: one numba kernel reads their pages in place
+(`cpu_attention`), all of them at once, whatever their lengths.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from rose.engine import cpu_attention
+from rose.engine.kv_pool import KVPool, KVSpec
 
 
 @dataclasses.dataclass
@@ -21,22 +31,27 @@ class _Segment:
     start: int
     rows: int
     decode: bool  # one query per sequence (batched), else one sequence's prefill chunk
-    pages: torch.Tensor | None  # pages to gather: [seqs, width] for decodes, [blocks] for a chunk
+    kv_rows: torch.Tensor | None  # layer 0's pool rows to gather: [2 (K, V), kv_heads, seqs, pages]
     context: int  # longest context attended to
     mask: torch.Tensor | None  # True where attention is allowed; None: all (decode) or causal
+    lengths: np.ndarray | None = None  # each decode's context, for the in-place kernel
 
 
 class PagedAttention:
-    def __init__(self, kv: torch.Tensor, num_heads: int) -> None:
-        """`kv`: the pool viewed as `[pages, layers, 2, block_size, kv_heads, head_dim]`."""
-        self.keys = [kv[:, layer, 0] for layer in range(kv.shape[1])]  # [pages, block, kv_heads, D]
-        self.values = [kv[:, layer, 1] for layer in range(kv.shape[1])]
-        self.block_size, self.kv_heads, self.head_dim = kv.shape[3:]
-        self.device = kv.device  # where the plan's indices and masks are built
+    def __init__(self, pool: KVPool, spec: KVSpec, num_heads: int) -> None:
+        kv = pool.view(spec)  # [pages, layers, 2, kv_heads, block, D]
+        self.keys = [kv[:, layer, 0] for layer in range(spec.num_layers)]  # [pages, kv_heads, block, D]
+        self.values = [kv[:, layer, 1] for layer in range(spec.num_layers)]
+        self.rows = pool.rows(spec)
+        self.rows_per_page = pool.rows_per_page(spec)
+        self.block_size, self.kv_heads, self.head_dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+        self.device = pool.device  # where the plan's indices and masks are built
         self.gqa = num_heads != self.kv_heads
-        # Gathered pages land in buffers reused across layers and iterations: allocating tens
+        self.in_place = cpu_attention.supports(pool.device, spec.dtype)
+        self._rows_array = self.rows.numpy() if self.in_place else None
+        # Gathered pages land in a buffer reused across layers and iterations: allocating tens
         # of MB afresh per layer costs more (page faults) than the copy itself.
-        self._gather_buffers = (kv.new_empty(0), kv.new_empty(0))
+        self._gather_buffer = self.rows.new_empty(0)
         self.segments: list[_Segment] = []
 
     def prepare(self, block_tables: list[list[int]], computed: list[int],
@@ -56,6 +71,13 @@ class PagedAttention:
         self.segments = []
         decodes = num_tokens.count(1)
         start = 0
+        if decodes and self.in_place:
+            lengths = [c + 1 for c in computed[:decodes]]
+            width = -(-lengths[0] // bs)
+            tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[:decodes]]
+            self.segments.append(_Segment(0, decodes, True, self._rows(tables), lengths[0], None,
+                                          np.array(lengths)))
+            start = decodes
         while start < decodes:
             # A group holds contexts within a factor of two of its longest: padding < 2x.
             width = -(-(computed[start] + 1) // bs)
@@ -68,8 +90,7 @@ class PagedAttention:
                 mask = (torch.arange(width * bs, device=dev)[None, :]
                         < torch.tensor(lengths, device=dev)[:, None])[:, None, None, :]
             tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[start:end]]
-            self.segments.append(_Segment(start, end - start, True, torch.tensor(tables, device=dev),
-                                          width * bs, mask))
+            self.segments.append(_Segment(start, end - start, True, self._rows(tables), width * bs, mask))
             start = end
         for table, c, n in zip(block_tables[decodes:], computed[decodes:], num_tokens[decodes:],
                                strict=True):
@@ -78,47 +99,52 @@ class PagedAttention:
                 self.segments.append(_Segment(start, n, False, None, ctx, None))
             else:
                 mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(c, ctx, device=dev)[:, None]
-                pages = torch.tensor(table[:-(-ctx // bs)], device=dev)
-                self.segments.append(_Segment(start, n, False, pages, ctx, mask))
+                self.segments.append(_Segment(start, n, False, self._rows([table[:-(-ctx // bs)]]),
+                                              ctx, mask))
             start += n
+
+    def _rows(self, tables: list[list[int]]) -> torch.Tensor:
+        """Layer 0's rows of these block tables' pages: `[2 (K, V), kv_heads, seqs, pages]`."""
+        pages = torch.tensor(tables, device=self.device)
+        heads = torch.arange(2 * self.kv_heads, device=self.device).view(2, self.kv_heads, 1, 1)
+        return pages * self.rows_per_page + heads
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q[0], k[0], v[0]  # [N, heads, D]: the batch is one flattened row
-        self.keys[layer][self.slot_pages, self.slot_offsets] = k
-        self.values[layer][self.slot_pages, self.slot_offsets] = v
+        self.keys[layer][self.slot_pages, :, self.slot_offsets] = k
+        self.values[layer][self.slot_pages, :, self.slot_offsets] = v
         outs = []
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)
+            if seg.decode and seg.lengths is not None:
+                outs.append(cpu_attention.paged_decode(
+                    q[rows], self._rows_array, seg.kv_rows[0].numpy(), layer * 2 * self.kv_heads,
+                    seg.lengths, self.block_size))
+                continue
             if seg.decode:
-                keys, values = self._gather(layer, seg.pages, (seg.rows, seg.context))
+                keys, values = self._gather(layer, seg.kv_rows, seg.context)
                 out = F.scaled_dot_product_attention(q[rows, :, None], keys, values,
                                                      attn_mask=seg.mask, enable_gqa=self.gqa)
                 outs.append(out[:, :, 0])
                 continue
-            if seg.pages is None:
-                keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            if seg.kv_rows is None:
+                keys, values = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
             else:
-                keys, values = self._gather(layer, seg.pages, (seg.context,))
-            out = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values,
+                keys, values = self._gather(layer, seg.kv_rows, seg.context)
+            out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values,
                                                  attn_mask=seg.mask, is_causal=seg.mask is None,
                                                  enable_gqa=self.gqa)
-            outs.append(out.transpose(0, 1))
+            outs.append(out[0].transpose(0, 1))
         return (torch.cat(outs) if len(outs) > 1 else outs[0])[None]
 
-    def _gather(self, layer: int, pages: torch.Tensor,
-                lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy `pages` of one layer into the reused buffers; return keys and values as
-        `[*lead_batch, kv_heads, tokens, D]`, where `lead` is `(*batch, tokens)`."""
-        n = pages.numel()
-        keys, values = self._gather_buffers
-        if keys.shape[0] < n:
-            shape = (max(n, keys.shape[0] * 3 // 2), self.block_size * self.kv_heads * self.head_dim)
-            keys, values = keys.new_empty(shape), values.new_empty(shape)
-            self._gather_buffers = keys, values
-        flat = pages.flatten()
-        out = []
-        for cache, buffer in ((self.keys[layer], keys), (self.values[layer], values)):
-            torch.index_select(cache.flatten(1), 0, flat, out=buffer[:n])
-            per_seq = buffer[:n].view(*lead[:-1], -1, self.kv_heads, self.head_dim)
-            out.append(per_seq[..., :lead[-1], :, :].transpose(-3, -2))
-        return out[0], out[1]
+    def _gather(self, layer: int, rows: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy `layer`'s K and V rows (`rows` as `_rows` gives them) into the reused buffer, in
+        one `index_select`; return keys and values as `[seqs, kv_heads, tokens, D]`."""
+        n = rows.numel()
+        if self._gather_buffer.shape[0] < n:
+            self._gather_buffer = self.rows.new_empty(max(n, self._gather_buffer.shape[0] * 3 // 2),
+                                                      self.rows.shape[1])
+        out = self._gather_buffer[:n]
+        torch.index_select(self.rows, 0, (rows + layer * 2 * self.kv_heads).flatten(), out=out)
+        kv = out.view(2, self.kv_heads, rows.shape[2], -1, self.head_dim)[:, :, :, :tokens]
+        return kv[0].transpose(0, 1), kv[1].transpose(0, 1)

@@ -2,7 +2,8 @@
 
 A page holds one block (`block_size` tokens) of K and V for every layer of one model. Models
 with different KV shapes share the pool: a page is `page_bytes` long and each model views the
-first `spec.block_bytes` of it as `[layers, 2, block_size, kv_heads, head_dim]`. Each model
+first `spec.block_bytes` of it as `[layers, 2, kv_heads, block_size, head_dim]`: head-major, so
+that one head's block is one contiguous row the attention gathers whole. Each model
 keeps its own block tables (its own "virtual" KV space) in a `BlockManager`; the pool only
 knows which pages are free, who maps the others, and each owner's page budget.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -42,6 +44,11 @@ class KVSpec:
     def block_bytes(self) -> int:
         return self.bytes_per_token * self.block_size
 
+    @property
+    def row_bytes(self) -> int:
+        """One head's K (or V) for one block: the unit the attention gathers."""
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
 
 class KVPool:
     """Free pages, pages mapped per owner, and per-owner budgets (in pages)."""
@@ -60,8 +67,10 @@ class KVPool:
 
     @classmethod
     def for_specs(cls, total_bytes: int, *specs: KVSpec, device: str | torch.device = "cpu") -> KVPool:
-        """A pool on `device` whose page fits the largest block among `specs`."""
-        return cls(total_bytes, max(s.block_bytes for s in specs), device)
+        """A pool on `device` whose page fits the largest block among `specs`, rounded up to a
+        whole number of every spec's rows (`rows` needs it)."""
+        row = math.lcm(*(s.row_bytes for s in specs))
+        return cls(total_bytes, -(-max(s.block_bytes for s in specs) // row) * row, device)
 
     @property
     def device(self) -> torch.device:
@@ -73,13 +82,26 @@ class KVPool:
         self._reclaimers[owner] = reclaim
 
     def view(self, spec: KVSpec) -> torch.Tensor:
-        """The pool as `[pages, layers, 2, block_size, kv_heads, head_dim]` for one model."""
+        """The pool as `[pages, layers, 2, kv_heads, block_size, head_dim]` for one model."""
         if spec.block_bytes > self.page_bytes:
             raise ValueError(f"a block of {spec.block_bytes} bytes does not fit a page of "
                              f"{self.page_bytes} bytes")
         raw = self.buffer[:, :spec.block_bytes].view(spec.dtype)
-        return raw.view(self.num_pages, spec.num_layers, 2, spec.block_size, spec.num_kv_heads,
+        return raw.view(self.num_pages, spec.num_layers, 2, spec.num_kv_heads, spec.block_size,
                         spec.head_dim)
+
+    def rows(self, spec: KVSpec) -> torch.Tensor:
+        """The pool as `[rows, block_size * head_dim]` for one model: the row of (page, layer,
+        K or V, head) is `page * rows_per_page(spec) + (layer * 2 + kv) * kv_heads + head`. One
+        `index_select` over it gathers any set of heads' blocks, of any layer, in one copy."""
+        self.view(spec)  # the block fits
+        if self.page_bytes % spec.row_bytes:
+            raise ValueError(f"a page of {self.page_bytes} bytes is not a whole number of rows of "
+                             f"{spec.row_bytes} bytes (use KVPool.for_specs)")
+        return self.buffer.view(spec.dtype).view(-1, spec.block_size * spec.head_dim)
+
+    def rows_per_page(self, spec: KVSpec) -> int:
+        return self.page_bytes // spec.row_bytes
 
     def set_budget(self, owner: str, pages: int | None) -> None:
         """Cap what `owner` may map (None: the whole pool)."""

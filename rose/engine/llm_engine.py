@@ -92,7 +92,7 @@ class LLMEngine:
                              f"{self.pool.device}")
         self.blocks = BlockManager(self.pool, spec, name)
         self.scheduler = Scheduler(self.blocks, self.config.scheduler)
-        self.runner = ModelRunner(model, self.pool.view(spec))
+        self.runner = ModelRunner(model, self.pool, spec)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from rose.engine.attention import PagedAttention
+from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.scheduler import Batch
 from rose.engine.sequence import Sequence
 from rose.model.decoder import CausalLM
@@ -17,9 +18,9 @@ class IterationInterrupted(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: torch.Tensor) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, spec: KVSpec) -> None:
         self.model = model
-        self.attention = PagedAttention(kv, model.config.num_attention_heads)
+        self.attention = PagedAttention(pool, spec, model.config.num_attention_heads)
 
     @torch.inference_mode()
     def run(self, batch: Batch, interrupt: Callable[[], bool] | None = None
