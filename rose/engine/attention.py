@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rose.engine import cpu_attention
 from rose.engine.kv_pool import KVPool, KVSpec
 
 
@@ -47,8 +46,13 @@ class PagedAttention:
         self.block_size, self.kv_heads, self.head_dim = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.device = pool.device  # where the plan's indices and masks are built
         self.gqa = num_heads != self.kv_heads
-        self.in_place = cpu_attention.supports(pool.device, spec.dtype)
-        self._rows_array = self.rows.numpy() if self.in_place else None
+        self.in_place = pool.device.type == "cpu" and spec.dtype == torch.float32  # numba's reach
+        if self.in_place:
+            # Imported here: numba's llvmlite must not be loaded where vLLM starts (vllm_engine).
+            from rose.engine import cpu_attention
+
+            self._cpu_kernels = cpu_attention
+            self._rows_array = self.rows.numpy()
         # Gathered pages land in a buffer reused across layers and iterations: allocating tens
         # of MB afresh per layer costs more (page faults) than the copy itself.
         self._gather_buffer = self.rows.new_empty(0)
@@ -117,7 +121,7 @@ class PagedAttention:
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)
             if seg.decode and seg.lengths is not None:
-                outs.append(cpu_attention.paged_decode(
+                outs.append(self._cpu_kernels.paged_decode(
                     q[rows], self._rows_array, seg.kv_rows[0].numpy(), layer * 2 * self.kv_heads,
                     seg.lengths, self.block_size))
                 continue

@@ -21,10 +21,6 @@ from numba import prange
 _LAUNCH = threading.Lock()
 
 
-def supports(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32
-
-
 @numba.njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _decode(q: np.ndarray, rows: np.ndarray, pages: np.ndarray, offset: int, lengths: np.ndarray,
             block_size: int, scale: float, out: np.ndarray) -> None:
