@@ -28,8 +28,10 @@ def _decode(q: np.ndarray, rows: np.ndarray, pages: np.ndarray, offset: int, len
     `[kv_heads, seqs, width]`: each page's K row for layer 0 (`offset` moves it to this layer;
     its V row follows `kv_heads` rows later); lengths `[seqs]`: tokens attended to."""
     seqs, kv_heads, group, dim = q.shape
+    # Head-major jobs: the sequences come longest first, and prange hands each thread one
+    # contiguous run of jobs; this way every run holds sequences of every length.
     for job in prange(seqs * kv_heads):
-        b, h = job // kv_heads, job % kv_heads
+        h, b = job // seqs, job % seqs
         n = lengths[b]
         blocks = (n + block_size - 1) // block_size
         scaled = q[b, h] * np.float32(scale)
