@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rose.cli import main
+from rose.engine import cpu_attention
 from rose.engine.attention import PagedAttention
 from rose.engine.kv_pool import KVPool, KVSpec
 
@@ -24,19 +25,22 @@ def _reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Ten
     return torch.stack(outs).float()
 
 
+@pytest.mark.parametrize("lengths", [[13, 9, 4, 1], [700, 500, 13, 1]], ids=["one-thread", "parallel"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gather-sdpa"])
-def test_decode_attention_reads_each_sequences_pages(in_place: bool) -> None:
+def test_decode_attention_reads_each_sequences_pages(in_place: bool, lengths: list[int]) -> None:
     """Sequences of different lengths, their pages scattered over a pool shared with a larger
-    model (so pages are longer than this model's block), GQA: both paths give the math's answer."""
+    model (so pages are longer than this model's block), GQA: both paths give the math's answer
+    (the in-place kernel on one thread for little work, on all for more)."""
     spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4)
     big = KVSpec(num_layers=5, num_kv_heads=3, head_dim=16, block_size=4)
-    pool = KVPool.for_specs(64 * big.block_bytes, spec, big)
+    pool = KVPool.for_specs(400 * big.block_bytes, spec, big)
     kv = pool.view(spec)  # [pages, layers, 2, kv_heads, block, D]
     kv.copy_(torch.randn(kv.shape))
     attention = PagedAttention(pool, spec, num_heads=6)
     assert attention.in_place  # float32 on the CPU
     attention.in_place = in_place
-    lengths = [13, 9, 4, 1]  # tokens each sequence attends to, its new one included
+    # `lengths`: tokens each sequence attends to, its new one included.
+    assert (sum(lengths) * 2 >= cpu_attention.PARALLEL_MIN_WORK) == (lengths[0] > 100)
     pages = torch.randperm(pool.num_pages).tolist()
     tables = [[pages.pop() for _ in range(-(-n // 4))] for n in lengths]
     attention.prepare(tables, [n - 1 for n in lengths], [1] * len(lengths))

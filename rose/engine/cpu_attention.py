@@ -19,6 +19,11 @@ from numba import prange
 # numba's fallback threading layer (workqueue) aborts when two threads launch parallel kernels
 # at once; engines may step on different threads.
 _LAUNCH = threading.Lock()
+# A parallel launch waits for every thread: 5 us more than one thread's on an idle machine, 130
+# when another process holds a core (measured, one sequence of SmolLM2). One thread reads about
+# 20 (context token x KV head) a microsecond, so below this much work it loses at most 50 us
+# idle and saves the wait under load.
+PARALLEL_MIN_WORK = 2048
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
@@ -73,7 +78,8 @@ def paged_decode(q: torch.Tensor, rows: np.ndarray, pages: np.ndarray, offset: i
     kv_heads = pages.shape[0]
     q = q.contiguous().view(seqs, kv_heads, heads // kv_heads, dim)
     out = torch.empty_like(q)
+    threads = torch.get_num_threads() if int(lengths.sum()) * kv_heads >= PARALLEL_MIN_WORK else 1
     with _LAUNCH:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         _decode(q.numpy(), rows, pages, offset, lengths, block_size, dim ** -0.5, out.numpy())
     return out.view(seqs, heads, dim)
