@@ -33,7 +33,9 @@ class _Segment:
     kv_rows: torch.Tensor | None  # layer 0's pool rows to gather: [2 (K, V), kv_heads, seqs, pages]
     context: int  # longest context attended to
     mask: torch.Tensor | None  # True where attention is allowed; None: all (decode) or causal
-    lengths: np.ndarray | None = None  # each decode's context, for the in-place kernel
+    # For the in-place kernel, made once per iteration: layer 0's K rows `[kv_heads, seqs, pages]`
+    # and each decode's context.
+    kernel_args: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class PagedAttention:
@@ -79,8 +81,9 @@ class PagedAttention:
             lengths = [c + 1 for c in computed[:decodes]]
             width = -(-lengths[0] // bs)
             tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[:decodes]]
-            self.segments.append(_Segment(0, decodes, True, self._rows(tables), lengths[0], None,
-                                          np.array(lengths)))
+            rows = self._rows(tables)
+            self.segments.append(_Segment(0, decodes, True, rows, lengths[0], None,
+                                          (rows[0].numpy(), np.array(lengths))))
             start = decodes
         while start < decodes:
             # A group holds contexts within a factor of two of its longest: padding < 2x.
@@ -120,10 +123,10 @@ class PagedAttention:
         outs = []
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)
-            if seg.decode and seg.lengths is not None:
+            if seg.kernel_args is not None:
+                pages, lengths = seg.kernel_args
                 outs.append(self._cpu_kernels.paged_decode(
-                    q[rows], self._rows_array, seg.kv_rows[0].numpy(), layer * 2 * self.kv_heads,
-                    seg.lengths, self.block_size))
+                    q[rows], self._rows_array, pages, layer * 2 * self.kv_heads, lengths, self.block_size))
                 continue
             if seg.decode:
                 keys, values = self._gather(layer, seg.kv_rows, seg.context)
