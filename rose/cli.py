@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "coserve": ("rose.bench.coserve", "serving P99 TTFT/TPOT beside rollouts: naive, static, rose"),
+    "coserve-vllm": ("rose.bench.coserve_vllm", "co-serving on vLLM (dual-SLO scheduler) vs native"),
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),
     "profile": ("rose.bench.profile", "where one engine iteration's time goes: decode and prefill"),
     "train": ("rose.bench.train", "rose train in fixed, elastic and rose modes side by side"),

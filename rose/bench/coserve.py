@@ -129,6 +129,22 @@ def _mean_ms(before: dict[str, float], after: dict[str, float], model: str) -> f
     return round(1e3 * busy / n, 3) if n else None
 
 
+def first_prompt(rng: np.random.Generator) -> list[int]:
+    """A rollout trajectory's first turn: 128 tokens."""
+    return rng.integers(*PROMPT_IDS, 128).tolist()
+
+
+def next_prompt(history: list[int], produced: list[int], finished: bool,
+                rng: np.random.Generator) -> list[int]:
+    """The trajectory's next turn: what it had, what the turn produced, and a 32-token observation
+    after a turn that finished (one handed back resumes with its tokens); a new trajectory once
+    past 1,500 tokens."""
+    history = history + produced
+    if finished:
+        history += rng.integers(*PROMPT_IDS, 32).tolist()
+    return first_prompt(rng) if len(history) > 1500 else history
+
+
 async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator) -> dict[str, int]:
     """Multi-turn rollouts that keep the device saturated until `stop_at`: each turn is the
     trajectory so far plus a new observation; a turn handed back is resumed with its tokens."""
@@ -136,7 +152,7 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
     counts = {"tokens": 0, "turns": 0, "handed_back": 0}
 
     async def trajectory(k: int) -> None:
-        history = rng.integers(*PROMPT_IDS, 128).tolist()
+        history = first_prompt(rng)
         turn = 0
         while time.perf_counter() < stop_at:
             params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
@@ -149,12 +165,8 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
                 counts["tokens"] += len(got.token_ids)
             counts["handed_back"] += got.finish_reason == "abort"
             counts["turns"] += got.finish_reason not in (None, "abort")
-            history += got.token_ids
-            if got.finish_reason not in (None, "abort"):
-                history += rng.integers(*PROMPT_IDS, 32).tolist()
+            history = next_prompt(history, got.token_ids, got.finish_reason not in (None, "abort"), rng)
             turn += 1
-            if len(history) > 1500:
-                history = rng.integers(*PROMPT_IDS, 128).tolist()
 
     tasks = [asyncio.create_task(trajectory(k)) for k in range(trajectories)]
     await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))

@@ -13,3 +13,8 @@ class TokenLoad:
     prefill_tokens: int = 0      # prompt tokens computed this iteration (chunked prefill)
     decode_seqs: int = 0         # sequences producing one token each
     context_tokens: int = 0      # KV tokens attention reads (sum over the decode sequences)
+
+    def __add__(self, other: TokenLoad) -> TokenLoad:
+        """Both loads in one forward pass (one model serving two kinds of request)."""
+        return TokenLoad(self.prefill_tokens + other.prefill_tokens, self.decode_seqs + other.decode_seqs,
+                         self.context_tokens + other.context_tokens)

@@ -247,6 +247,13 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
     return Admission(d, p, t, limit, s_prf, s_dec)
 
 
+def rollout_time_cap(slo: SLOBudgets, reserve_prefill_s: float) -> float:
+    """The most rollout work one iteration may carry however idle serving is: a serving request
+    arriving while it runs waits for it, then prefills (`reserve_prefill_s`, the predicted time of
+    a typical prompt), within B_TTFT, and waits at most `ttft_inflation` of B_TTFT for it."""
+    return min(slo.ttft_s * slo.ttft_inflation, slo.ttft_s - reserve_prefill_s)
+
+
 def rollout_capacity(now: float, serving: ServingState, rollout: RolloutDemand,
                      latency: LatencyModel, slo: SLOBudgets, typical_context: int,
                      chunk_tokens: int = CHUNK_TOKENS, limit: int = 1024, share: float = 1.0) -> int:

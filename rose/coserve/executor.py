@@ -42,6 +42,7 @@ from rose.coserve.admission import (
     admit,
     iteration_limit,
     rollout_capacity,
+    rollout_time_cap,
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
@@ -368,10 +369,8 @@ class CoServingExecutor:
         demand = RolloutDemand(
             decode_context=[s.num_computed_tokens + 1 for s in running if s.num_uncomputed == 1],
             prefill_tokens=sum(s.num_uncomputed for s in self._rollout_seqs() if s.num_uncomputed > 1))
-        reserve = self.config.arrival_reserve_tokens
-        cap = self.slo.ttft_s * self.slo.ttft_inflation
-        if reserve:
-            cap = min(cap, self.slo.ttft_s - self.tail.time(SERVING, TokenLoad(prefill_tokens=reserve)))
+        reserve_s = self.tail.time(SERVING, TokenLoad(self.config.arrival_reserve_tokens))
+        cap = rollout_time_cap(self.slo, reserve_s)
         state = self._serving_state(now)
         decision = admit(now, state, demand, self.tail, self.slo, self.config.chunk_tokens,
                          share=self.guard.share, max_rollout_s=cap)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -154,21 +155,28 @@ class TailLatency:
         return self.time("serving", serving) + self.time("rollout", rollout)
 
 
-def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel,
-            prompt_lens: tuple[int, ...] = (16, 64, 256, 512), batch_sizes: tuple[int, ...] = (1, 4, 16, 32),
-            context_lens: tuple[int, ...] = (32, 256), decode_steps: int = 4) -> None:
-    """Measure prefill chunks of `prompt_lens` and decode batches of `batch_sizes` at
-    `context_lens` on an idle engine (a few seconds on a CPU), fit `model`'s term, and start the
-    error count afresh. Leaves the engine empty."""
-    gen = torch.Generator(device="cpu").manual_seed(0)  # token ids: the same prompts on any device
-    limit = engine.max_model_len - decode_steps - 1
+def profile_batches(vocab_size: int, max_len: int, prompt_lens: tuple[int, ...] = (16, 64, 256, 512),
+                    batch_sizes: tuple[int, ...] = (1, 4, 16, 32), context_lens: tuple[int, ...] = (32, 256),
+                    decode_steps: int = 4) -> Iterator[tuple[list[list[int]], SamplingParams]]:
+    """The start-up profile's batches, each run alone on an idle engine: one prompt of each of
+    `prompt_lens` (prefill chunks), then `batch_sizes` prompts at each of `context_lens` decoded
+    for `decode_steps` tokens (decode batches). Random token ids, the same on any device."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    limit = max_len - decode_steps - 1
     jobs = [(1, length, 1) for length in prompt_lens]
     jobs += [(batch, ctx, decode_steps) for batch in batch_sizes for ctx in context_lens]
     for batch, length, steps in jobs:
-        params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request(torch.randint(0, engine.vocab_size, (min(length, limit),),
-                                             generator=gen, device="cpu").tolist(), params)
+        prompts = [torch.randint(0, vocab_size, (min(length, limit),), generator=gen).tolist()
+                   for _ in range(batch)]
+        yield prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+
+
+def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel) -> None:
+    """Measure `profile_batches` on an idle engine (a few seconds on a CPU), fit `model`'s term,
+    and start the error count afresh. Leaves the engine empty."""
+    for prompts, params in profile_batches(engine.vocab_size, engine.max_model_len):
+        for prompt in prompts:
+            engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
             latency.observe(model, engine.last_step.load, engine.last_step.seconds)

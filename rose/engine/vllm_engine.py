@@ -163,9 +163,10 @@ class VllmEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, kv_cache_bytes: int | None = None, device: str = "cpu",
-                        dtype: str = "float32", seed: int = 0) -> VllmEngine:
+                        dtype: str = "float32", seed: int = 0, **engine_overrides: Any) -> VllmEngine:
         """The checkpoint at `path` in vLLM, on this process's cores (its CPU backend binds one
-        OpenMP thread to each)."""
+        OpenMP thread to each). `engine_overrides`: more of vLLM's `EngineArgs` (its scheduler,
+        batch limits)."""
         config = ModelConfig.from_dir(path)
         check_model(config, device)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -175,7 +176,7 @@ class VllmEngine:
 
         args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed), enable_prefix_caching=True,
                                block_size=BLOCK_SIZE, logprobs_mode=LOGPROBS_MODE,
-                               max_model_len=max_model_len(config, dtype, kv_cache_bytes))
+                               max_model_len=max_model_len(config, dtype, kv_cache_bytes), **engine_overrides)
         with _hidden("llvmlite.binding.ffi"):
             llm = vllm.LLMEngine.from_engine_args(args)
         engine = cls(llm, config)

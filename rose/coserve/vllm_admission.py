@@ -1,0 +1,271 @@
+"""Dual-SLO admission inside vLLM's scheduler: co-serving on one vLLM engine (a prototype of
+issue 23, item 6; docs/vllm.md, "Co-serving on vLLM").
+
+vLLM holds one model per engine, so here serving requests (priority 0) and rollout turns
+(priority 1) are requests of one model, in one forward pass. `DualSLOScheduler` is vLLM's
+scheduler with ROSE's admission in front of it; at every `schedule()`:
+1. it reads serving's state (each serving request's arrival, first and last token, prompt still
+   to prefill) and the rollout demand (decodes ready, prompt tokens waiting);
+2. `admission.admit`, the policy the native executor and the simulator run, decides how many
+   rollout decodes and prefill tokens may join, predicted with a latency model fitted on this
+   engine's own iterations and read at a quantile of its error, scaled by the feedback guard;
+3. the rollout requests not admitted are held out of vLLM's `running` list and `waiting` queue
+   while vLLM's own `schedule()` runs, serving goes first in `running`, and vLLM's token budget
+   (`max_num_scheduled_tokens`, read at every call) is serving's share plus what was admitted.
+
+What it leaves to vLLM, said plainly: memory (with `scheduling_policy="priority"` a serving
+request short of KV blocks preempts the lowest-priority running request, a rollout, which vLLM
+recomputes later: nothing is handed back to the rollout scheduler); and the iteration itself (a
+serving request that arrives mid-iteration waits for its end: no interruption between layers).
+
+This module imports vLLM: vLLM loads the scheduler by name (`scheduler_cls`), and only the
+vLLM venv (`make install-vllm`) imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from rose.contracts import TokenLoad
+from rose.coserve.admission import (
+    CHUNK_TOKENS,
+    TPOT_INFLATION,
+    TTFT_INFLATION,
+    RolloutDemand,
+    ServingState,
+    SlackGuard,
+    SLOBudgets,
+    admit,
+    rollout_time_cap,
+)
+from rose.coserve.latency import FittedLatencyModel, TailLatency, profile_batches
+from rose.engine.vllm_engine import VllmEngine
+
+SERVING_PRIORITY, ROLLOUT_PRIORITY = 0, 1
+MODEL = "engine"  # one model: the latency model has one term
+MAX_NUM_SEQS = 64  # as the native executor's engines (`ExecutorConfig.max_num_seqs`)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneForward:
+    """Serving and rollout tokens in one forward pass: the iteration's time is the model's at
+    their summed load (the native executor's two models take the sum of two times instead)."""
+
+    tail: TailLatency
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return self.tail.time(MODEL, serving + rollout)
+
+
+@dataclasses.dataclass
+class _Served:
+    """A serving request's account: what admission's slacks and inflation budgets read."""
+
+    arrival: float
+    outputs: int = 0
+    first: float | None = None
+    last: float | None = None
+    rollout_s: float = 0.0      # time spent on rollout work since it arrived
+    rollout_first_s: float = 0.0  # of which before its first token
+
+
+@dataclasses.dataclass(frozen=True)
+class _Iteration:
+    serving: TokenLoad
+    rollout: TokenLoad
+    limit_s: float
+    started: float
+
+
+class DualSLOScheduler(Scheduler):
+    """vLLM's scheduler with dual-SLO admission of priority-1 (rollout) requests. Until
+    `configure` is called it schedules as vLLM's own, only measuring its iterations."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.slo: SLOBudgets | None = None
+        self.latency = FittedLatencyModel()
+        self.tail = TailLatency(self.latency)
+        self.guard = SlackGuard()
+        self.chunk_tokens = CHUNK_TOKENS
+        self.reserve_tokens = 512
+        self.idle_min_tokens = 32
+        self.full_budget = self.max_num_scheduled_tokens
+        self.held_iterations = 0  # iterations with rollout work waiting and none admitted
+        self._served: dict[str, _Served] = {}
+        self._iteration: _Iteration | None = None
+
+    def configure(self, slo: SLOBudgets, quantile: float = 0.95, chunk_tokens: int = CHUNK_TOKENS,
+                  arrival_reserve_tokens: int = 512, idle_min_rollout_tokens: int = 32) -> None:
+        """Admission on, with the native executor's settings (`ExecutorConfig` says what each is)."""
+        self.slo, self.chunk_tokens = slo, chunk_tokens
+        self.tail = TailLatency(self.latency, quantile)
+        self.reserve_tokens, self.idle_min_tokens = arrival_reserve_tokens, idle_min_rollout_tokens
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        if request.priority == SERVING_PRIORITY:
+            self._served[request.request_id] = _Served(time.monotonic())
+
+    # -- one iteration ---------------------------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        held_running, held_waiting, limit = self._hold(time.monotonic()) if self.slo else ([], [], math.inf)
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            self.running += held_running
+            for request in held_waiting:
+                self.waiting.add_request(request)
+            self.max_num_scheduled_tokens = self.full_budget
+        self._iteration = _Iteration(*self._loads(out.num_scheduled_tokens), limit, time.perf_counter())
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        it, self._iteration = self._iteration, None
+        seconds = time.perf_counter() - it.started if it else 0.0
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = time.monotonic()
+        if it and seconds > 0:
+            self.latency.observe(MODEL, it.serving + it.rollout, seconds)
+            if it.rollout != TokenLoad():
+                self._charge(it, seconds, now)
+                if math.isfinite(it.limit_s):
+                    self.guard.observe(seconds, it.limit_s)
+        for rid, acct in list(self._served.items()):
+            request = self.requests.get(rid)
+            if request is None:
+                del self._served[rid]
+            elif request.num_output_tokens > acct.outputs:
+                acct.first = acct.first or now
+                acct.last, acct.outputs = now, request.num_output_tokens
+        return outputs
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def _hold(self, now: float) -> tuple[list[Any], list[Any], float]:
+        """Admit rollout work for this iteration: the rollout requests held out of it, and the
+        iteration-time ceiling they were admitted under."""
+        assert self.slo is not None
+        serving_running = [r for r in self.running if r.priority == SERVING_PRIORITY]
+        rollout_running = sorted((r for r in self.running if r.priority != SERVING_PRIORITY),
+                                 key=lambda r: r.arrival_time)
+        decoding = [r for r in rollout_running if _remaining(r) == 1]
+        prefilling = [r for r in rollout_running if _remaining(r) > 1]
+        waiting = [r for r in self.waiting if r.priority != SERVING_PRIORITY]
+        serving_waiting = [r for r in self.waiting if r.priority == SERVING_PRIORITY]
+        state = self._serving_state(now, serving_running + serving_waiting)
+        demand = RolloutDemand([r.num_computed_tokens + 1 for r in decoding],
+                               sum(_remaining(r) for r in prefilling + waiting))
+        if not demand.decode_context and not demand.prefill_tokens:
+            return [], [], math.inf
+        latency = OneForward(self.tail)
+        cap = rollout_time_cap(self.slo, self.tail.time(MODEL, TokenLoad(self.reserve_tokens)))
+        decision = admit(now, state, demand, latency, self.slo, self.chunk_tokens, share=self.guard.share,
+                         max_rollout_s=cap)
+        d, p = decision.decode_seqs, decision.prefill_tokens
+        idle = not state.waiting and not state.decoding_last_token_s
+        if idle and d + p < self.idle_min_tokens:  # a model that overestimates cannot starve rollouts
+            d = min(len(decoding), self.idle_min_tokens)
+            p = min(demand.prefill_tokens, self.idle_min_tokens - d)
+        if d + p == 0:
+            self.held_iterations += 1
+        held_running = decoding[d:] + ([] if p else prefilling)
+        held_waiting = [] if p else waiting
+        held = {id(r) for r in held_running}
+        self.running = serving_running + [r for r in rollout_running if id(r) not in held]
+        self.waiting.remove_requests(held_waiting)
+        serving = state.load(self.chunk_tokens)
+        serving_tokens = serving.prefill_tokens + serving.decode_seqs
+        self.max_num_scheduled_tokens = min(self.full_budget, serving_tokens + d + p)
+        return held_running, held_waiting, math.inf if idle else decision.limit_s
+
+    def _serving_state(self, now: float, requests: Iterable[Any]) -> ServingState:
+        accounts = sorted(((self._served[r.request_id], r) for r in requests), key=lambda ar: ar[0].arrival)
+        waiting = [(a, r) for a, r in accounts if a.first is None]
+        decoding = [(a, r) for a, r in accounts if a.first is not None]
+        return ServingState(
+            waiting=[(a.arrival, _remaining(r)) for a, r in waiting],
+            decoding_last_token_s=[a.last for a, _ in decoding],
+            decode_context_tokens=sum(r.num_tokens for _, r in decoding),
+            waiting_rollout_s=[a.rollout_s for a, _ in waiting],
+            decoding_first_token_s=[a.first for a, _ in decoding],
+            decoding_output_tokens=[a.outputs for a, _ in decoding],
+            decoding_rollout_s=[a.rollout_s - a.rollout_first_s for a, _ in decoding])
+
+    def _loads(self, scheduled: dict[str, int]) -> tuple[TokenLoad, TokenLoad]:
+        """Serving's and rollout's share of the iteration just scheduled."""
+        loads = {SERVING_PRIORITY: [0, 0, 0], ROLLOUT_PRIORITY: [0, 0, 0]}
+        for rid, n in scheduled.items():
+            request = self.requests[rid]
+            load = loads[SERVING_PRIORITY if request.priority == SERVING_PRIORITY else ROLLOUT_PRIORITY]
+            if n == 1 and request.num_computed_tokens == request.num_tokens:  # computed just now
+                load[1] += 1
+                load[2] += request.num_computed_tokens
+            else:
+                load[0] += n
+        return TokenLoad(*loads[SERVING_PRIORITY]), TokenLoad(*loads[ROLLOUT_PRIORITY])
+
+    def _charge(self, it: _Iteration, seconds: float, now: float) -> None:
+        """Charge the rollout part of a shared iteration (its predicted share of the measured
+        time) to each serving request in flight, for the part after the request arrived."""
+        total = self.latency.time(MODEL, it.serving + it.rollout)
+        if total <= 0:
+            return
+        rollout_s = seconds * (1.0 - self.latency.time(MODEL, it.serving) / total)
+        for acct in self._served.values():
+            acct.rollout_s += min(rollout_s, now - acct.arrival)
+            if acct.first is None:
+                acct.rollout_first_s = acct.rollout_s
+
+
+def _remaining(request: Any) -> int:
+    """Tokens the request has still to compute before its next token (1: ready to decode)."""
+    return request.num_tokens - request.num_computed_tokens
+
+
+class VllmCoServing:
+    """A `VllmEngine` whose scheduler is `DualSLOScheduler` (`policy="dual_slo"`) or vLLM's own
+    (`"priority"`: serving first, `"fcfs"`: first come first served), profiled at start-up."""
+
+    POLICIES = ("dual_slo", "priority", "fcfs")
+
+    def __init__(self, engine: VllmEngine, policy: str) -> None:
+        self.engine, self.policy = engine, policy
+        self.scheduler = engine.llm.engine_core.engine_core.scheduler  # in process: the same object
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, kv_cache_bytes: int, policy: str, slo_ttft_s: float,
+                        slo_tpot_s: float, quantile: float = 0.95) -> VllmCoServing:
+        if policy not in cls.POLICIES:
+            raise ValueError(f"policy {policy!r}: expected one of {', '.join(cls.POLICIES)}")
+        engine = VllmEngine.from_pretrained(
+            path, kv_cache_bytes, scheduling_policy="fcfs" if policy == "fcfs" else "priority",
+            scheduler_cls=f"{__name__}.{DualSLOScheduler.__name__}", max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=CHUNK_TOKENS + MAX_NUM_SEQS)
+        coserving = cls(engine, policy)
+        coserving.profile()
+        if policy == "dual_slo":
+            coserving.scheduler.configure(SLOBudgets(slo_ttft_s, slo_tpot_s, TTFT_INFLATION, TPOT_INFLATION),
+                                          quantile)
+        return coserving
+
+    def profile(self) -> None:
+        """The native executor's start-up profile, on this engine: the scheduler measures each
+        iteration (configured or not), then the fit starts its error count afresh."""
+        max_len = self.engine.llm.vllm_config.model_config.max_model_len
+        for k, (prompts, params) in enumerate(profile_batches(self.engine.vocab_size, max_len)):
+            for i, prompt in enumerate(prompts):
+                self.engine.add_request(prompt, params, f"rose-profile-{k}-{i}")
+            while self.engine.has_unfinished():
+                self.engine.step()
+        self.engine.llm.reset_prefix_cache()
+        self.scheduler.latency.fit()
+        self.scheduler.latency.reset_error()
