@@ -22,13 +22,14 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make install-vllm`, then run this file "
                                    "with .venv-vllm/bin/python -m pytest")
 
+from vllm_checkpoints import tiny_qwen3_for_vllm
+
 from rose.cli import main
 from rose.contracts import SamplingParams, Turn, TurnOutput
 from rose.engine import LLMEngine
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.vllm_engine import VllmEngine
-from rose.model import Tokenizer, load_model, load_tokenizer, preset_config, random_model, save_model
-from rose.model.tokenizer import build_tokenizer
+from rose.model import load_model, load_tokenizer
 from rose.rollout.workers import EngineWorker, Failure, classify
 from rose.runtime.actors import on_loop
 from rose.runtime.config import load_config
@@ -40,24 +41,15 @@ TIE = 1e-4  # a greedy mismatch is excused only where the native model's top two
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs_at_temperature=True)
 
 
-def _checkpoint(root: Path, seed: int) -> Path:
-    """The tiny Qwen3 preset with head_dim 32 (vLLM's CPU attention takes no smaller), weights of
-    std 0.15 for peaked, varied generations, and its tokenizer (vLLM loads one)."""
-    config = preset_config("qwen3", "tiny", head_dim=32)
-    save_model(random_model(config, seed, std=0.15), root)
-    Tokenizer(build_tokenizer(config.vocab_size)).save(root, config.max_position_embeddings)
-    return root
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _checkpoint(tmp_path_factory.mktemp("qwen3"), seed=11)
+    return tiny_qwen3_for_vllm(tmp_path_factory.mktemp("qwen3"), seed=11)
 
 
 @pytest.fixture(scope="module")
 def ckpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shape, other weights: what the relay pushes."""
-    return _checkpoint(tmp_path_factory.mktemp("qwen3b"), seed=12)
+    return tiny_qwen3_for_vllm(tmp_path_factory.mktemp("qwen3b"), seed=12)
 
 
 def _worker(path: Path, name: str) -> EngineWorker:
