@@ -15,11 +15,12 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make install-vllm`, then run this file "
                                    "with .venv-vllm/bin/python -m pytest")
 
+from vllm_checkpoints import tiny_qwen3_for_vllm
+
 from rose.contracts import SamplingParams, TokenLoad
 from rose.coserve.admission import SLOBudgets
 from rose.coserve.vllm_admission import MODEL, ROLLOUT_PRIORITY, SERVING_PRIORITY, VllmCoServing
 from rose.engine import RequestOutput
-from vllm_checkpoints import tiny_qwen3_for_vllm
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,8 @@ def _run(c: VllmCoServing, serving_tokens: int, turns: int, turn_prompt: int = 6
     for k in range(turns):
         engine.add_request([5 + k] * turn_prompt, SamplingParams(max_tokens=turn_tokens, ignore_eos=True),
                            f"turn-{k}", priority=ROLLOUT_PRIORITY)
-    engine.add_request(list(range(10, 50)), SamplingParams(max_tokens=serving_tokens, temperature=0,
-                                                           ignore_eos=True), "serve", priority=SERVING_PRIORITY)
+    serve = SamplingParams(max_tokens=serving_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(list(range(10, 50)), serve, "serve", priority=SERVING_PRIORITY)
     steps = []
     while engine.has_unfinished():
         steps.append(engine.step())
@@ -73,6 +74,20 @@ def test_serving_goes_first_and_decodes_every_iteration(coserving: VllmCoServing
     assert sum(len(o.token_ids) for o in turns) == 4 * 8
 
 
+def test_a_serving_prompt_goes_before_a_rollout_prompt_already_being_prefilled(
+        coserving: VllmCoServing) -> None:
+    coserving.scheduler.configure(SLOBudgets(10.0, 10.0))
+    engine = coserving.engine
+    engine.add_request([7] * 1500, SamplingParams(max_tokens=4, ignore_eos=True), "long-turn",
+                       priority=ROLLOUT_PRIORITY)
+    assert engine.step() == []  # its first chunk: the turn is running, most of its prompt to go
+    engine.add_request(list(range(60, 100)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                       "serve", priority=SERVING_PRIORITY)
+    assert [o.request_id for o in engine.step() if o.token_ids] == ["serve"]
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_rollouts_run_beside_serving_when_the_slos_leave_room(coserving: VllmCoServing) -> None:
     coserving.scheduler.configure(SLOBudgets(10.0, 10.0))
     steps = _run(coserving, serving_tokens=16, turns=4)
@@ -87,7 +102,8 @@ def test_a_tight_tpot_slo_holds_rollouts_until_serving_is_done(coserving: VllmCo
     held = scheduler.held_iterations
     steps = _run(coserving, serving_tokens=16, turns=4)
     first, last = _serving_span(steps)
-    beside = [o for outs in steps[first + 1:last + 1] for o in outs if o.request_id != "serve" and o.token_ids]
+    beside = [o for outs in steps[first + 1:last + 1] for o in outs
+              if o.request_id != "serve" and o.token_ids]
     assert beside == []
     assert scheduler.held_iterations - held >= last - first
     # Once serving is done the device is idle: the held turns run to their end.

@@ -177,6 +177,10 @@ class DualSLOScheduler(Scheduler):
         if idle and d + p < self.idle_min_tokens:  # a model that overestimates cannot starve rollouts
             d = min(len(decoding), self.idle_min_tokens)
             p = min(demand.prefill_tokens, self.idle_min_tokens - d)
+        if serving_waiting:
+            # vLLM schedules its waiting queue after the running list: a running rollout prefill
+            # would take the tokens meant for serving's prompt first.
+            p = 0
         if d + p == 0:
             self.held_iterations += 1
         held_running = decoding[d:] + ([] if p else prefilling)
