@@ -109,15 +109,16 @@ class VllmBackend:
     """vLLM's engine in this process: its own scheduler (`fcfs`, `priority`) or the dual-SLO one."""
 
     def __init__(self, model: Path, policy: str, slo: dict[str, float]) -> None:
-        from rose.coserve.vllm_admission import VllmCoServing
+        from rose.coserve.vllm_admission import ROLLOUT_PRIORITY, SERVING_PRIORITY, VllmCoServing
 
         self.coserving = VllmCoServing.from_pretrained(model, POOL_BYTES, policy, slo["ttft_ms"] / 1e3,
                                                        slo["tpot_ms"] / 1e3)
         self.engine = self.coserving.engine
-        self.rollout_priority = 0 if policy == "fcfs" else 1
+        self.serving_priority = SERVING_PRIORITY
+        self.rollout_priority = SERVING_PRIORITY if policy == "fcfs" else ROLLOUT_PRIORITY
 
     def add_serving(self, token_ids: list[int], params: SamplingParams, request_id: str) -> None:
-        self.engine.add_request(token_ids, params, request_id, priority=0)
+        self.engine.add_request(token_ids, params, request_id, priority=self.serving_priority)
 
     def add_turn(self, token_ids: list[int], params: SamplingParams, request_id: str) -> None:
         self.engine.add_request(token_ids, params, request_id, priority=self.rollout_priority)
