@@ -43,7 +43,8 @@ _SCOPES = (
     (decoder.RotaryEmbedding, "forward", "rope"),
     (decoder, "apply_rotary", "rope"),
 )
-_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"}
+_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+            "mkldnn::_linear_pointwise"}
 _ATTENTION_OPS = {"aten::index_put_": "KV writes", "aten::index_select": "page gathers"}
 
 
@@ -102,7 +103,7 @@ def _breakdown(prof: profile, wall_ms: float, iterations: int) -> dict[str, floa
         if event.name in labels:
             parts[_part(event.name, event.name)] += event.self_cpu_time_total / 1000 / iterations
             continue
-        if not event.name.startswith("aten::"):
+        if not event.name.startswith(("aten::", "mkldnn::")):
             continue
         scope, parent = None, event.cpu_parent
         while parent is not None and scope is None:  # the innermost labelled scope
