@@ -18,7 +18,7 @@ def _linear(bias: bool = True) -> nn.Linear:
     return nn.Linear(96, 80, bias=bias)
 
 
-@pytest.mark.parametrize("shape", [(1, 96), (8, 96), (2, 5, 96), (3, 1, 96)])
+@pytest.mark.parametrize("shape", [(0, 96), (1, 96), (8, 96), (2, 5, 96), (3, 1, 96)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_products_match_f_linear(shape: tuple[int, ...], bias: bool) -> None:
     lin = _linear(bias)

@@ -2,19 +2,19 @@
 
 PyTorch's `F.linear` runs on MKL on the CPU, at about 80 GFLOP/s on one core here; oneDNN with a
 weight packed for its kernels (what vLLM's CPU backend uses) runs the same products 2-3x faster
-from 8 rows up, and as fast at one row (docs/engine.md, "Where the time goes"). The packed copy
+from 8 rows up, and one row (a batch-1 decode, bound by reading the weights from memory) about
+twice as fast once the weights are out of the caches, as a model's are (docs/engine.md, "Where the
+time goes"). The packed copy
 follows the weight: it is packed again when the weight tensor is replaced or changed in place
 (a weight load, an optimizer step: `Tensor._version`), so the model stays the one source of
-truth. Forwards that record gradients, and single rows, keep `F.linear`. The copy doubles the
-memory of the linear weights.
+truth. Forwards that record gradients keep `F.linear`. The copy doubles the memory of the linear
+weights.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-MIN_ROWS = 2  # one row: MKL's GEMV is as fast, without the packed call's own overhead
 
 
 class PackedLinear:
@@ -32,7 +32,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.linear.weight
-        if torch.is_grad_enabled() or x.numel() < MIN_ROWS * weight.shape[1]:
+        if torch.is_grad_enabled():
             return self.dense(x)
         if self.source[0] is not weight or self.source[1] != weight._version:
             self._pack()
