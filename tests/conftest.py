@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,10 @@ if TYPE_CHECKING:  # imported by the fixtures that use it: seconds that most tes
     import transformers
 
 torch.set_num_threads(2)
+# Without CUDA, Triton kernels (the engine's attention on CUDA) run in Triton's interpreter on the
+# CPU. It is chosen as each kernel is defined, Triton's own library included: before any import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,4 @@
-"""The paged attention's two decode paths (numba in place, gather + SDPA) against plain math."""
+"""The paged attention's backends (numba in place, gather + SDPA, Triton) against plain math."""
 
 from __future__ import annotations
 
@@ -10,51 +10,75 @@ import torch
 
 from rose.cli import main
 from rose.engine import cpu_attention
-from rose.engine.attention import PagedAttention
+from rose.engine.attention import BACKENDS, PagedAttention
 from rose.engine.kv_pool import KVPool, KVSpec
 
 
-def _reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Softmax attention of each sequence's one query `[heads, D]` over its `[tokens, kv_heads, D]`."""
+def _reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+               positions: list[int]) -> torch.Tensor:
+    """Softmax attention of each query `[heads, D]` over the first `position + 1` tokens of its
+    sequence's `[tokens, kv_heads, D]`."""
     outs = []
-    for qi, k, v in zip(q, keys, values, strict=True):
+    for qi, k, v, pos in zip(q, keys, values, positions, strict=True):
         group = qi.shape[0] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [T, heads, D]
+        k, v = k[:pos + 1].repeat_interleave(group, 1), v[:pos + 1].repeat_interleave(group, 1)
         scores = torch.einsum("hd,thd->ht", qi.double(), k.double()) / qi.shape[-1] ** 0.5
         outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v.double()))
     return torch.stack(outs).float()
 
 
-@pytest.mark.parametrize("lengths", [[13, 9, 4, 1], [700, 500, 13, 1]], ids=["one-thread", "parallel"])
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gather-sdpa"])
-def test_decode_attention_reads_each_sequences_pages(in_place: bool, lengths: list[int]) -> None:
-    """Sequences of different lengths, their pages scattered over a pool shared with a larger
-    model (so pages are longer than this model's block), GQA: both paths give the math's answer
-    (the in-place kernel on one thread for little work, on all for more)."""
+# Each sequence: (tokens already in its pages, tokens it computes now); decodes first, longest first.
+BATCHES = {
+    "decodes": [(12, 1), (8, 1), (3, 1), (0, 1)],
+    "long-decodes": [(699, 1), (499, 1), (12, 1), (0, 1)],  # the numba kernel on all threads
+    "mixed": [(30, 1), (9, 1), (0, 1), (5, 20), (0, 7), (17, 3)],  # prefill chunks after a prefix, or not
+}
+
+
+@pytest.mark.parametrize(("backend", "batch"), [  # long decodes take Triton's interpreter 45 s
+    (backend, batch) for backend in BACKENDS for batch in BATCHES
+    if (backend, batch) != ("triton", "long-decodes")])
+def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
+    """Sequences of different lengths, decoding or prefilling after a cached prefix, their pages
+    scattered over a pool shared with a larger model (so pages are longer than this model's
+    block), GQA of three query heads per KV head: every backend writes the new K/V in place and
+    gives the math's answer."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
+    work = BATCHES[batch]
     spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4)
     big = KVSpec(num_layers=5, num_kv_heads=3, head_dim=16, block_size=4)
     pool = KVPool.for_specs(400 * big.block_bytes, spec, big)
     kv = pool.view(spec)  # [pages, layers, 2, kv_heads, block, D]
     kv.copy_(torch.randn(kv.shape))
-    attention = PagedAttention(pool, spec, num_heads=6)
-    assert attention.in_place  # float32 on the CPU
-    attention.in_place = in_place
-    # `lengths`: tokens each sequence attends to, its new one included.
-    assert (sum(lengths) * 2 >= cpu_attention.PARALLEL_MIN_WORK) == (lengths[0] > 100)
+    attention = PagedAttention(pool, spec, num_heads=6, backend=backend)
+    if batch == "long-decodes":
+        assert sum(c + n for c, n in work) * 2 >= cpu_attention.PARALLEL_MIN_WORK
     pages = torch.randperm(pool.num_pages).tolist()
-    tables = [[pages.pop() for _ in range(-(-n // 4))] for n in lengths]
-    attention.prepare(tables, [n - 1 for n in lengths], [1] * len(lengths))
-    layer = 1
-    q = torch.randn(1, len(lengths), 6, 16)
-    k, v = torch.randn(1, len(lengths), 2, 16), torch.randn(1, len(lengths), 2, 16)
+    tables = [[pages.pop() for _ in range(-(-(c + n) // 4))] for c, n in work]
+    attention.prepare(tables, [c for c, _ in work], [n for _, n in work])
+    layer, rows = 1, sum(n for _, n in work)
+    q = torch.randn(1, rows, 6, 16)
+    k, v = torch.randn(1, rows, 2, 16), torch.randn(1, rows, 2, 16)
     out = attention(layer, q, k, v)[0]
-    keys, values = [], []
-    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
-        seq = kv[table, layer].permute(1, 0, 3, 2, 4).reshape(2, -1, 2, 16)[:, :n]  # [2, T, kv_heads, D]
-        assert torch.equal(seq[0, -1], k[0, i]) and torch.equal(seq[1, -1], v[0, i])  # written in place
-        keys.append(seq[0])
-        values.append(seq[1])
-    torch.testing.assert_close(out, _reference(q[0], keys, values), rtol=1e-5, atol=1e-5)
+    keys, values, positions = [], [], []
+    row = 0
+    for table, (c, n) in zip(tables, work, strict=True):
+        seq = kv[table, layer].permute(1, 0, 3, 2, 4).reshape(2, -1, 2, 16)[:, :c + n]  # [2, T, kv_heads, D]
+        assert torch.equal(seq[0, c:], k[0, row:row + n]) and torch.equal(seq[1, c:], v[0, row:row + n])
+        keys += [seq[0]] * n
+        values += [seq[1]] * n
+        positions += range(c, c + n)
+        row += n
+    torch.testing.assert_close(out, _reference(q[0], keys, values, positions), rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_backend_is_refused() -> None:
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_size=4)
+    with pytest.raises(ValueError, match="attention backend 'flash'"):
+        PagedAttention(KVPool.for_specs(8 * spec.block_bytes, spec), spec, num_heads=1, backend="flash")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

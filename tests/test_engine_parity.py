@@ -71,6 +71,21 @@ def test_chunked_prefill_small_budget_matches_hf(ckpt: Path, hf_models: dict) ->
         assert_matches_hf(_hf(hf_models, ckpt), prompt, out.token_ids, out.logprobs)
 
 
+def test_triton_attention_matches_hf(ckpt: Path, hf_models: dict) -> None:
+    """The Triton kernel (the engine's attention on CUDA; here in Triton's interpreter) over
+    decodes and prefill chunks after cached prefixes."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
+    engine = LLMEngine.from_pretrained(ckpt, chunk_size=8, max_num_batched_tokens=20,
+                                       attention_backend="triton")
+    assert engine.runner.attention.backend == "triton"
+    prompts = _prompts(3, [21, 3, 12], seed=2)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_hf(_hf(hf_models, ckpt), prompt, out.token_ids, out.logprobs)
+
+
 def test_prefix_cache_multi_turn_hits_and_matches_hf(ckpt: Path, hf_models: dict) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
     turn1 = _prompts(3, [40, 35, 50], seed=2)

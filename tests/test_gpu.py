@@ -39,6 +39,7 @@ def _hf(path: Path, dtype: torch.dtype) -> transformers.PreTrainedModel:
 def test_fp32_engine_matches_transformers(ckpt: Path, engine_config: dict[str, int]) -> None:
     engine = LLMEngine.from_pretrained(ckpt, dtype="float32", device="cuda", **engine_config)
     assert engine.device.type == engine.pool.device.type == "cuda"
+    assert engine.runner.attention.backend == "triton"  # the paged kernel, no gather
     prompts = _prompts([1, 5, 17, 33, 70, 2, 16])
     outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     hf = _hf(ckpt, torch.float32)

@@ -114,9 +114,10 @@ def multi_turn_hit_rate(engine: LLMEngine, vocab: int, trajectories: int = 16, t
 
 
 def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int], dtype: str,
-             python: str | None, threads: int) -> dict | None:
+             kv_cache_bytes: int, python: str | None, threads: int) -> dict | None:
     """vLLM's CPU build in its own process (it must start under __main__), with `python` (an
-    interpreter that has vllm and rose installed) or this one; None if neither has vllm.
+    interpreter that has vllm and rose installed) or this one, its KV cache `kv_cache_bytes` as
+    ROSE's; None if neither has vllm.
 
     Its compute threads are bound to `threads` cores, as ROSE's and transformers' are: left to
     itself on this 2-core machine vLLM binds one and keeps the other for its front end."""
@@ -125,7 +126,7 @@ def run_vllm(model_dir: Path, prompts: list[list[int]], outputs: list[int], dtyp
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "outputs": outputs,
-                                   "dtype": dtype}))
+                                   "dtype": dtype, "kv_cache_bytes": kv_cache_bytes}))
         cores = sorted(os.sched_getaffinity(0))[:threads]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
         subprocess.run([python or sys.executable, "-m", "rose.bench.vllm_peer", str(job)], check=True,
@@ -163,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
                                              min_new_tokens=k, do_sample=False, pad_token_id=pad))
         hit_rate = multi_turn_hit_rate(LLMEngine.from_pretrained(model_dir, **kv), vocab)
         dtype_name = str(dtype).removeprefix("torch.")
-        vllm = (run_vllm(model_dir, prompts, outputs, dtype_name, args.vllm_python, args.threads)
+        vllm = (run_vllm(model_dir, prompts, outputs, dtype_name, args.kv_cache_mb << 20, args.vllm_python,
+                         args.threads)
                 if device.type == "cpu" else None)  # the peer is vLLM's CPU build
 
     summary = {

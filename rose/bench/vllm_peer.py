@@ -3,8 +3,7 @@
 Run in its own process (vLLM must start under `__main__`); reads the model, prompts (token ids)
 and output lengths from the job file and writes its throughput on them, and its batch-1 decode
 (the first prompt's first 32 tokens, 128 new ones, as `rose.bench.engine.batch1`), to
-`JOB.out.json`. On the CPU
-backend `gpu_memory_utilization` is the share of RAM vLLM reserves for its KV cache.
+`JOB.out.json`. Its KV cache is the job's `kv_cache_bytes`, the size ROSE's engine runs with.
 """
 
 from __future__ import annotations
@@ -15,14 +14,17 @@ import time
 from pathlib import Path
 
 from rose.bench.engine import batch1
-from rose.engine.vllm_engine import engine_args
+from rose.engine.vllm_engine import engine_args, max_model_len
+from rose.model import ModelConfig
 
 
 def main(job_file: str) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     job = json.loads(Path(job_file).read_text())
-    llm = LLM(**engine_args(job["model"], job.get("dtype", "float32")))
+    dtype, kv_cache_bytes = job["dtype"], job["kv_cache_bytes"]
+    llm = LLM(**engine_args(job["model"], dtype, kv_cache_bytes),
+              max_model_len=max_model_len(ModelConfig.from_dir(job["model"]), dtype, kv_cache_bytes))
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in job["outputs"]]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

@@ -7,14 +7,16 @@ with a bottom-right causal mask (a chunk with no prefix attends to its own K/V d
 
 Pages are head-major (`KVPool`), so one `index_select` over the pool's rows gathers a group's
 K and V straight into the `[seqs, kv_heads, tokens, head_dim]` layout SDPA reads fastest, and
-every SDPA call is 4-D (3-D inputs fall back to its slow math path on the CPU). On the CPU in
-float32 the decodes skip the gather: one numba kernel reads their pages in place
-(`cpu_attention`), all of them at once, whatever their lengths.
+every SDPA call is 4-D (3-D inputs fall back to its slow math path on the CPU). Two backends read
+the pages in place instead: on the CPU in float32 the decodes go to one numba kernel
+(`cpu_attention`), all of them at once, whatever their lengths; on CUDA every query, decode or
+prefill, goes to a Triton kernel that follows the block tables (`triton_attention`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import numpy as np
 import torch
@@ -38,8 +40,19 @@ class _Segment:
     kernel_args: tuple[np.ndarray, np.ndarray] | None = None
 
 
+BACKENDS = ("triton", "numba", "sdpa")
+
+
+def default_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """`triton` on CUDA (where PyTorch's build brings Triton), `numba` (decodes in place, the rest
+    gather + SDPA) on the CPU in float32, else `sdpa` (gather + SDPA)."""
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "numba" if device.type == "cpu" and dtype == torch.float32 else "sdpa"
+
+
 class PagedAttention:
-    def __init__(self, pool: KVPool, spec: KVSpec, num_heads: int) -> None:
+    def __init__(self, pool: KVPool, spec: KVSpec, num_heads: int, backend: str | None = None) -> None:
         kv = pool.view(spec)  # [pages, layers, 2, kv_heads, block, D]
         self.keys = [kv[:, layer, 0] for layer in range(spec.num_layers)]  # [pages, kv_heads, block, D]
         self.values = [kv[:, layer, 1] for layer in range(spec.num_layers)]
@@ -48,13 +61,21 @@ class PagedAttention:
         self.block_size, self.kv_heads, self.head_dim = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.device = pool.device  # where the plan's indices and masks are built
         self.gqa = num_heads != self.kv_heads
-        self.in_place = pool.device.type == "cpu" and spec.dtype == torch.float32  # numba's reach
-        if self.in_place:
-            # Imported here: numba's llvmlite must not be loaded where vLLM starts (vllm_engine).
+        self.backend = backend or default_backend(pool.device, spec.dtype)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        # The kernels are imported here: numba's llvmlite must not be loaded where vLLM starts
+        # (vllm_engine), and Triton is only needed where it runs.
+        if self.backend == "numba":
             from rose.engine import cpu_attention
 
             self._cpu_kernels = cpu_attention
             self._rows_array = self.rows.numpy()
+        elif self.backend == "triton":
+            from rose.engine import triton_attention
+
+            self._triton = triton_attention
+            self._triton_plan: triton_attention.TritonPlan | None = None
         # Gathered pages land in a buffer reused across layers and iterations: allocating tens
         # of MB afresh per layer costs more (page faults) than the copy itself.
         self._gather_buffer = self.rows.new_empty(0)
@@ -75,9 +96,12 @@ class PagedAttention:
         self.slot_offsets = torch.tensor(offsets, device=dev)
 
         self.segments = []
+        if self.backend == "triton":
+            self._triton_plan = self._triton.plan(block_tables, computed, num_tokens, dev)
+            return
         decodes = num_tokens.count(1)
         start = 0
-        if decodes and self.in_place:
+        if decodes and self.backend == "numba":
             lengths = [c + 1 for c in computed[:decodes]]
             width = -(-lengths[0] // bs)
             tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[:decodes]]
@@ -120,6 +144,9 @@ class PagedAttention:
         q, k, v = q[0], k[0], v[0]  # [N, heads, D]: the batch is one flattened row
         self.keys[layer][self.slot_pages, :, self.slot_offsets] = k
         self.values[layer][self.slot_pages, :, self.slot_offsets] = v
+        if self.backend == "triton":
+            return self._triton.paged_attention(q, self.keys[layer], self.values[layer],
+                                                self._triton_plan)[None]
         outs = []
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)

@@ -59,6 +59,9 @@ class EngineConfig:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     chunk_size: int = SchedulerConfig.chunk_size
+    # `triton`, `numba` or `sdpa` (rose/engine/attention.py); None: the device's own
+    # (`attention.default_backend`).
+    attention_backend: str | None = None
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -94,7 +97,7 @@ class LLMEngine:
                              f"{self.pool.device}")
         self.blocks = BlockManager(self.pool, spec, name)
         self.scheduler = Scheduler(self.blocks, self.config.scheduler)
-        self.runner = ModelRunner(model, self.pool, spec)
+        self.runner = ModelRunner(model, self.pool, spec, self.config.attention_backend)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size

@@ -18,9 +18,10 @@ class IterationInterrupted(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, spec: KVSpec) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, spec: KVSpec,
+                 attention_backend: str | None = None) -> None:
         self.model = model
-        self.attention = PagedAttention(pool, spec, model.config.num_attention_heads)
+        self.attention = PagedAttention(pool, spec, model.config.num_attention_heads, attention_backend)
 
     @torch.inference_mode()
     def run(self, batch: Batch, interrupt: Callable[[], bool] | None = None
