@@ -35,33 +35,25 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize(("backend", "batch"), [  # long decodes take Triton's interpreter 45 s
-    (backend, batch) for backend in BACKENDS for batch in BATCHES
-    if (backend, batch) != ("triton", "long-decodes")])
-def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
+def check_backend(backend: str, batch: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                  block_size: int = 4, tolerance: float = 1e-5) -> None:
     """Sequences of different lengths, decoding or prefilling after a cached prefix, their pages
     scattered over a pool shared with a larger model (so pages are longer than this model's
-    block), GQA of three query heads per KV head: every backend writes the new K/V in place and
-    gives the math's answer."""
-    if backend == "triton":
-        pytest.importorskip("triton")
-        if torch.cuda.is_available():
-            pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
+    block), GQA of three query heads per KV head: `backend` writes the new K/V in place and gives
+    the math's answer."""
     work = BATCHES[batch]
-    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4)
-    big = KVSpec(num_layers=5, num_kv_heads=3, head_dim=16, block_size=4)
-    pool = KVPool.for_specs(400 * big.block_bytes, spec, big)
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype, block_size=block_size)
+    big = KVSpec(num_layers=5, num_kv_heads=3, head_dim=16, dtype=dtype, block_size=block_size)
+    pool = KVPool.for_specs(400 * big.block_bytes, spec, big, device=device)
     kv = pool.view(spec)  # [pages, layers, 2, kv_heads, block, D]
     kv.copy_(torch.randn(kv.shape))
     attention = PagedAttention(pool, spec, num_heads=6, backend=backend)
-    if batch == "long-decodes":
-        assert sum(c + n for c, n in work) * 2 >= cpu_attention.PARALLEL_MIN_WORK
     pages = torch.randperm(pool.num_pages).tolist()
-    tables = [[pages.pop() for _ in range(-(-(c + n) // 4))] for c, n in work]
+    tables = [[pages.pop() for _ in range(-(-(c + n) // block_size))] for c, n in work]
     attention.prepare(tables, [c for c, _ in work], [n for _, n in work])
     layer, rows = 1, sum(n for _, n in work)
-    q = torch.randn(1, rows, 6, 16)
-    k, v = torch.randn(1, rows, 2, 16), torch.randn(1, rows, 2, 16)
+    q = torch.randn(1, rows, 6, 16, device=device, dtype=dtype)
+    k, v = (torch.randn(1, rows, 2, 16, device=device, dtype=dtype) for _ in range(2))
     out = attention(layer, q, k, v)[0]
     keys, values, positions = [], [], []
     row = 0
@@ -72,7 +64,21 @@ def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
         values += [seq[1]] * n
         positions += range(c, c + n)
         row += n
-    torch.testing.assert_close(out, _reference(q[0], keys, values, positions), rtol=1e-5, atol=1e-5)
+    expected = _reference(q[0].cpu(), [t.cpu() for t in keys], [t.cpu() for t in values], positions)
+    torch.testing.assert_close(out.cpu().float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("backend", "batch"), [  # long decodes take Triton's interpreter 45 s
+    (backend, batch) for backend in BACKENDS for batch in BATCHES
+    if (backend, batch) != ("triton", "long-decodes")])
+def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
+    if batch == "long-decodes":
+        assert sum(c + n for c, n in BATCHES[batch]) * 2 >= cpu_attention.PARALLEL_MIN_WORK
+    check_backend(backend, batch)
 
 
 def test_an_unknown_backend_is_refused() -> None:

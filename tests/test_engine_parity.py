@@ -71,19 +71,28 @@ def test_chunked_prefill_small_budget_matches_hf(ckpt: Path, hf_models: dict) ->
         assert_matches_hf(_hf(hf_models, ckpt), prompt, out.token_ids, out.logprobs)
 
 
-def test_triton_attention_matches_hf(ckpt: Path, hf_models: dict) -> None:
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_triton_attention_matches_hf(ckpt: Path, hf_models: dict, cuda_graphs: bool) -> None:
     """The Triton kernel (the engine's attention on CUDA; here in Triton's interpreter) over
-    decodes and prefill chunks after cached prefixes."""
+    decodes and prefill chunks after cached prefixes; with `cuda_graphs`, the decode-only
+    iterations through the static, padded inputs that CUDA graphs replay (eager off CUDA)."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
     engine = LLMEngine.from_pretrained(ckpt, chunk_size=8, max_num_batched_tokens=20,
-                                       attention_backend="triton")
+                                       attention_backend="triton", cuda_graphs=cuda_graphs)
     assert engine.runner.attention.backend == "triton"
+    assert (engine.runner.graphs is not None) == cuda_graphs
+    sizes: list[int] = []
+    if cuda_graphs:
+        graphs, run = engine.runner.graphs, engine.runner.graphs.run
+        graphs.run = lambda seqs: sizes.append(len(seqs)) or run(seqs)  # type: ignore[method-assign]
     prompts = _prompts(3, [21, 3, 12], seed=2)
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches_hf(_hf(hf_models, ckpt), prompt, out.token_ids, out.logprobs)
+    if cuda_graphs:
+        assert 3 in sizes  # three decodes padded to the graph of four
 
 
 def test_prefix_cache_multi_turn_hits_and_matches_hf(ckpt: Path, hf_models: dict) -> None:

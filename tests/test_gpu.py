@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from hf_parity import assert_matches_hf, chosen_logprobs, hf_logits
+from test_engine_attention import BATCHES, check_backend
 from test_rl_trainer import _batch
 
 from rose.contracts import Turn
@@ -45,6 +46,32 @@ def test_fp32_engine_matches_transformers(ckpt: Path, engine_config: dict[str, i
     hf = _hf(ckpt, torch.float32)
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches_hf(hf, prompt, out.token_ids, out.logprobs)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_attention_compiled_matches_the_math(batch: str, block_size: int, dtype: torch.dtype,
+                                                    tolerance: float) -> None:
+    """The compiled kernel: decodes and prefill chunks over scattered pages, blocks below and at
+    tl.dot's 16 rows, float32 kept IEEE (no TF32)."""
+    check_backend("triton", batch, "cuda", dtype, block_size, tolerance)
+
+
+def test_cuda_graphs_give_the_eager_tokens(ckpt: Path) -> None:
+    """Decode iterations replayed as CUDA graphs (padded batch sizes, captured on first use)
+    give the eager engine's tokens and logprobs."""
+    prompts = _prompts([3, 17, 40, 64, 5], seed=2)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        engine = LLMEngine.from_pretrained(ckpt, dtype="float32", device="cuda", cuda_graphs=graphs)
+        outs[graphs] = engine.generate(prompts, params)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # captured
+    for eager, replayed in zip(outs[False], outs[True], strict=True):
+        assert eager.token_ids == replayed.token_ids
+        torch.testing.assert_close(torch.tensor(eager.logprobs), torch.tensor(replayed.logprobs),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16(ckpt: Path) -> None:

@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rose.engine.kv_pool import KVPool, KVSpec
+
+if TYPE_CHECKING:
+    from rose.engine.triton_attention import TritonPlan
 
 
 @dataclasses.dataclass
@@ -75,7 +79,7 @@ class PagedAttention:
             from rose.engine import triton_attention
 
             self._triton = triton_attention
-            self._triton_plan: triton_attention.TritonPlan | None = None
+            self._triton_plan: TritonPlan | None = None
         # Gathered pages land in a buffer reused across layers and iterations: allocating tens
         # of MB afresh per layer costs more (page faults) than the copy itself.
         self._gather_buffer = self.rows.new_empty(0)
@@ -133,6 +137,13 @@ class PagedAttention:
                 self.segments.append(_Segment(start, n, False, self._rows([table[:-(-ctx // bs)]]),
                                               ctx, mask))
             start += n
+
+    def use_plan(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor, plan: TritonPlan) -> None:
+        """Plan an iteration from tensors already on the device (`cuda_graphs`' static buffers):
+        each query's KV slot (page, offset) and the Triton kernel's tables and tiles."""
+        if self.backend != "triton":
+            raise ValueError(f"a prepared plan needs the triton backend, not {self.backend!r}")
+        self.slot_pages, self.slot_offsets, self._triton_plan = slot_pages, slot_offsets, plan
 
     def _rows(self, tables: list[list[int]]) -> torch.Tensor:
         """Layer 0's rows of these block tables' pages: `[2 (K, V), kv_heads, seqs, pages]`."""

@@ -62,6 +62,9 @@ class EngineConfig:
     # `triton`, `numba` or `sdpa` (rose/engine/attention.py); None: the device's own
     # (`attention.default_backend`).
     attention_backend: str | None = None
+    # Decode-only iterations replayed as CUDA graphs, one per padded batch size (with the triton
+    # backend; rose/engine/cuda_graphs.py).
+    cuda_graphs: bool = True
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -97,7 +100,8 @@ class LLMEngine:
                              f"{self.pool.device}")
         self.blocks = BlockManager(self.pool, spec, name)
         self.scheduler = Scheduler(self.blocks, self.config.scheduler)
-        self.runner = ModelRunner(model, self.pool, spec, self.config.attention_backend)
+        self.runner = ModelRunner(model, self.pool, spec, self.config.attention_backend,
+                                  self.config.cuda_graphs, self.config.max_num_seqs)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size

@@ -18,10 +18,19 @@ class IterationInterrupted(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, spec: KVSpec,
-                 attention_backend: str | None = None) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, spec: KVSpec, attention_backend: str | None = None,
+                 cuda_graphs: bool = False, max_num_seqs: int = 64) -> None:
+        """`cuda_graphs`: decode-only iterations through `DecodeGraphs` (with the triton backend
+        only; captured on CUDA, eager elsewhere)."""
         self.model = model
         self.attention = PagedAttention(pool, spec, model.config.num_attention_heads, attention_backend)
+        self.graphs = None
+        if cuda_graphs and self.attention.backend == "triton":
+            from rose.engine.cuda_graphs import DecodeGraphs
+
+            max_pages = -(-model.config.max_position_embeddings // spec.block_size)
+            self.graphs = DecodeGraphs(model, self.attention, max_num_seqs, max_pages,
+                                       capture=pool.device.type == "cuda")
 
     @torch.inference_mode()
     def run(self, batch: Batch, interrupt: Callable[[], bool] | None = None
@@ -29,6 +38,12 @@ class ModelRunner:
         """Compute the batch's tokens; return the sequences that reached their last token (and
         so sample next) with their logits `[S, vocab]` in float32. Raises IterationInterrupted
         when `interrupt()` turns true before a layer."""
+        if (self.graphs is not None and interrupt is None and len(batch.seqs) <= self.graphs.max_seqs
+                and all(n == 1 for n in batch.num_tokens)):
+            hidden = self.graphs.run(batch.seqs)
+            # A one-token step samples unless it is a one-token chunk of a longer prompt.
+            rows = [i for i, s in enumerate(batch.seqs) if s.num_computed_tokens + 1 == len(s.token_ids)]
+            return [batch.seqs[i] for i in rows], self.model.lm_head(hidden[rows]).float()
         # Decodes first, longest context first: the attention batches them in length groups.
         work = sorted(zip(batch.seqs, batch.num_tokens, strict=True),
                       key=lambda w: (w[1] != 1, -w[0].num_computed_tokens))

@@ -106,7 +106,7 @@ def plan(block_tables: list[list[int]], computed: list[int], num_tokens: list[in
         row += n
 
     def tensor(rows: list, cols: int) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int32).reshape(len(rows), cols).to(device, non_blocking=True)
+        return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), cols)
 
     return TritonPlan(tensor(tables, width), tensor(decodes, 4), tensor(prefills, 4))
 
@@ -119,7 +119,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     kv_heads, block = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 stays exact float32
+    precision = "ieee" if q.dtype == torch.float32 else None  # float32 stays float32, not TF32
     for tiles, block_m in ((plan.decodes, 1), (plan.prefills, PREFILL_TILE)):
         if not len(tiles):
             continue
