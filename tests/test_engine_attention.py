@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,16 @@ def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
     if batch == "long-decodes":
         assert sum(c + n for c, n in BATCHES[batch]) * 2 >= cpu_attention.PARALLEL_MIN_WORK
     check_backend(backend, batch)
+
+
+def test_the_triton_kernel_compiles_for_the_gpu() -> None:
+    """No GPU here: Triton's own compiler takes the kernel to a Hopper cubin, in float32 and
+    bfloat16, decode and prefill tiles, several models' shapes (tests/triton_compile.py)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_compile.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
 def test_an_unknown_backend_is_refused() -> None:

@@ -117,20 +117,25 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     block, D]` as `plan` maps them; returns `[N, heads, D]`."""
     _, heads, dim = q.shape
     kv_heads, block = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
     out = torch.empty_like(q)
-    precision = "ieee" if q.dtype == torch.float32 else None  # float32 stays float32, not TF32
     for tiles, block_m in ((plan.decodes, 1), (plan.prefills, PREFILL_TILE)):
         if not len(tiles):
             continue
-        rows_per_query = max(triton.next_power_of_2(group), _MIN_DOT // block_m)
         _paged_attention[(len(tiles), kv_heads)](
             q, keys, values, out, plan.tables, tiles,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2),
             plan.tables.stride(0), dim ** -0.5,
-            GROUP=group, ROWS_PER_QUERY=rows_per_query, BLOCK_M=block_m, BLOCK_SIZE=block,
-            KEYS=max(_MIN_DOT, triton.next_power_of_2(block)), HEAD_DIM=dim,
-            DIM=max(_MIN_DOT, triton.next_power_of_2(dim)), PRECISION=precision)
+            **constants(q.dtype, heads, kv_heads, block, dim, block_m))
     return out
+
+
+def constants(dtype: torch.dtype, heads: int, kv_heads: int, block: int, dim: int,
+              block_m: int) -> dict[str, object]:
+    """The kernel's compile-time arguments for one launch: `block_m` queries per tile."""
+    group = heads // kv_heads
+    return dict(GROUP=group, ROWS_PER_QUERY=max(triton.next_power_of_2(group), _MIN_DOT // block_m),
+                BLOCK_M=block_m, BLOCK_SIZE=block, KEYS=max(_MIN_DOT, triton.next_power_of_2(block)),
+                HEAD_DIM=dim, DIM=max(_MIN_DOT, triton.next_power_of_2(dim)),
+                PRECISION="ieee" if dtype == torch.float32 else None)  # float32 stays IEEE, not TF32
