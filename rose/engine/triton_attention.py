@@ -115,6 +115,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     plan: TritonPlan) -> torch.Tensor:
     """Attention of `q` `[N, heads, D]` over one layer's pages `keys`, `values` `[pages, kv_heads,
     block, D]` as `plan` maps them; returns `[N, heads, D]`."""
+    q = q.contiguous()  # the kernel steps the head dimension by one element, as the pages do
     _, heads, dim = q.shape
     kv_heads, block = keys.shape[1], keys.shape[2]
     out = torch.empty_like(q)
