@@ -1,4 +1,4 @@
-"""The paged attention's backends (numba in place, gather + SDPA, Triton) against plain math."""
+"""The paged attention's backends (C++ in place on the CPU, gather + SDPA, Triton) against plain math."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Ten
 # Each sequence: (tokens already in its pages, tokens it computes now); decodes first, longest first.
 BATCHES = {
     "decodes": [(12, 1), (8, 1), (3, 1), (0, 1)],
-    "long-decodes": [(699, 1), (499, 1), (12, 1), (0, 1)],  # the numba kernel on all threads
+    "long-decodes": [(699, 1), (499, 1), (12, 1), (0, 1)],  # the cpu kernel on all threads
     "mixed": [(30, 1), (9, 1), (0, 1), (5, 20), (0, 7), (17, 3)],  # prefill chunks after a prefix, or not
 }
 

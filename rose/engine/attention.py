@@ -8,7 +8,7 @@ with a bottom-right causal mask (a chunk with no prefix attends to its own K/V d
 Pages are head-major (`KVPool`), so one `index_select` over the pool's rows gathers a group's
 K and V straight into the `[seqs, kv_heads, tokens, head_dim]` layout SDPA reads fastest, and
 every SDPA call is 4-D (3-D inputs fall back to its slow math path on the CPU). Two backends read
-the pages in place instead: on the CPU in float32 the decodes go to one numba kernel
+the pages in place instead: on the CPU in float32 the decodes go to one C++ kernel
 (`cpu_attention`), all of them at once, whatever their lengths; on CUDA every query, decode or
 prefill, goes to a Triton kernel that follows the block tables (`triton_attention`).
 """
@@ -19,10 +19,10 @@ import dataclasses
 import importlib.util
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rose.engine import cpu_attention
 from rose.engine.kv_pool import KVPool, KVSpec
 
 if TYPE_CHECKING:
@@ -41,18 +41,20 @@ class _Segment:
     mask: torch.Tensor | None  # True where attention is allowed; None: all (decode) or causal
     # For the in-place kernel, made once per iteration: layer 0's K rows `[kv_heads, seqs, pages]`
     # and each decode's context.
-    kernel_args: tuple[np.ndarray, np.ndarray] | None = None
+    kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-BACKENDS = ("triton", "numba", "sdpa")
+BACKENDS = ("triton", "cpu", "sdpa")
 
 
-def default_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """`triton` on CUDA (where PyTorch's build brings Triton), `numba` (decodes in place, the rest
-    gather + SDPA) on the CPU in float32, else `sdpa` (gather + SDPA)."""
+def default_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """`triton` on CUDA (where PyTorch's build brings Triton), `cpu` (decodes in place, the rest
+    gather + SDPA) on the CPU in float32 where its kernel builds, else `sdpa` (gather + SDPA)."""
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
-    return "numba" if device.type == "cpu" and dtype == torch.float32 else "sdpa"
+    if device.type == "cpu" and dtype == torch.float32 and cpu_attention.available(head_dim):
+        return "cpu"
+    return "sdpa"
 
 
 class PagedAttention:
@@ -65,17 +67,17 @@ class PagedAttention:
         self.block_size, self.kv_heads, self.head_dim = spec.block_size, spec.num_kv_heads, spec.head_dim
         self.device = pool.device  # where the plan's indices and masks are built
         self.gqa = num_heads != self.kv_heads
-        self.backend = backend or default_backend(pool.device, spec.dtype)
+        self.backend = backend or default_backend(pool.device, spec.dtype, spec.head_dim)
         if self.backend not in BACKENDS:
             raise ValueError(f"attention backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
-        # The kernels are imported here: numba's llvmlite must not be loaded where vLLM starts
-        # (vllm_engine), and Triton is only needed where it runs.
-        if self.backend == "numba":
-            from rose.engine import cpu_attention
-
-            self._cpu_kernels = cpu_attention
-            self._rows_array = self.rows.numpy()
-        elif self.backend == "triton":
+        if self.backend == "cpu" and not (pool.device.type == "cpu" and spec.dtype == torch.float32
+                                          and cpu_attention.available(spec.head_dim)):
+            raise ValueError(f"attention backend 'cpu' runs float32 on the CPU, head_dim one of "
+                             f"{cpu_attention.HEAD_DIMS}, with a C++ compiler; got {spec.dtype} on "
+                             f"{pool.device}, head_dim {spec.head_dim} (or use 'sdpa')")
+        if self.backend == "cpu":
+            cpu_attention.load()
+        elif self.backend == "triton":  # Triton is imported only where it runs
             from rose.engine import triton_attention
 
             self._triton = triton_attention
@@ -105,13 +107,13 @@ class PagedAttention:
             return
         decodes = num_tokens.count(1)
         start = 0
-        if decodes and self.backend == "numba":
+        if decodes and self.backend == "cpu":
             lengths = [c + 1 for c in computed[:decodes]]
             width = -(-lengths[0] // bs)
             tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[:decodes]]
             rows = self._rows(tables)
             self.segments.append(_Segment(0, decodes, True, rows, lengths[0], None,
-                                          (rows[0].numpy(), np.array(lengths))))
+                                          (rows[0], torch.tensor(lengths))))
             start = decodes
         while start < decodes:
             # A group holds contexts within a factor of two of its longest: padding < 2x.
@@ -163,8 +165,8 @@ class PagedAttention:
             rows = slice(seg.start, seg.start + seg.rows)
             if seg.kernel_args is not None:
                 pages, lengths = seg.kernel_args
-                outs.append(self._cpu_kernels.paged_decode(
-                    q[rows], self._rows_array, pages, layer * 2 * self.kv_heads, lengths, self.block_size))
+                outs.append(cpu_attention.paged_decode(
+                    q[rows], self.rows, pages, layer * 2 * self.kv_heads, lengths, self.block_size))
                 continue
             if seg.decode:
                 keys, values = self._gather(layer, seg.kv_rows, seg.context)

@@ -59,7 +59,7 @@ class EngineConfig:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     chunk_size: int = SchedulerConfig.chunk_size
-    # `triton`, `numba` or `sdpa` (rose/engine/attention.py); None: the device's own
+    # `triton`, `cpu` or `sdpa` (rose/engine/attention.py); None: the device's own
     # (`attention.default_backend`).
     attention_backend: str | None = None
     # Decode-only iterations replayed as CUDA graphs, one per padded batch size (with the triton
