@@ -39,14 +39,14 @@ BATCHES = {
 
 
 def check_backend(backend: str, batch: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                  block_size: int = 4, tolerance: float = 1e-5) -> None:
+                  block_size: int = 4, tolerance: float = 1e-5, head_dim: int = 16) -> None:
     """Sequences of different lengths, decoding or prefilling after a cached prefix, their pages
     scattered over a pool shared with a larger model (so pages are longer than this model's
     block), GQA of three query heads per KV head: `backend` writes the new K/V in place and gives
     the math's answer."""
-    work = BATCHES[batch]
-    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype, block_size=block_size)
-    big = KVSpec(num_layers=5, num_kv_heads=3, head_dim=16, dtype=dtype, block_size=block_size)
+    work, d = BATCHES[batch], head_dim
+    spec = KVSpec(num_layers=3, num_kv_heads=2, head_dim=d, dtype=dtype, block_size=block_size)
+    big = KVSpec(num_layers=5, num_kv_heads=3, head_dim=d, dtype=dtype, block_size=block_size)
     pool = KVPool.for_specs(400 * big.block_bytes, spec, big, device=device)
     kv = pool.view(spec)  # [pages, layers, 2, kv_heads, block, D]
     kv.copy_(torch.randn(kv.shape))
@@ -55,13 +55,13 @@ def check_backend(backend: str, batch: str, device: str = "cpu", dtype: torch.dt
     tables = [[pages.pop() for _ in range(-(-(c + n) // block_size))] for c, n in work]
     attention.prepare(tables, [c for c, _ in work], [n for _, n in work])
     layer, rows = 1, sum(n for _, n in work)
-    q = torch.randn(1, rows, 6, 16, device=device, dtype=dtype)
-    k, v = (torch.randn(1, rows, 2, 16, device=device, dtype=dtype) for _ in range(2))
+    q = torch.randn(1, rows, 6, d, device=device, dtype=dtype)
+    k, v = (torch.randn(1, rows, 2, d, device=device, dtype=dtype) for _ in range(2))
     out = attention(layer, q, k, v)[0]
     keys, values, positions = [], [], []
     row = 0
     for table, (c, n) in zip(tables, work, strict=True):
-        seq = kv[table, layer].permute(1, 0, 3, 2, 4).reshape(2, -1, 2, 16)[:, :c + n]  # [2, T, kv_heads, D]
+        seq = kv[table, layer].permute(1, 0, 3, 2, 4).reshape(2, -1, 2, d)[:, :c + n]  # [2, T, kv_heads, D]
         assert torch.equal(seq[0, c:], k[0, row:row + n]) and torch.equal(seq[1, c:], v[0, row:row + n])
         keys += [seq[0]] * n
         values += [seq[1]] * n
@@ -84,6 +84,42 @@ def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
     check_backend(backend, batch)
 
 
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (80, 12)])
+def test_cpu_kernel_at_model_sizes(head_dim: int, block_size: int) -> None:
+    """Head sizes of real models, with pages of whole tiles of eight keys (16) or a tile and a
+    tail (12), contexts ending mid-tile."""
+    for batch in ("long-decodes", "mixed"):
+        check_backend("cpu", batch, block_size=block_size, head_dim=head_dim)
+
+
+def test_cpu_kernel_leaves_the_thread_count_and_fpu_mode_alone() -> None:
+    """The numba kernel it replaced raised PyTorch's thread count from 1 to 2 on its first launch
+    (their OpenMP runtimes are one library); -ffast-math linked in would flush denormals."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        check_backend("cpu", "long-decodes")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
+
+
+def test_cpu_kernel_builds_concurrently_without_a_lock(tmp_path: Path) -> None:
+    """Two processes building into an empty cache both load the kernel, and leave one build and
+    no half-written files; a compiler that fails gives an error that names the way out."""
+    env = {**os.environ, "ROSE_KERNEL_CACHE": str(tmp_path)}
+    code = "from rose.engine import cpu_attention; print(cpu_attention.load())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    paths = {proc.communicate(timeout=600)[0].strip() for proc in procs}
+    assert [proc.returncode for proc in procs] == [0, 0]
+    assert [str(p) for p in tmp_path.iterdir()] == list(paths)
+    with pytest.raises(RuntimeError, match="attention_backend='sdpa' needs no build"):
+        cpu_attention._build("false", tmp_path / "broken.so")
+    assert not (tmp_path / "broken.so").exists() and len(list(tmp_path.iterdir())) == 1
+
+
 def test_the_triton_kernel_compiles_for_the_gpu() -> None:
     """No GPU here: Triton's own compiler takes the kernel to a Hopper cubin, in float32 and
     bfloat16, decode and prefill tiles, several models' shapes (tests/triton_compile.py)."""
@@ -98,6 +134,10 @@ def test_an_unknown_backend_is_refused() -> None:
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_size=4)
     with pytest.raises(ValueError, match="attention backend 'flash'"):
         PagedAttention(KVPool.for_specs(8 * spec.block_bytes, spec), spec, num_heads=1, backend="flash")
+    odd = KVSpec(num_layers=1, num_kv_heads=1, head_dim=24, block_size=4)
+    with pytest.raises(ValueError, match=r"head_dim one of .* head_dim 24"):
+        PagedAttention(KVPool.for_specs(8 * odd.block_bytes, odd), odd, num_heads=1, backend="cpu")
+    assert PagedAttention(KVPool.for_specs(8 * odd.block_bytes, odd), odd, num_heads=1).backend == "sdpa"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,7 +1,6 @@
-// Decode attention on the CPU, reading K and V in place in the pool's pages (rose/engine/cpu_attention.py
-// builds this file on first use and documents the layout). Compiled with -ffast-math, which lets
-// GCC vectorise the softmax's exp; only the compile step sees that flag, so the process's floating
-// point mode (denormals) is left alone.
+// Decode attention on the CPU, reading K and V in place in the pool's pages. Built on first use
+// by rose/engine/cpu_attention.py (with -ffast-math at the compile step only, for a vectorised exp),
+// which also says why it exists.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
