@@ -103,7 +103,7 @@ def _breakdown(prof: profile, wall_ms: float, iterations: int) -> dict[str, floa
         if event.name in labels:
             parts[_part(event.name, event.name)] += event.self_cpu_time_total / 1000 / iterations
             continue
-        if not event.name.startswith(("aten::", "mkldnn::")):
+        if not event.name.startswith(("aten::", "mkldnn::", "rose::")):  # rose:: the C++ kernel
             continue
         scope, parent = None, event.cpu_parent
         while parent is not None and scope is None:  # the innermost labelled scope
