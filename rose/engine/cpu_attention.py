@@ -30,8 +30,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the kernel's instantiations
 # A parallel launch waits for every thread: 5 us more than one thread's on an idle machine, 130
 # when another process holds a core (measured, one sequence of SmolLM2). One thread reads about
-# 20 (context token x KV head) a microsecond, so below this much work it loses at most 50 us
-# idle and saves the wait under load.
+# 30 (context token x KV head) a microsecond from scattered pages, so below this much work it
+# loses at most 35 us idle and saves the wait under load.
 PARALLEL_MIN_WORK = 2048
 # -march=native: built for this CPU. -ffast-math lets GCC vectorise exp; it is given to the
 # compile step only, since linked in it would set the whole process's FPU to flush denormals.
