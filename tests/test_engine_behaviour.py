@@ -306,3 +306,24 @@ def test_rose_generate_command(ckpt: Path, tiny_qwen3: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "rose.cli", "generate", "--model", str(tiny_qwen3),
                           "--prompt", "Hi", "--max-tokens", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "max_tokens must be an integer >= 1" in bad.stderr
+
+
+def _huge_page_kb() -> int:
+    lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    line = next(x for x in lines if x.startswith("AnonHugePages"))
+    return int(line.split()[1])
+
+
+def test_the_host_pool_lies_on_huge_pages() -> None:
+    """The CPU pool is zeroed, 2 MB-aligned, and where Linux lends transparent huge pages to
+    those who ask (madvise or always), mostly on them: the decode kernel's scattered reads
+    would otherwise miss the TLB at every page row."""
+    spec = KVSpec(num_layers=8, num_kv_heads=4, head_dim=64, block_size=16)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    before = _huge_page_kb() if thp.exists() else 0
+    pool = KVPool.for_specs(64 << 20, spec)
+    assert pool.buffer.data_ptr() % (2 << 20) == 0 and not pool.buffer.any()
+    pool.view(spec).fill_(1.5)
+    assert pool.view(spec).eq(1.5).all()
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _huge_page_kb() - before >= 32 << 10
