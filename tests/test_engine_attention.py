@@ -120,6 +120,20 @@ def test_cpu_kernel_builds_concurrently_without_a_lock(tmp_path: Path) -> None:
     assert not (tmp_path / "broken.so").exists() and len(list(tmp_path.iterdir())) == 1
 
 
+def test_cpu_kernel_refuses_indices_outside_the_pool() -> None:
+    """A page row past the pool's end or a context longer than its pages raises, not reads
+    memory the pool does not own."""
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+    pool = KVPool.for_specs(8 * spec.block_bytes, spec)
+    rows, q = pool.rows(spec), torch.randn(1, 4, 16)
+    pages, lengths = torch.zeros(2, 1, 2, dtype=torch.long), torch.tensor([8])
+    assert cpu_attention.paged_decode(q, rows, pages, 0, lengths, 4).isfinite().all()
+    with pytest.raises(RuntimeError, match="outside the pool's 64 rows"):
+        cpu_attention.paged_decode(q, rows, pages + 63, 0, lengths, 4)
+    with pytest.raises(RuntimeError, match="attends to 9 tokens; its 2 pages hold 1 to 8"):
+        cpu_attention.paged_decode(q, rows, pages, 0, torch.tensor([9]), 4)
+
+
 def test_the_triton_kernel_compiles_for_the_gpu() -> None:
     """No GPU here: Triton's own compiler takes the kernel to a Hopper cubin, in float32 and
     bfloat16, decode and prefill tiles, several models' shapes (tests/triton_compile.py)."""

@@ -130,6 +130,11 @@ void paged_decode(const at::Tensor& q, const at::Tensor& rows, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == at::kFloat && rows.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   pages.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
               "cpu attention: float32 q, rows and out, int64 pages and lengths expected");
+  TORCH_CHECK(q.dim() == 4 && out.sizes() == q.sizes() && pages.dim() == 3 && pages.size(0) == q.size(1) &&
+                  pages.size(1) == q.size(0) && lengths.numel() == q.size(0) && rows.dim() == 2 &&
+                  rows.size(1) == block_size * q.size(3),
+              "cpu attention: q and out [seqs, kv_heads, group, D], pages [kv_heads, seqs, width], lengths [seqs] "
+              "and rows [rows, block_size * D] expected");
   const int64_t seqs = q.size(0), kv_heads = q.size(1), group = q.size(2), dim = q.size(3);
   const int64_t width = pages.size(2);
   const Kernel kernel = kernel_for(dim);
@@ -138,6 +143,14 @@ void paged_decode(const at::Tensor& q, const at::Tensor& rows, const at::Tensor&
   const int64_t* page_data = pages.data_ptr<int64_t>();
   const int64_t* length_data = lengths.data_ptr<int64_t>();
   float* out_data = out.data_ptr<float>();
+  // A bad index would read outside the pool: checked here, once, rather than trusted.
+  const int64_t num_rows = rows.size(0);
+  for (int64_t b = 0; b < seqs; ++b)
+    TORCH_CHECK(length_data[b] >= 1 && length_data[b] <= width * block_size, "cpu attention: sequence ", b,
+                " attends to ", length_data[b], " tokens; its ", width, " pages hold 1 to ", width * block_size);
+  for (int64_t i = 0; i < pages.numel(); ++i)
+    TORCH_CHECK(page_data[i] >= 0 && page_data[i] + offset + kv_heads < num_rows, "cpu attention: page row ",
+                page_data[i], " + ", offset, " is outside the pool's ", num_rows, " rows");
   const int64_t jobs = seqs * kv_heads;
   // Jobs are handed out one at a time, longest sequences first: a static split would leave a
   // thread idle while another finishes the long contexts.
