@@ -80,7 +80,7 @@ def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
         if torch.cuda.is_available():
             pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
     if batch == "long-decodes":
-        assert sum(c + n for c, n in BATCHES[batch]) * 2 >= cpu_attention.PARALLEL_MIN_WORK
+        assert cpu_attention.threads_for(sum(c + n for c, n in BATCHES[batch]), 2) == torch.get_num_threads()
     check_backend(backend, batch)
 
 
@@ -127,11 +127,11 @@ def test_cpu_kernel_refuses_indices_outside_the_pool() -> None:
     pool = KVPool.for_specs(8 * spec.block_bytes, spec)
     rows, q = pool.rows(spec), torch.randn(1, 4, 16)
     pages, lengths = torch.zeros(2, 1, 2, dtype=torch.long), torch.tensor([8])
-    assert cpu_attention.paged_decode(q, rows, pages, 0, lengths, 4).isfinite().all()
+    assert cpu_attention.paged_decode(q, rows, pages, 0, lengths, 4, 1).isfinite().all()
     with pytest.raises(RuntimeError, match="outside the pool's 64 rows"):
-        cpu_attention.paged_decode(q, rows, pages + 63, 0, lengths, 4)
+        cpu_attention.paged_decode(q, rows, pages + 63, 0, lengths, 4, 1)
     with pytest.raises(RuntimeError, match="attends to 9 tokens; its 2 pages hold 1 to 8"):
-        cpu_attention.paged_decode(q, rows, pages, 0, torch.tensor([9]), 4)
+        cpu_attention.paged_decode(q, rows, pages, 0, torch.tensor([9]), 4, 1)
 
 
 def test_the_triton_kernel_compiles_for_the_gpu() -> None:

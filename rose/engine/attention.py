@@ -39,9 +39,9 @@ class _Segment:
     kv_rows: torch.Tensor | None  # layer 0's pool rows to gather: [2 (K, V), kv_heads, seqs, pages]
     context: int  # longest context attended to
     mask: torch.Tensor | None  # True where attention is allowed; None: all (decode) or causal
-    # For the in-place kernel, made once per iteration: layer 0's K rows `[kv_heads, seqs, pages]`
-    # and each decode's context.
-    kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
+    # For the in-place kernel, made once per iteration: layer 0's K rows `[kv_heads, seqs, pages]`,
+    # each decode's context, and the threads to run on.
+    kernel_args: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
 
 BACKENDS = ("triton", "cpu", "sdpa")
@@ -76,7 +76,7 @@ class PagedAttention:
                              f"{cpu_attention.HEAD_DIMS}, with a C++ compiler; got {spec.dtype} on "
                              f"{pool.device}, head_dim {spec.head_dim} (or use 'sdpa')")
         if self.backend == "cpu":
-            cpu_attention.load()
+            cpu_attention.load()  # now, not at the first request
         elif self.backend == "triton":  # Triton is imported only where it runs
             from rose.engine import triton_attention
 
@@ -113,7 +113,8 @@ class PagedAttention:
             tables = [t[:width] + [t[0]] * (width - len(t)) for t in block_tables[:decodes]]
             rows = self._rows(tables)
             self.segments.append(_Segment(0, decodes, True, rows, lengths[0], None,
-                                          (rows[0], torch.tensor(lengths))))
+                                          (rows[0], torch.tensor(lengths),
+                                           cpu_attention.threads_for(sum(lengths), self.kv_heads))))
             start = decodes
         while start < decodes:
             # A group holds contexts within a factor of two of its longest: padding < 2x.
@@ -164,9 +165,9 @@ class PagedAttention:
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)
             if seg.kernel_args is not None:
-                pages, lengths = seg.kernel_args
+                pages, lengths, threads = seg.kernel_args
                 outs.append(cpu_attention.paged_decode(
-                    q[rows], self.rows, pages, layer * 2 * self.kv_heads, lengths, self.block_size))
+                    q[rows], self.rows, pages, layer * 2 * self.kv_heads, lengths, self.block_size, threads))
                 continue
             if seg.decode:
                 keys, values = self._gather(layer, seg.kv_rows, seg.context)

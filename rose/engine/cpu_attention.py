@@ -100,17 +100,21 @@ def load() -> Path:
     return target
 
 
+def threads_for(context_tokens: int, kv_heads: int) -> int:
+    """The threads one call runs on: all of PyTorch's, unless the work is too small to share."""
+    return torch.get_num_threads() if context_tokens * kv_heads >= PARALLEL_MIN_WORK else 1
+
+
 def paged_decode(q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, offset: int,
-                 lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+                 lengths: torch.Tensor, block_size: int, threads: int) -> torch.Tensor:
     """Attention of `q` `[seqs, heads, D]` (one query each, longest context first) over its
     sequence's pages; returns `[seqs, heads, D]`. rows: the pool's `[rows, block_size * D]`;
     pages `[kv_heads, seqs, width]`: each page's K row for layer 0 (`offset` moves it to this
-    layer; its V row follows `kv_heads` rows later); lengths `[seqs]`: tokens attended to."""
+    layer; its V row follows `kv_heads` rows later); lengths `[seqs]`: tokens attended to;
+    threads: `threads_for` them, decided once per iteration, not per layer."""
     seqs, heads, dim = q.shape
     kv_heads = pages.shape[0]
     q = q.contiguous().view(seqs, kv_heads, heads // kv_heads, dim)
     out = torch.empty_like(q)
-    work = int(lengths.sum()) * kv_heads
-    threads = torch.get_num_threads() if work >= PARALLEL_MIN_WORK else 1
     torch.ops.rose.paged_decode(q, rows, pages, offset, lengths, block_size, dim ** -0.5, threads, out)
     return out.view(seqs, heads, dim)
