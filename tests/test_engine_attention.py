@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rose.cli import main
-from rose.engine import cpu_attention
+from rose.engine import cpu_attention, cpu_kernels
 from rose.engine.attention import BACKENDS, PagedAttention
 from rose.engine.kv_pool import KVPool, KVSpec
 
@@ -109,14 +109,14 @@ def test_cpu_kernel_builds_concurrently_without_a_lock(tmp_path: Path) -> None:
     """Two processes building into an empty cache both load the kernel, and leave one build and
     no half-written files; a compiler that fails gives an error that names the way out."""
     env = {**os.environ, "ROSE_KERNEL_CACHE": str(tmp_path)}
-    code = "from rose.engine import cpu_attention; print(cpu_attention.load())"
+    code = "from rose.engine import cpu_kernels; print(cpu_kernels.load())"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     paths = {proc.communicate(timeout=600)[0].strip() for proc in procs}
     assert [proc.returncode for proc in procs] == [0, 0]
     assert [str(p) for p in tmp_path.iterdir()] == list(paths)
     with pytest.raises(RuntimeError, match="attention_backend='sdpa' needs no build"):
-        cpu_attention._build("false", tmp_path / "broken.so")
+        cpu_kernels._build("false", tmp_path / "broken.so")
     assert not (tmp_path / "broken.so").exists() and len(list(tmp_path.iterdir())) == 1
 
 
@@ -157,7 +157,8 @@ def test_an_unknown_backend_is_refused() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bench_profile_accounts_for_each_iteration(ckpt: Path, tmp_path: Path, dtype: str) -> None:
     """`rose bench profile` names where a decode and a prefill iteration spend their time: in
-    float32 the decodes' in-place kernel, in bfloat16 the page gathers and SDPA."""
+    float32 the fused forward's steps and the decodes' in-place kernel, in bfloat16 the model's
+    own ops, the page gathers and SDPA."""
     out = tmp_path / "profile.json"
     assert main(["bench", "profile", "--model", str(ckpt), "--batch", "4", "--context", "40",
                  "--chunk", "64", "--iterations", "2", "--threads", "1", "--dtype", dtype,
@@ -166,7 +167,10 @@ def test_bench_profile_accounts_for_each_iteration(ckpt: Path, tmp_path: Path, d
     decode, prefill = report["decode"], report["prefill"]
     for parts in (decode, prefill):
         assert parts["wall_ms"] > 0 and all(ms >= 0 for ms in parts.values())
-        assert {"matmuls", "norms", "rope", "LM head", "sampling", "KV writes"} <= parts.keys()
+        assert {"matmuls", "LM head", "sampling"} <= parts.keys()
+        assert ({"norms (with residual adds)", "rope (with KV writes)", "SiLU x up"} <= parts.keys()) == (
+            dtype == "float32")
+        assert ({"norms", "rope", "KV writes"} <= parts.keys()) == (dtype != "float32")
     assert ("in-place decode attention" in decode) == (dtype == "float32")
     assert ("page gathers" in decode) == (dtype != "float32")
     assert "SDPA" in prefill and report["summary"]["decode_tokens_per_s"] > 0

@@ -38,6 +38,7 @@ _SCOPES = (
     (Scheduler, "schedule", "scheduling"),
     (PagedAttention, "prepare", "attention plan"),
     (PagedAttention, "__call__", "attention"),
+    (PagedAttention, "attend", "attention"),
     (cpu_attention, "paged_decode", "in-place decode attention"),
     (decoder.RMSNorm, "forward", "norms"),
     (decoder.RotaryEmbedding, "forward", "rope"),
@@ -45,6 +46,9 @@ _SCOPES = (
 )
 _MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
             "mkldnn::_linear_pointwise"}
+# The fused forward's C++ steps (rose/engine/fused_forward.py), each standing for several parts.
+_FUSED_OPS = {"rose::add_rms_norm": "norms (with residual adds)", "rose::rope_store": "rope (with KV writes)",
+              "rose::silu_mul": "SiLU x up"}
 _ATTENTION_OPS = {"aten::index_put_": "KV writes", "aten::index_select": "page gathers"}
 
 
@@ -65,7 +69,7 @@ def _labelled_scopes(engine: LLMEngine) -> Iterator[None]:
     """Wrap each scope's function (and this engine's LM head) so that the profile names it;
     put them back after."""
     saved = []
-    for owner, name, label in (*_SCOPES, (engine.model.lm_head, "forward", "LM head")):
+    for owner, name, label in (*_SCOPES, (engine.runner, "lm_head", "LM head")):
         fn = getattr(owner, name)
         saved.append((owner, name, vars(owner).get(name)))
 
@@ -91,6 +95,8 @@ def _part(op: str, scope: str | None) -> str:
         return _ATTENTION_OPS.get(op, "SDPA" if "attention" in op else "attention (other ops)")
     if scope is not None:
         return scope
+    if op in _FUSED_OPS:
+        return _FUSED_OPS[op]
     return "matmuls" if op in _MATMULS else "other ops (embedding, SiLU, residual adds, views)"
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from rose.engine import cpu_attention
+from rose.engine import cpu_attention, cpu_kernels
 from rose.engine.kv_pool import KVPool, KVSpec
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class PagedAttention:
                              f"{cpu_attention.HEAD_DIMS}, with a C++ compiler; got {spec.dtype} on "
                              f"{pool.device}, head_dim {spec.head_dim} (or use 'sdpa')")
         if self.backend == "cpu":
-            cpu_attention.load()  # now, not at the first request
+            cpu_kernels.load()  # now, not at the first request
         elif self.backend == "triton":  # Triton is imported only where it runs
             from rose.engine import triton_attention
 
@@ -158,9 +158,13 @@ class PagedAttention:
         q, k, v = q[0], k[0], v[0]  # [N, heads, D]: the batch is one flattened row
         self.keys[layer][self.slot_pages, :, self.slot_offsets] = k
         self.values[layer][self.slot_pages, :, self.slot_offsets] = v
+        return self.attend(layer, q, k, v)[None]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of `q` `[N, heads, D]` once this iteration's `k`, `v` `[N, kv_heads, D]` are
+        in the pool (stored by `__call__`, or by the fused forward's `rope_store`)."""
         if self.backend == "triton":
-            return self._triton.paged_attention(q, self.keys[layer], self.values[layer],
-                                                self._triton_plan)[None]
+            return self._triton.paged_attention(q, self.keys[layer], self.values[layer], self._triton_plan)
         outs = []
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)
@@ -183,7 +187,7 @@ class PagedAttention:
                                                  attn_mask=seg.mask, is_causal=seg.mask is None,
                                                  enable_gqa=self.gqa)
             outs.append(out[0].transpose(0, 1))
-        return (torch.cat(outs) if len(outs) > 1 else outs[0])[None]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _gather(self, layer: int, rows: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy `layer`'s K and V rows (`rows` as `_rows` gives them) into the reused buffer, in

@@ -15,7 +15,6 @@ import torch
 
 from rose.contracts import SamplingParams, TokenLoad
 from rose.engine.block_manager import BlockManager
-from rose.engine.cpu_linear import pack_linears
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import IterationInterrupted, ModelRunner
 from rose.engine.sampling import Sampled, sample, unsampleable_rows
@@ -88,7 +87,6 @@ class LLMEngine:
         that device shared with other engines (one is made from the config if None); `name` owns
         this engine's pages in it."""
         self.model = model.eval()
-        pack_linears(model)  # CPU float32: oneDNN's GEMMs (cpu_linear.py)
         self.config = config or EngineConfig()
         self.name = name
         weight = next(model.parameters())

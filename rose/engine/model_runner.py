@@ -6,7 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from rose.engine import fused_forward
 from rose.engine.attention import PagedAttention
+from rose.engine.cpu_linear import pack_linears
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.scheduler import Batch
 from rose.engine.sequence import Sequence
@@ -24,6 +26,13 @@ class ModelRunner:
         only; captured on CUDA, eager elsewhere)."""
         self.model = model
         self.attention = PagedAttention(pool, spec, model.config.num_attention_heads, attention_backend)
+        # CPU float32: the fused forward (fused_forward.py); elsewhere the model's own, its
+        # linears on oneDNN where they are CPU float32 (cpu_linear.py).
+        self.fused = (fused_forward.FusedForward(model, self.attention)
+                      if fused_forward.available(model, self.attention) else None)
+        if self.fused is None:
+            pack_linears(model)
+        self.lm_head = model.lm_head if self.fused is None else self.fused.lm_head
         self.graphs = None
         if cuda_graphs and self.attention.backend == "triton":
             from rose.engine.cuda_graphs import DecodeGraphs
@@ -43,7 +52,7 @@ class ModelRunner:
             hidden = self.graphs.run(batch.seqs)
             # A one-token step samples unless it is a one-token chunk of a longer prompt.
             rows = [i for i, s in enumerate(batch.seqs) if s.num_computed_tokens + 1 == len(s.token_ids)]
-            return [batch.seqs[i] for i in rows], self.model.lm_head(hidden[rows]).float()
+            return [batch.seqs[i] for i in rows], self.lm_head(hidden[rows]).float()
         # Decodes first, longest context first: the attention batches them in length groups.
         work = sorted(zip(batch.seqs, batch.num_tokens, strict=True),
                       key=lambda w: (w[1] != 1, -w[0].num_computed_tokens))
@@ -65,7 +74,10 @@ class ModelRunner:
                 raise IterationInterrupted
 
         device = self.attention.device
-        hidden = self.model.model(torch.tensor([ids], device=device),
-                                  torch.tensor([positions], device=device), self.attention, between_layers)[0]
-        logits = self.model.lm_head(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
+        ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+        if self.fused is not None:
+            hidden = self.fused(ids_t, positions_t, between_layers)
+        else:
+            hidden = self.model.model(ids_t[None], positions_t[None], self.attention, between_layers)[0]
+        logits = self.lm_head(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         return sampling, logits.float()
