@@ -86,3 +86,8 @@ def load() -> Path:
         _build(cxx, target)
     torch.ops.load_library(str(target))
     return target
+
+
+def ready() -> bool:
+    """Whether `load` has run in this process: the `torch.ops.rose` ops exist."""
+    return load.cache_info().currsize > 0

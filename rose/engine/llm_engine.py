@@ -248,8 +248,8 @@ class LLMEngine:
         sampling, logits = self.runner.run(batch, interrupt)
         bad = set(unsampleable_rows(logits)) if sampling else set()
         good = [i for i in range(len(sampling)) if i not in bad]
-        drawn = sample(logits[good], [sampling[i] for i in good], self.eos_token_ids) if good \
-            else Sampled([], [], [])
+        drawn = sample(logits[good] if bad else logits, [sampling[i] for i in good], self.eos_token_ids) \
+            if good else Sampled([], [], [])
         outputs = [self._finish(sampling[i], "error", "the model's logits hold NaN or +inf; "
                                 "refusing to sample from them") for i in sorted(bad)]
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
