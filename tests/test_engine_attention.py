@@ -35,6 +35,7 @@ BATCHES = {
     "decodes": [(12, 1), (8, 1), (3, 1), (0, 1)],
     "long-decodes": [(699, 1), (499, 1), (12, 1), (0, 1)],  # the cpu kernel on all threads
     "mixed": [(30, 1), (9, 1), (0, 1), (5, 20), (0, 7), (17, 3)],  # prefill chunks after a prefix, or not
+    "long-prefills": [(3, 1), (41, 70), (0, 37)],  # the cpu kernel: tiles of 16 queries, keys across pages
 }
 
 
@@ -73,7 +74,7 @@ def check_backend(backend: str, batch: str, device: str = "cpu", dtype: torch.dt
 
 @pytest.mark.parametrize(("backend", "batch"), [  # long decodes take Triton's interpreter 45 s
     (backend, batch) for backend in BACKENDS for batch in BATCHES
-    if (backend, batch) != ("triton", "long-decodes")])
+    if (backend, batch) not in {("triton", "long-decodes"), ("triton", "long-prefills")}])
 def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
     if backend == "triton":
         pytest.importorskip("triton")
@@ -88,7 +89,7 @@ def test_attention_reads_each_sequences_pages(backend: str, batch: str) -> None:
 def test_cpu_kernel_at_model_sizes(head_dim: int, block_size: int) -> None:
     """Head sizes of real models, with pages of whole tiles of eight keys (16) or a tile and a
     tail (12), contexts ending mid-tile."""
-    for batch in ("long-decodes", "mixed"):
+    for batch in ("long-decodes", "mixed", "long-prefills"):
         check_backend("cpu", batch, block_size=block_size, head_dim=head_dim)
 
 
@@ -123,6 +124,7 @@ def test_cpu_kernel_builds_concurrently_without_a_lock(tmp_path: Path) -> None:
 def test_cpu_kernel_refuses_indices_outside_the_pool() -> None:
     """A page row past the pool's end or a context longer than its pages raises, not reads
     memory the pool does not own."""
+    cpu_kernels.load()
     spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
     pool = KVPool.for_specs(8 * spec.block_bytes, spec)
     rows, q = pool.rows(spec), torch.randn(1, 4, 16)
@@ -132,6 +134,12 @@ def test_cpu_kernel_refuses_indices_outside_the_pool() -> None:
         cpu_attention.paged_decode(q, rows, pages + 63, 0, lengths, 4, 1)
     with pytest.raises(RuntimeError, match="attends to 9 tokens; its 2 pages hold 1 to 8"):
         cpu_attention.paged_decode(q, rows, pages, 0, torch.tensor([9]), 4, 1)
+    chunk, prefill_pages = torch.randn(3, 4, 16), pages[:, 0]
+    assert cpu_attention.paged_prefill(chunk, rows, prefill_pages, 0, 5, 4, 1).isfinite().all()
+    with pytest.raises(RuntimeError, match="outside the pool's 64 rows"):
+        cpu_attention.paged_prefill(chunk, rows, prefill_pages + 63, 0, 5, 4, 1)
+    with pytest.raises(RuntimeError, match="a chunk of 3 tokens from 6 does not fit its 2 pages of 4"):
+        cpu_attention.paged_prefill(chunk, rows, prefill_pages, 0, 6, 4, 1)
 
 
 def test_the_triton_kernel_compiles_for_the_gpu() -> None:
@@ -157,8 +165,8 @@ def test_an_unknown_backend_is_refused() -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bench_profile_accounts_for_each_iteration(ckpt: Path, tmp_path: Path, dtype: str) -> None:
     """`rose bench profile` names where a decode and a prefill iteration spend their time: in
-    float32 the fused forward's steps and the decodes' in-place kernel, in bfloat16 the model's
-    own ops, the page gathers and SDPA."""
+    float32 the fused forward's steps and the in-place kernels, in bfloat16 the model's own ops,
+    the page gathers and SDPA."""
     out = tmp_path / "profile.json"
     assert main(["bench", "profile", "--model", str(ckpt), "--batch", "4", "--context", "40",
                  "--chunk", "64", "--iterations", "2", "--threads", "1", "--dtype", dtype,
@@ -173,4 +181,5 @@ def test_bench_profile_accounts_for_each_iteration(ckpt: Path, tmp_path: Path, d
         assert ({"norms", "rope", "KV writes"} <= parts.keys()) == (dtype != "float32")
     assert ("in-place decode attention" in decode) == (dtype == "float32")
     assert ("page gathers" in decode) == (dtype != "float32")
-    assert "SDPA" in prefill and report["summary"]["decode_tokens_per_s"] > 0
+    assert ("in-place prefill attention" in prefill) == (dtype == "float32")
+    assert ("SDPA" in prefill) == (dtype != "float32") and report["summary"]["decode_tokens_per_s"] > 0

@@ -40,6 +40,7 @@ _SCOPES = (
     (PagedAttention, "__call__", "attention"),
     (PagedAttention, "attend", "attention"),
     (cpu_attention, "paged_decode", "in-place decode attention"),
+    (cpu_attention, "paged_prefill", "in-place prefill attention"),
     (decoder.RMSNorm, "forward", "norms"),
     (decoder.RotaryEmbedding, "forward", "rope"),
     (decoder, "apply_rotary", "rope"),

@@ -39,9 +39,10 @@ class _Segment:
     kv_rows: torch.Tensor | None  # layer 0's pool rows to gather: [2 (K, V), kv_heads, seqs, pages]
     context: int  # longest context attended to
     mask: torch.Tensor | None  # True where attention is allowed; None: all (decode) or causal
-    # For the in-place kernel, made once per iteration: layer 0's K rows `[kv_heads, seqs, pages]`,
-    # each decode's context, and the threads to run on.
-    kernel_args: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # For the in-place kernels, made once per iteration: layer 0's K rows (`[kv_heads, seqs,
+    # pages]` for the decodes, `[kv_heads, pages]` for a prefill chunk), each decode's context or
+    # the chunk's first position, and the threads to run on.
+    kernel_args: tuple[torch.Tensor, torch.Tensor | int, int] | None = None
 
 
 BACKENDS = ("triton", "cpu", "sdpa")
@@ -133,7 +134,11 @@ class PagedAttention:
         for table, c, n in zip(block_tables[decodes:], computed[decodes:], num_tokens[decodes:],
                                strict=True):
             ctx = c + n
-            if c == 0:
+            if self.backend == "cpu":
+                rows = self._rows([table[:-(-ctx // bs)]])
+                self.segments.append(_Segment(start, n, False, None, ctx, None, (
+                    rows[0, :, 0].contiguous(), c, cpu_attention.threads_for(n * ctx, self.kv_heads))))
+            elif c == 0:
                 self.segments.append(_Segment(start, n, False, None, ctx, None))
             else:
                 mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(c, ctx, device=dev)[:, None]
@@ -169,9 +174,10 @@ class PagedAttention:
         for seg in self.segments:
             rows = slice(seg.start, seg.start + seg.rows)
             if seg.kernel_args is not None:
-                pages, lengths, threads = seg.kernel_args
-                outs.append(cpu_attention.paged_decode(
-                    q[rows], self.rows, pages, layer * 2 * self.kv_heads, lengths, self.block_size, threads))
+                pages, where, threads = seg.kernel_args
+                kernel = cpu_attention.paged_decode if seg.decode else cpu_attention.paged_prefill
+                outs.append(kernel(q[rows], self.rows, pages, layer * 2 * self.kv_heads, where,  # type: ignore[arg-type]
+                                   self.block_size, threads))
                 continue
             if seg.decode:
                 keys, values = self._gather(layer, seg.kv_rows, seg.context)

@@ -47,3 +47,16 @@ def paged_decode(q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, offse
     out = torch.empty_like(q)
     torch.ops.rose.paged_decode(q, rows, pages, offset, lengths, block_size, dim ** -0.5, threads, out)
     return out.view(seqs, heads, dim)
+
+
+def paged_prefill(q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, offset: int, start: int,
+                  block_size: int, threads: int) -> torch.Tensor:
+    """Causal attention of one sequence's chunk `q` `[n, heads, D]` at positions `start ..
+    start + n - 1` over its pages (its K/V already stored there); returns `[n, heads, D]`.
+    pages `[kv_heads, width]`: the K rows for layer 0, as `paged_decode`'s."""
+    n, heads, dim = q.shape
+    kv_heads = pages.shape[0]
+    q = q.contiguous().view(n, kv_heads, heads // kv_heads, dim)
+    out = torch.empty_like(q)
+    torch.ops.rose.paged_prefill(q, rows, pages, offset, start, block_size, dim ** -0.5, threads, out)
+    return out.view(n, heads, dim)
