@@ -8,8 +8,8 @@ with a bottom-right causal mask (a chunk with no prefix attends to its own K/V d
 Pages are head-major (`KVPool`), so one `index_select` over the pool's rows gathers a group's
 K and V straight into the `[seqs, kv_heads, tokens, head_dim]` layout SDPA reads fastest, and
 every SDPA call is 4-D (3-D inputs fall back to its slow math path on the CPU). Two backends read
-the pages in place instead: on the CPU in float32 the decodes go to one C++ kernel
-(`cpu_attention`), all of them at once, whatever their lengths; on CUDA every query, decode or
+the pages in place instead: on the CPU in float32 C++ kernels (`cpu_attention`), one call for all
+the decodes whatever their lengths and one per prefill chunk; on CUDA every query, decode or
 prefill, goes to a Triton kernel that follows the block tables (`triton_attention`).
 """
 
@@ -49,8 +49,8 @@ BACKENDS = ("triton", "cpu", "sdpa")
 
 
 def default_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """`triton` on CUDA (where PyTorch's build brings Triton), `cpu` (decodes in place, the rest
-    gather + SDPA) on the CPU in float32 where its kernel builds, else `sdpa` (gather + SDPA)."""
+    """`triton` on CUDA (where PyTorch's build brings Triton), `cpu` (C++, in place) on the CPU
+    in float32 where its kernels build, else `sdpa` (gather + SDPA)."""
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
     if device.type == "cpu" and dtype == torch.float32 and cpu_attention.available(head_dim):

@@ -1,13 +1,18 @@
-"""Decode attention on the CPU that reads K and V in place in the pool's pages.
+"""Attention on the CPU that reads K and V in place in the pool's pages (CPU float32 only).
 
 A decode has one query per sequence, so SDPA over gathered pages is bound by memory traffic:
-the gather reads every page and writes a copy, SDPA reads the copy again. The kernel
+the gather reads every page and writes a copy, SDPA reads the copy again. The decode kernel
 (`csrc/cpu_attention.cpp`) reads each page once, where it lies, for all the query heads that
 share its KV head (GQA), keys then values, eight keys at a time, prefetching the next page, and
-runs the (sequence, KV head) pairs on PyTorch's own thread pool. CPU float32 only.
+runs the (sequence, KV head) pairs on PyTorch's own thread pool. It is C++ because the numba
+kernel it replaced read K/V at about 12 GB/s on one thread or two (docs/engine.md), and its
+OpenMP layer raised PyTorch's thread count.
 
-It is C++ because the numba kernel it replaced read K/V at about 12 GB/s on one thread or two
-(docs/engine.md), and its OpenMP layer raised PyTorch's thread count. `cpu_kernels` builds it.
+A prefill chunk is bound by arithmetic instead, where PyTorch's CPU SDPA ran at about 20 GFLOP/s
+on one core (8 ms per layer for 512 tokens of SmolLM2). The prefill kernel takes tiles of 16
+queries (times the heads of a KV head) against tiles of 16 keys, transposed so that each FMA is a
+full vector, with flash attention's online softmax, reading the prefix and the chunk's own K/V
+where they lie. `cpu_kernels` builds both.
 """
 
 from __future__ import annotations
