@@ -2,7 +2,7 @@
 
 `rose.model.decoder` is the model as Hugging Face writes it, one PyTorch op per step, which the
 trainer differentiates through. Serving a small model on a CPU, the dispatch of those ops costs
-as much as the products: a 32-sequence decode iteration of SmolLM2-135M spent 24 of its 114 ms
+as much as the products: a 32-sequence decode iteration of SmolLM2-135M spent 21 of its 114 ms
 in norms, RoPE, residual adds, SiLU, the K/V store and their Python (docs/engine.md). This
 forward runs the same computation as vLLM's CPU backend lays it out: per layer four products on
 oneDNN (q, k and v as one; gate and up as one) and three steps of `csrc/cpu_ops.cpp` (the
