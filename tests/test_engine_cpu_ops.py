@@ -140,6 +140,8 @@ def test_packed_linears_side_by_side_follow_each_weight() -> None:
         torch.testing.assert_close(fused(x), torch.cat([q(x), k(x)], -1))
         k.weight.mul_(3)
         torch.testing.assert_close(fused(x), torch.cat([q(x), k(x)], -1))
+        q.bias.add_(1)  # a sparse weight update may change a bias alone
+        torch.testing.assert_close(fused(x), torch.cat([q(x), k(x)], -1))
     assert fused(x).requires_grad  # a forward that records gradients goes through each linear
 
 

@@ -27,10 +27,13 @@ class PackedLinear:
         self.linears = linears
         self._pack()
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for linear in self.linears for p in (linear.weight, linear.bias) if p is not None]
+
     def _pack(self) -> None:
         weights = [linear.weight for linear in self.linears]
         biases = [linear.bias for linear in self.linears]
-        self.source = [(weight, weight._version) for weight in weights]
+        self.source = [(param, param._version) for param in self._params()]
         weight = (weights[0] if len(weights) == 1 else torch.cat(weights)).detach()
         self.bias = (None if biases[0] is None else  # type: ignore[arg-type]
                      (biases[0] if len(biases) == 1 else torch.cat(biases)).detach())
@@ -40,8 +43,10 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
             return torch.cat([F.linear(x, linear.weight, linear.bias) for linear in self.linears], -1)
-        if any(linear.weight is not weight or weight._version != version
-               for linear, (weight, version) in zip(self.linears, self.source, strict=True)):
+        params = self._params()  # a weight or bias replaced or changed in place: pack again
+        if len(params) != len(self.source) or any(
+                param is not packed or param._version != version
+                for param, (packed, version) in zip(params, self.source, strict=False)):
             self._pack()
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed,
                                                  self.bias, "none", [None], "")
