@@ -17,6 +17,8 @@ where they lie. `cpu_kernels` builds both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rose.engine import cpu_kernels
@@ -46,12 +48,7 @@ def paged_decode(q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, offse
     pages `[kv_heads, seqs, width]`: each page's K row for layer 0 (`offset` moves it to this
     layer; its V row follows `kv_heads` rows later); lengths `[seqs]`: tokens attended to;
     threads: `threads_for` them, decided once per iteration, not per layer."""
-    seqs, heads, dim = q.shape
-    kv_heads = pages.shape[0]
-    q = q.contiguous().view(seqs, kv_heads, heads // kv_heads, dim)
-    out = torch.empty_like(q)
-    torch.ops.rose.paged_decode(q, rows, pages, offset, lengths, block_size, dim ** -0.5, threads, out)
-    return out.view(seqs, heads, dim)
+    return _by_kv_head(torch.ops.rose.paged_decode, q, rows, pages, offset, lengths, block_size, threads)
 
 
 def paged_prefill(q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, offset: int, start: int,
@@ -59,9 +56,16 @@ def paged_prefill(q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, offs
     """Causal attention of one sequence's chunk `q` `[n, heads, D]` at positions `start ..
     start + n - 1` over its pages (its K/V already stored there); returns `[n, heads, D]`.
     pages `[kv_heads, width]`: the K rows for layer 0, as `paged_decode`'s."""
-    n, heads, dim = q.shape
+    return _by_kv_head(torch.ops.rose.paged_prefill, q, rows, pages, offset, start, block_size, threads)
+
+
+def _by_kv_head(op: Callable[..., None], q: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor,
+                offset: int, where: torch.Tensor | int, block_size: int, threads: int) -> torch.Tensor:
+    """Run `op` on `q` viewed as `[tokens, kv_heads, group, D]` (the query heads of a KV head
+    side by side, as GQA groups them) into a new output of that shape; return it as `q`'s."""
+    tokens, heads, dim = q.shape
     kv_heads = pages.shape[0]
-    q = q.contiguous().view(n, kv_heads, heads // kv_heads, dim)
-    out = torch.empty_like(q)
-    torch.ops.rose.paged_prefill(q, rows, pages, offset, start, block_size, dim ** -0.5, threads, out)
-    return out.view(n, heads, dim)
+    grouped = q.contiguous().view(tokens, kv_heads, heads // kv_heads, dim)
+    out = torch.empty_like(grouped)
+    op(grouped, rows, pages, offset, where, block_size, dim ** -0.5, threads, out)
+    return out.view(tokens, heads, dim)

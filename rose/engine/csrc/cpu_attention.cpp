@@ -1,6 +1,6 @@
-// Decode attention on the CPU, reading K and V in place in the pool's pages. Built on first use
-// by rose/engine/cpu_attention.py (with -ffast-math at the compile step only, for a vectorised exp),
-// which also says why it exists.
+// Attention on the CPU, decodes and prefill chunks, reading K and V in place in the pool's pages.
+// Built on first use by rose/engine/cpu_kernels.py (with -ffast-math at the compile step only, for a
+// vectorised exp); rose/engine/cpu_attention.py says why it exists.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -135,17 +136,34 @@ void attend(const Job& job, std::vector<float>& work) {
     for (int c = 0; c < C; ++c) *reinterpret_cast<v8*>(job.out + g * D + 8 * c) = out[g * C + c];
 }
 
-using Kernel = void (*)(const Job&, std::vector<float>&);
+// Jobs 0 .. jobs - 1 handed out one at a time, in order (callers number the longest first: a
+// static split would leave a thread idle while another finishes the long ones), on `threads` of
+// PyTorch's own pool; `run(job, work, key_rows)` with scratch of its thread's, key_rows of `width`.
+template <typename Run>
+void run_jobs(int64_t jobs, int64_t width, int64_t threads, Run run) {
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    std::vector<float> work;
+    std::vector<int64_t> key_rows(width);
+    for (int64_t i; (i = next.fetch_add(1)) < jobs;) run(i, work, key_rows);
+  };
+  if (threads <= 1)
+    worker(0, 1);
+  else
+    at::parallel_for(0, threads, 1, worker);
+}
 
-Kernel kernel_for(int64_t dim) {
+// `pick(std::integral_constant<int, D>)`: a kernel's instance for one of the head sizes built.
+template <typename Pick>
+auto for_head_dim(int64_t dim, Pick pick) {
   switch (dim) {
-    case 16: return attend<16>;
-    case 32: return attend<32>;
-    case 64: return attend<64>;
-    case 80: return attend<80>;
-    case 96: return attend<96>;
-    case 128: return attend<128>;
-    case 256: return attend<256>;
+    case 16: return pick(std::integral_constant<int, 16>{});
+    case 32: return pick(std::integral_constant<int, 32>{});
+    case 64: return pick(std::integral_constant<int, 64>{});
+    case 80: return pick(std::integral_constant<int, 80>{});
+    case 96: return pick(std::integral_constant<int, 96>{});
+    case 128: return pick(std::integral_constant<int, 128>{});
+    case 256: return pick(std::integral_constant<int, 256>{});
   }
   TORCH_CHECK(false, "cpu attention: head_dim ", dim, " is not one of 16, 32, 64, 80, 96, 128, 256");
 }
@@ -167,7 +185,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& rows, const at::Tensor&
               "and rows [rows, block_size * D] expected");
   const int64_t seqs = q.size(0), kv_heads = q.size(1), group = q.size(2), dim = q.size(3);
   const int64_t width = pages.size(2);
-  const Kernel kernel = kernel_for(dim);
+  const auto kernel = for_head_dim(dim, [](auto d) { return &attend<decltype(d)::value>; });
   const float* q_data = q.data_ptr<float>();
   const float* row_data = rows.data_ptr<float>();
   const int64_t* page_data = pages.data_ptr<int64_t>();
@@ -181,27 +199,15 @@ void paged_decode(const at::Tensor& q, const at::Tensor& rows, const at::Tensor&
   for (int64_t i = 0; i < pages.numel(); ++i)
     TORCH_CHECK(page_data[i] >= 0 && page_data[i] + offset + kv_heads < num_rows, "cpu attention: page row ",
                 page_data[i], " + ", offset, " is outside the pool's ", num_rows, " rows");
-  const int64_t jobs = seqs * kv_heads;
-  // Jobs are handed out one at a time, longest sequences first: a static split would leave a
-  // thread idle while another finishes the long contexts.
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int64_t, int64_t) {
-    std::vector<float> work;
-    std::vector<int64_t> key_rows(width);
-    for (int64_t i; (i = next.fetch_add(1)) < jobs;) {
-      const int64_t b = i / kv_heads, h = i % kv_heads;
-      for (int64_t w = 0; w < width; ++w) key_rows[w] = page_data[(h * seqs + b) * width + w] + offset;
-      const int64_t base = (b * kv_heads + h) * group * dim;
-      kernel({q_data + base, row_data, key_rows.data(), rows.size(1), kv_heads, length_data[b], block_size, group,
-              static_cast<float>(scale), out_data + base}, work);
-    }
-  };
-  if (threads <= 1)
-    worker(0, 1);
-  else
-    at::parallel_for(0, threads, 1, worker);  // PyTorch's own thread pool
+  // Sequences come longest first, so the jobs do.
+  run_jobs(seqs * kv_heads, width, threads, [&](int64_t i, std::vector<float>& work, std::vector<int64_t>& key_rows) {
+    const int64_t b = i / kv_heads, h = i % kv_heads;
+    for (int64_t w = 0; w < width; ++w) key_rows[w] = page_data[(h * seqs + b) * width + w] + offset;
+    const int64_t base = (b * kv_heads + h) * group * dim;
+    kernel({q_data + base, row_data, key_rows.data(), rows.size(1), kv_heads, length_data[b], block_size, group,
+            static_cast<float>(scale), out_data + base}, work);
+  });
 }
-
 
 // Prefill: one sequence's chunk of n queries at positions start .. start + n - 1, each attending
 // to the keys up to its own position, all of them (prefix and chunk) read in the pool's pages.
@@ -324,21 +330,6 @@ void prefill_tile(const PrefillJob& job, std::vector<float>& work) {
   }
 }
 
-using PrefillKernel = void (*)(const PrefillJob&, std::vector<float>&);
-
-PrefillKernel prefill_kernel_for(int64_t dim) {
-  switch (dim) {
-    case 16: return prefill_tile<16>;
-    case 32: return prefill_tile<32>;
-    case 64: return prefill_tile<64>;
-    case 80: return prefill_tile<80>;
-    case 96: return prefill_tile<96>;
-    case 128: return prefill_tile<128>;
-    case 256: return prefill_tile<256>;
-  }
-  TORCH_CHECK(false, "cpu attention: head_dim ", dim, " is not one of 16, 32, 64, 80, 96, 128, 256");
-}
-
 // q, out [n, kv_heads, group, D]: a chunk of one sequence at positions start .. start + n - 1;
 // pages [kv_heads, width]: its pages' K rows for layer 0 (`offset` moves them to this layer).
 void paged_prefill(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& pages, int64_t offset,
@@ -359,25 +350,16 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& rows, const at::Tensor
   for (int64_t i = 0; i < pages.numel(); ++i)
     TORCH_CHECK(page_data[i] >= 0 && page_data[i] + offset + kv_heads < num_rows, "cpu attention: page row ",
                 page_data[i], " + ", offset, " is outside the pool's ", num_rows, " rows");
-  const PrefillKernel kernel = prefill_kernel_for(dim);
-  const int64_t tiles = (n + QT - 1) / QT, jobs = tiles * kv_heads;
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int64_t, int64_t) {
-    std::vector<float> work;
-    std::vector<int64_t> key_rows(width);
-    for (int64_t i; (i = next.fetch_add(1)) < jobs;) {
-      const int64_t tile = tiles - 1 - i / kv_heads, h = i % kv_heads;  // the longest (last) tiles first
-      for (int64_t w = 0; w < width; ++w) key_rows[w] = page_data[h * width + w] + offset;
-      const int64_t first = tile * QT;
-      kernel({q.data_ptr<float>(), rows.data_ptr<float>(), key_rows.data(), rows.size(1), kv_heads, h, group,
-              block_size, start, first, std::min<int64_t>(QT, n - first), static_cast<float>(scale),
-              out.data_ptr<float>()}, work);
-    }
-  };
-  if (threads <= 1)
-    worker(0, 1);
-  else
-    at::parallel_for(0, threads, 1, worker);
+  const auto kernel = for_head_dim(dim, [](auto d) { return &prefill_tile<decltype(d)::value>; });
+  const int64_t tiles = (n + QT - 1) / QT;
+  run_jobs(tiles * kv_heads, width, threads, [&](int64_t i, std::vector<float>& work, std::vector<int64_t>& key_rows) {
+    const int64_t tile = tiles - 1 - i / kv_heads, h = i % kv_heads;  // the longest (last) tiles first
+    for (int64_t w = 0; w < width; ++w) key_rows[w] = page_data[h * width + w] + offset;
+    const int64_t first = tile * QT;
+    kernel({q.data_ptr<float>(), rows.data_ptr<float>(), key_rows.data(), rows.size(1), kv_heads, h, group,
+            block_size, start, first, std::min<int64_t>(QT, n - first), static_cast<float>(scale),
+            out.data_ptr<float>()}, work);
+  });
 }
 
 }  // namespace
