@@ -35,30 +35,24 @@ inline void normalise(const float* x, const float* weight, float* out, int64_t n
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
-// out = rms_norm(residual + x) with residual += x first (the decoder's residual stream), or
-// out = rms_norm(x) without a residual.
-void add_rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-                  double eps, const at::Tensor& out) {
+// residual += x (the decoder's residual stream), then out = rms_norm(residual); out may be x.
+void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                  const at::Tensor& out) {
   check_float_rows(x, "x");
+  check_float_rows(residual, "residual");
   check_float_rows(out, "out");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(out.sizes() == x.sizes() && weight.is_contiguous() && weight.numel() == n &&
-                  weight.scalar_type() == at::kFloat, "cpu ops: out like x and a float32 weight of ", n, " expected");
-  if (residual) {
-    check_float_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "cpu ops: the residual must be shaped like x");
-  }
+  TORCH_CHECK(out.sizes() == x.sizes() && residual.sizes() == x.sizes() && weight.is_contiguous() &&
+                  weight.numel() == n && weight.scalar_type() == at::kFloat,
+              "cpu ops: residual and out shaped like x and a float32 weight of ", n, " expected");
   const float* w = weight.data_ptr<float>();
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* src = x.data_ptr<float>() + r * x.stride(0);
-      if (residual) {
-        float* acc = residual->data_ptr<float>() + r * residual->stride(0);
+      float* acc = residual.data_ptr<float>() + r * residual.stride(0);
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
-        src = acc;
-      }
-      normalise(src, w, out.data_ptr<float>() + r * out.stride(0), n, static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
+      normalise(acc, w, out.data_ptr<float>() + r * out.stride(0), n, static_cast<float>(eps));
     }
   });
 }
