@@ -231,7 +231,7 @@ void prefill_tile(const PrefillJob& job, std::vector<float>& work) {
   constexpr int C = D / 8;
   const int64_t m = job.count * job.group;  // query rows, row r: query first + r / group, head r % group
   const int64_t padded = (m + 3) / 4 * 4;   // scores are computed four rows at a time
-  work.resize(padded * D + padded * KT + 2 * m + D * KT + m * D + 7);
+  work.resize(padded * D + padded * KT + 2 * m + D * KT + m * D);
   float* q = work.data();
   float *s = q + padded * D, *top = s + padded * KT, *total = top + m, *kt = total + m;
   v8* o = reinterpret_cast<v8*>(kt + D * KT);
