@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,34 @@ def test_a_step_survives_a_killed_worker(victim: str, tmp_path: Path) -> None:
         assert any(p.worker_id == victim for p in report.placements)  # it did run turns before
         metrics = cluster.train(report.trajectories)
         assert metrics["sequences"] > 0
+        # The step's watch restarts a dead replica only if it notices before the rollouts end;
+        # the weight sync after training (the driver's next call) restarts it in any case.
+        cluster.sync_weights()
+        assert any(line.startswith(f"{victim} restarted") for line in cluster.restarts), cluster.restarts
         _scrape_targets(tmp_path)  # a restarted executor's new port
     finally:
         cluster.replicas.dedicated.pop(victim, None)
         cluster.replicas.serving.pop(victim, None)
+        cluster.shutdown()
+
+
+def test_replicas_answer_the_liveness_probe_while_they_wait_for_weights(tmp_path: Path) -> None:
+    """A replica's weight sync waits for the trainer's publish; its `ready` (what the run asks
+    to tell a slow replica from a dead one) answers meanwhile, on every kind of replica."""
+    cluster = Cluster(load_config(None, [f"train.out_dir={tmp_path}"]), Mode.ROSE, tmp_path)
+    try:
+        cluster.start()
+        replicas = cluster.replicas.all()
+        assert set(replicas) == {"dedicated-0", "serving-0"}
+        pulls = {wid: handle.sync_weights.remote(120) for wid, handle in replicas.items()}
+        time.sleep(1.0)  # the pulls have started waiting
+        for wid, handle in replicas.items():
+            assert ray.get(handle.ready.remote(), timeout=20), wid
+            assert not ray.wait([pulls[wid]], timeout=0)[0], f"{wid} synced before any publish"
+        cluster.loop.run_until_complete(cluster.trainers.publish())
+        for wid, pull in pulls.items():
+            assert ray.get(pull, timeout=120)["version"] == cluster.trainers.version, wid
+    finally:
         cluster.shutdown()
 
 

@@ -61,6 +61,11 @@ def test_each_role_lands_on_the_node_with_its_resources(three_nodes: ThreeNodes,
         handles = {"trainer": cluster.trainers.leader, "dedicated": cluster.replicas.dedicated["dedicated-0"],
                    "serving": cluster.replicas.serving["serving-0"]}
         assert {role: ray.get(h.node_id.remote()) for role, h in handles.items()} == three_nodes.node_ids
+        # The relay's directory is on the driver's node (the head here): no other node's leaving
+        # takes it down. (Ray's public state API needs the dashboard, which this cluster has not.)
+        [directory] = [a for a in ray._private.state.actors().values()
+                       if a["Name"] == cluster._relay_name and a["State"] == "ALIVE"]
+        assert directory["Address"]["NodeID"] == three_nodes.node_ids["trainer"]
         report = cluster.rollout(0)
         metrics = cluster.train(report.trajectories)
         cluster.sync_weights()

@@ -171,7 +171,11 @@ class TrainerActor(_Role):
 
 class _Replica(_Role):
     """A rollout replica's receiving end: joins the relay group; each sync's weights go to `load`,
-    which the replica's engine loop runs between two iterations."""
+    which the replica's engine loop runs between two iterations.
+
+    Ray runs every method of an actor that has an async one on a single event loop, a plain
+    method included: what blocks (waiting for a sync, the relay's calls) runs in a thread, so
+    `ready` (the run's liveness probe) and a dedicated worker's turn streams answer meanwhile."""
 
     def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
               loop: StepLoop[RequestOutput], load: WeightUpdate, whole: bool = False) -> None:
@@ -185,8 +189,14 @@ class _Replica(_Role):
         log.debug("weights: %s", self.receiver.last)
         return dataclasses.asdict(self.receiver.last)
 
-    def leave(self) -> None:
-        self.receiver.leave()
+    async def ready(self) -> bool:
+        return True
+
+    async def sync_weights(self, timeout: float) -> dict[str, Any]:
+        return await asyncio.to_thread(self._synced, timeout)
+
+    async def leave(self) -> None:
+        await asyncio.to_thread(self.receiver.leave)
 
 
 class DedicatedWorkerActor(_Replica, EngineWorker):
@@ -209,12 +219,6 @@ class DedicatedWorkerActor(_Replica, EngineWorker):
                    whole=backend == "vllm")
         log.info("rollout engine (%s) on %s, cores %s", backend, engine.get("device"), cores)
 
-    async def ready(self) -> bool:
-        return True
-
-    async def sync_weights(self, timeout: float) -> dict[str, Any]:
-        return await asyncio.to_thread(self._synced, timeout)
-
 
 class _HttpReplica(_Replica):
     """A replica the rollout manager reaches over HTTP at `self.url` (a lease API)."""
@@ -223,12 +227,6 @@ class _HttpReplica(_Replica):
 
     def address(self) -> str:
         return self.url
-
-    def ready(self) -> bool:
-        return True
-
-    def sync_weights(self, timeout: float) -> dict[str, Any]:
-        return self._synced(timeout)
 
 
 class ServingDeviceActor(_HttpReplica):
@@ -282,12 +280,13 @@ class ServingDeviceActor(_HttpReplica):
                 self.results.append((start + result.scheduled_s, result))
             offset += s.window_s
 
-    def serving_results(self, since: float = 0.0, stop: bool = False) -> list[tuple[float, RequestResult]]:
+    async def serving_results(self, since: float = 0.0,
+                              stop: bool = False) -> list[tuple[float, RequestResult]]:
         """Finished serving requests that arrived at or after `since` (wall clock); `stop` ends
         the replay first (its current window runs out)."""
         if stop and self._replay is not None:
             self._stop.set()
-            self._replay.join()
+            await asyncio.to_thread(self._replay.join)
         return [(t, r) for t, r in self.results if t >= since]
 
 

@@ -123,15 +123,20 @@ class RayRelay:
     """Relay over Ray: bulk payloads in the object store, keys in a named directory actor.
 
     Every process that creates a `RayRelay` with the same `name` (and namespace) shares it: a
-    receiver on another node needs nothing but the name. `ray.init` must have run.
+    receiver on another node needs nothing but the name. `ray.init` must have run. The first
+    creates the directory, on its own node (the driver's, in a run): left to Ray, an actor that
+    asks for no CPU may land on any node, and dies with it when that node leaves.
     """
 
     def __init__(self, name: str = "rose-relay", namespace: str = "rose") -> None:
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._ray = ray
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(num_cpus=0, max_concurrency=1000)(_Directory)
-        self._dir = actor.options(name=name, namespace=namespace, get_if_exists=True).remote()
+        self._dir = actor.options(name=name, namespace=namespace, get_if_exists=True,
+                                  scheduling_strategy=here).remote()
         # Ray runs one caller's calls in order only on a synchronous actor, and the directory is
         # async (readers wait in it): registrations this process sent and has not seen land.
         self._unacked: dict[str, Any] = {}
