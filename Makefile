@@ -66,7 +66,7 @@ chaos: install
 # API fuzzing of `rose serve` from its own OpenAPI schema (schemathesis), keys on and off: a few
 # thousand requests, no 5xx allowed (ROSE_FUZZ_EXAMPLES sets the examples per operation).
 fuzz: install
-	$(BIN)/python -m pytest -q -s tests/test_coserve_fuzz.py
+	$(BIN)/python -m pytest -q -s tests/coserve/test_coserve_fuzz.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from attention_cases import BATCHES, check_backend
 from hf_parity import assert_matches_hf, chosen_logprobs, hf_logits
-from test_engine_attention import BATCHES, check_backend
-from test_rl_trainer import _batch
+from rl_batches import random_batch
 
 from rose.contracts import Turn
 from rose.coserve.executor import CoServingExecutor, ExecutorConfig
@@ -113,7 +113,7 @@ def test_a_trainer_step_on_the_device_matches_the_cpu(tiny_qwen3: Path, tmp_path
     gpu = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-3, device="cuda", dtype=dtype,
                                                        logprob_chunk_tokens=16))
     assert {(p.device.type, p.dtype) for p in gpu.model.parameters()} == {("cuda", torch.float32)}
-    batch = _batch()
+    batch = random_batch()
     expected, got = cpu.step(batch), gpu.step(batch)
     assert got["tokens"] == expected["tokens"] and got["updates"] == expected["updates"] == 1
     for key in ("loss", "entropy", "kl", "grad_norm"):
@@ -126,7 +126,7 @@ def test_a_trainer_step_on_the_device_matches_the_cpu(tiny_qwen3: Path, tmp_path
     gpu.save(tmp_path / "ckpt")
     resumed = Trainer(tmp_path / "ckpt", objective, TrainerConfig(lr=1e-3, device="cpu"))
     resumed.load_state(tmp_path / "ckpt")
-    assert resumed.version == 1 and resumed.step(_batch(seed=1))["updates"] == 1
+    assert resumed.version == 1 and resumed.step(random_batch(seed=1))["updates"] == 1
 
 
 def test_the_coserving_executor_on_the_device(tiny_qwen2: Path, tiny_qwen3: Path) -> None:

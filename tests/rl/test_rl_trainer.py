@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import random
 import socket
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rl_batches import random_batch
 from torch.distributed.tensor import DTensor
 
 from rose.engine import LLMEngine, SamplingParams
@@ -20,24 +20,6 @@ from rose.model import init_model, load_model
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory, TurnRecord, shard_by_group
 from rose.rl.trainer import process_group_backend
 from rose.runtime.config import resume_checkpoint
-
-
-def _batch(groups: int = 3, size: int = 4, seed: int = 0, vocab: int = 512) -> list[Trajectory]:
-    """Multi-turn trajectories of random tokens; behaviour logprobs near a uniform policy's
-    (ln 1/512 = -6.24), so ratios are near 1 and some get clipped."""
-    rng = random.Random(seed)
-    batch = []
-    for g in range(groups):
-        for _ in range(size):
-            turns = []
-            for _ in range(rng.randint(1, 3)):
-                out = rng.randint(1, 4)
-                turns.append(TurnRecord([rng.randrange(vocab) for _ in range(rng.randint(2, 6))],
-                                        [rng.randrange(vocab) for _ in range(out)],
-                                        [rng.uniform(-6.6, -5.9) for _ in range(out)], [0] * out,
-                                        reward=float(rng.random() < 0.5)))
-            batch.append(Trajectory(("g", g), turns, done=True))
-    return batch
 
 
 def _on_policy(batch: list[Trajectory], model: torch.nn.Module, temperature: float = 1.0) -> list[Trajectory]:
@@ -87,7 +69,7 @@ def _assert_same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tenso
 
 def test_on_policy_step_figures(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, Objective.grpo(kl_coef=0.1), TrainerConfig(lr=1e-3))
-    batch = _on_policy(_batch(), trainer.model)
+    batch = _on_policy(random_batch(), trainer.model)
     before = _params(trainer)
     m = trainer.step(batch)
     # On policy the ratio is 1: nothing clipped, and the policy is its own reference.
@@ -106,7 +88,7 @@ def test_token_aggregation_loss_by_hand(tiny_qwen3: Path, step_weight: float) ->
     """With step-level advantages each turn's tokens carry their own turn's advantage."""
     trainer = Trainer(tiny_qwen3, Objective(aggregation="token-mean", step_advantage_weight=step_weight),
                       TrainerConfig(lr=1e-3))
-    batch = _batch()
+    batch = random_batch()
     for t in batch:  # turn k of every trajectory starts from the same state: shared anchors
         for k, turn in enumerate(t.turns):
             turn.prompt_ids = [k + 1, 7]
@@ -135,7 +117,7 @@ def test_recomputed_old_logprobs_weight_each_token_by_its_truncated_is_ratio(tin
     behaviour policy): recomputed old logprobs give ratio 1, and each token weighs min(3, cap 2)."""
     objective = Objective(aggregation="token-mean", recompute_old_logprobs=True, tis_cap=2.0)
     trainer = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-3))
-    batch = _on_policy(_batch(), trainer.model)
+    batch = _on_policy(random_batch(), trainer.model)
     for t in batch:
         for turn in t.turns:
             turn.logprobs = [lp - math.log(3.0) for lp in turn.logprobs]
@@ -152,7 +134,7 @@ def test_recomputed_old_logprobs_weight_each_token_by_its_truncated_is_ratio(tin
 def test_logprobs_are_taken_at_the_rollout_temperature(tiny_qwen3: Path) -> None:
     """Behaviour logprobs recorded at T = 0.5 are the trainer's own at T = 0.5: ratio 1. A
     trainer at T = 1 would see ratios far from 1 and clip."""
-    batch = _on_policy(_batch(), load_model(tiny_qwen3), temperature=0.5)
+    batch = _on_policy(random_batch(), load_model(tiny_qwen3), temperature=0.5)
     at_half = Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3, temperature=0.5)).step(batch)
     assert at_half["clip_fraction"] == 0 and at_half["loss"] == pytest.approx(0, abs=1e-6)
     at_one = Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3)).step(batch)
@@ -162,7 +144,7 @@ def test_logprobs_are_taken_at_the_rollout_temperature(tiny_qwen3: Path) -> None
 def test_tokens_older_than_the_version_lag_do_not_train(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, Objective(max_version_lag=2), TrainerConfig(lr=1e-3))
     trainer.version = 5
-    batch = _batch()
+    batch = random_batch()
     for i, t in enumerate(batch):  # every other trajectory sampled 4 versions ago: stale
         for turn in t.turns:
             turn.versions = [1 if i % 2 else 4] * len(turn.output_ids)
@@ -176,7 +158,7 @@ def test_tokens_older_than_the_version_lag_do_not_train(tiny_qwen3: Path) -> Non
 @pytest.mark.parametrize("objective", [Objective.grpo(), Objective.dapo()])
 def test_micro_batches_and_checkpointing_do_not_change_the_step(tiny_qwen3: Path,
                                                                 objective: Objective) -> None:
-    batch = _batch()
+    batch = random_batch()
     one = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-2, micro_batch_size=64))
     many = Trainer(tiny_qwen3, objective,
                    TrainerConfig(lr=1e-2, micro_batch_size=1, gradient_checkpointing=True))
@@ -190,13 +172,13 @@ def test_micro_batches_and_checkpointing_do_not_change_the_step(tiny_qwen3: Path
 
 def test_mini_batches_take_several_updates(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3, mini_batches=3))
-    m = trainer.step(_batch())
+    m = trainer.step(random_batch())
     assert m["updates"] == 3 and trainer.version == 1
 
 
 def test_a_batch_with_nothing_to_learn_skips_the_update(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, Objective.dapo())
-    flat = _batch(groups=2)
+    flat = random_batch(groups=2)
     _flatten_rewards(flat, ("g", 0))
     _flatten_rewards(flat, ("g", 1))
     before = _params(trainer)
@@ -207,14 +189,14 @@ def test_a_batch_with_nothing_to_learn_skips_the_update(tiny_qwen3: Path) -> Non
 
 def test_a_trajectory_cut_before_its_first_turn_only_counts_in_its_group(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3))
-    m = trainer.step([*_batch(groups=1), Trajectory(("g", 0), truncated=True)])
+    m = trainer.step([*random_batch(groups=1), Trajectory(("g", 0), truncated=True)])
     assert m["sequences"] == 4 and m["updates"] == 1 and m["reward_mean"] == pytest.approx(
-        sum(t.reward for t in _batch(groups=1)) / 5)
+        sum(t.reward for t in random_batch(groups=1)) / 5)
 
 
 def test_export_weights_feed_the_engine(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
-    trainer.step(_batch())
+    trainer.step(random_batch())
     exported = dict(trainer.export_weights())
     params = dict(trainer.model.named_parameters())
     assert set(exported) == set(params) and "lm_head.weight" not in exported  # tied: once
@@ -233,7 +215,7 @@ def test_export_weights_feed_the_engine(tiny_qwen3: Path) -> None:
 def test_the_device_dtype_and_chunks_named_are_honoured(tiny_qwen3: Path) -> None:
     """device="cpu" and dtype="float32" named take the defaults' step here; log-probabilities in
     chunks of 7 tokens the same step; bf16 compute (autocast) keeps fp32 master weights."""
-    batch = _batch()
+    batch = random_batch()
     default = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3)).step(batch)
     named = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-3, device="cpu", dtype="float32"))
     assert named.step(batch) == default
@@ -253,12 +235,12 @@ def test_ranks_on_cuda_use_nccl_and_on_the_cpu_gloo() -> None:
 
 def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
-    trainer.step(_batch())
+    trainer.step(random_batch())
     trainer.save(tmp_path / "ckpt")
     resumed = Trainer(tmp_path / "ckpt", config=TrainerConfig(lr=1e-2))
     resumed.load_state(tmp_path / "ckpt")
     assert resumed.version == 1
-    batch = _batch(seed=1)
+    batch = random_batch(seed=1)
     trainer.step(batch)
     resumed.step(batch)
     for name, p in _params(trainer).items():
@@ -271,7 +253,7 @@ def test_a_llama_policy_trains_and_saves_as_llama(tmp_path: Path) -> None:
     policy = init_model("llama", "tiny", tmp_path / "initial", seed=3)
     trainer = Trainer(policy, config=TrainerConfig(lr=1e-2))
     before = _params(trainer)
-    assert trainer.step(_batch())["updates"] == 1
+    assert trainer.step(random_batch())["updates"] == 1
     trainer.save(tmp_path / "ckpt")
     saved = load_model(tmp_path / "ckpt")
     assert saved.config.model_type == "llama"
@@ -284,7 +266,7 @@ def test_the_kl_reference_is_saved_and_restored_never_replaced(tiny_qwen3: Path,
     objective = Objective.grpo(kl_coef=0.1)
     trainer = Trainer(tiny_qwen3, objective, TrainerConfig(lr=1e-2))
     reference = _params(trainer)
-    trainer.step(_batch())
+    trainer.step(random_batch())
     trainer.save(tmp_path / "ckpt")
     resumed = Trainer(tmp_path / "ckpt", objective, TrainerConfig(lr=1e-2))
     resumed.load_state(tmp_path / "ckpt")
@@ -292,7 +274,7 @@ def test_the_kl_reference_is_saved_and_restored_never_replaced(tiny_qwen3: Path,
     for name, p in resumed.ref_model.named_parameters():
         torch.testing.assert_close(p, reference[name], rtol=0, atol=0)
     assert any(not torch.equal(p, reference[n]) for n, p in _params(resumed).items())
-    batch = _batch(seed=1)
+    batch = random_batch(seed=1)
     assert trainer.step(batch)["kl"] == pytest.approx(resumed.step(batch)["kl"], rel=1e-5)
     # Without a KL penalty there is no reference, and none is saved; such a checkpoint cannot
     # resume a KL run silently.
@@ -317,10 +299,10 @@ def _crash_midway(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_save_that_crashes_midway_keeps_the_previous_checkpoint(
         tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2))
-    trainer.step(_batch())
+    trainer.step(random_batch())
     trainer.save(tmp_path / "step-1")
     saved = _params(trainer)
-    trainer.step(_batch(seed=1))
+    trainer.step(random_batch(seed=1))
     with monkeypatch.context() as m:
         _crash_midway(m)
         for step in ("step-1", "step-2"):  # over the previous checkpoint, and a new one
@@ -453,7 +435,7 @@ def test_two_ranks_with_half_the_batch_each_match_one_rank(tiny_qwen3: Path, tmp
     objective = PARALLEL_OBJECTIVES[aggregation]
     assert objective.aggregation == aggregation
     # Five groups (uneven over two ranks), one of them uninformative (dropped by DAPO).
-    steps = [_batch(groups=5, seed=s) for s in (0, 1)]
+    steps = [random_batch(groups=5, seed=s) for s in (0, 1)]
     _flatten_rewards(steps[0], ("g", 4))  # and its lengths stay under the overlong penalty's 6
     assert any(t.num_generated_tokens > 6 for t in steps[0])  # others are penalised
     single = Trainer(tiny_qwen3, objective, CONFIG)
@@ -489,7 +471,8 @@ def test_an_fsdp_checkpoint_resumes_only_sharded(tiny_qwen3: Path, tmp_path: Pat
     """Its optimizer state is saved whole by parameter name: a one-rank run cannot take it."""
     port = _free_port()
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(2, port, tiny_qwen3, Objective.grpo(), [shard_by_group(_batch(), 2)], out, "fsdp"),
+    batches = [shard_by_group(random_batch(), 2)]
+    mp.spawn(_rank, args=(2, port, tiny_qwen3, Objective.grpo(), batches, out, "fsdp"),
              nprocs=2)
     trainer = Trainer(out.with_suffix(".ckpt"), config=CONFIG)
     with pytest.raises(ValueError, match=r"saved with sharding fsdp; resume with train.sharding=fsdp"):
@@ -499,7 +482,7 @@ def test_an_fsdp_checkpoint_resumes_only_sharded(tiny_qwen3: Path, tmp_path: Pat
 def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -> None:
     config = TrainerConfig(lr=1e-3, lr_decay_steps=4, min_lr_ratio=0.1)
     trainer = Trainer(tiny_qwen3, Objective.grpo(), config)
-    lrs = [trainer.step(_batch(seed=s))["lr"] for s in range(3)]
+    lrs = [trainer.step(random_batch(seed=s))["lr"] for s in range(3)]
     assert lrs == pytest.approx([1e-3, 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))), 0.55e-3])
     trainer.save(tmp_path / "ckpt")
     resumed = Trainer(tmp_path / "ckpt", Objective.grpo(), config)

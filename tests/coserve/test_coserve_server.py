@@ -255,7 +255,7 @@ def test_metrics_carry_vllm_names_with_the_model_label(server: tuple[str, CoServ
     assert 0 <= after[("vllm:kv_cache_usage_perc", model)] <= 1
 
 
-DASHBOARD = Path(__file__).parents[1] / "examples" / "grafana" / "rose-dashboard.json"
+DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "rose-dashboard.json"
 
 
 def test_the_grafana_dashboard_queries_only_what_the_server_exports(
