@@ -23,10 +23,12 @@ from rose.contracts import TokenLoad, WorkerKind
 from rose.coserve.admission import (
     Admission,
     BurstController,
+    BurstState,
     RolloutDemand,
     ServingState,
     SLOBudgets,
-    admit,
+    admission_step,
+    memory_room,
     rollout_capacity,
     rollout_duty,
 )
@@ -137,9 +139,6 @@ class Simulation:
         self.dt = sc.sim.tick_s
         self.slo = SLOBudgets(sc.serving.slo_ttft_ms / 1e3, sc.serving.slo_tpot_ms / 1e3,
                               sc.serving.ttft_inflation, sc.serving.tpot_inflation)
-        # One rollout iteration is bounded by the SLOs alone; the inflation budgets bound how many
-        # serving iterations carry one (`rollout_duty`), as banked budgets do on a device.
-        self.iteration_slo = SLOBudgets(self.slo.ttft_s, self.slo.tpot_s)
         # Dedicated rollout replicas: all the job's GPUs when colocated, else the rollout share.
         if system.colocated:
             ded_gpus = c.train_gpus + c.rollout_gpus
@@ -325,16 +324,14 @@ class Simulation:
         f, chunk = self.fleet, self.sc.serving.chunk_tokens
         reps = np.flatnonzero(self.workers.registered[self.first_cs:])
         held = self.last_view.held(self.first_cs)
+        naive = self.system.sharing is Sharing.NAIVE
         for r, st in zip(reps.tolist(), f.admission_states(t, reps), strict=True):
             wid = self.first_cs + r
             ctxs = [int(k) for _, k in held.get(wid, [])]
-            memory = max(0, int((self.workers.kv_cap[wid] - sum(ctxs)) // self.typical_ctx))
-            if self.system.sharing is Sharing.NAIVE or memory == 0:
-                slots = memory
-            else:
-                decode_only = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
-                slots = rollout_capacity(t, decode_only, RolloutDemand(ctxs), self.latency,
-                                         self.iteration_slo, self.typical_ctx, chunk, limit=memory)
+            state = BurstState.NORMAL if naive else self.burst[r].state
+            room = memory_room(state, self.workers.kv_cap[wid] - sum(ctxs), self.typical_ctx)
+            slots = room if naive else rollout_capacity(t, st, RolloutDemand(ctxs), self.latency, self.slo,
+                                                        self.typical_ctx, chunk, limit=room)
             self.table.heartbeat(wid, t + self.dt, free_slots=slots)
 
     def _drop_worker(self, rnd: Round, wid: int, t: float) -> None:
@@ -501,9 +498,13 @@ class Simulation:
                     serve_pf[r] = 0.0           # no free pages for the next serving prompt
                 duty_d = duty_p = 1.0
             else:
+                # One rollout iteration is bounded by the SLOs alone (banked=False); the inflation
+                # budgets bound how many serving iterations carry one (`rollout_duty`), as banked
+                # budgets do on a device.
                 decoding = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
-                a_d = admit(t, decoding, demand, self.latency, self.iteration_slo, chunk)
-                a_p = admit(t, st, demand, self.latency, self.iteration_slo, chunk) if st.waiting else a_d
+                a_d = admission_step(t, decoding, demand, self.latency, self.slo, chunk, banked=False)
+                a_p = (admission_step(t, st, demand, self.latency, self.slo, chunk, banked=False)
+                       if st.waiting else a_d)
                 alone_d = self.latency.iteration_time(decoding.load(chunk), TokenLoad())
                 alone_p = self.latency.iteration_time(st.load(chunk), TokenLoad()) if st.waiting else alone_d
                 duty_d = rollout_duty(alone_d, a_d.iteration_s, self.slo.tpot_inflation)
