@@ -98,7 +98,7 @@ class SimRun:
 
 class Simulation:
     """One system on one scenario (`serving_alone`: its serving cluster only, with no rollout
-    model on it, for `serving_alone`)."""
+    model beside serving: the SLO baseline of `serving_alone()`)."""
 
     def __init__(self, sc: Scenario, system: System, serving_alone: bool = False) -> None:
         sc = sc.sliced()
