@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rose.coserve.admission import BurstState
 from rose.sim.engine import Simulation
 from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
@@ -69,9 +70,20 @@ def test_bursts_cut_rollouts_and_lose_nothing():
     sc = load_scenario("paper-8b", [*SMALL, "serving.trace=mooncake", "serving.load=0.5",
                                     "cluster.serving_gpus=4", "rl.steps=1", "rl.trajectories=512",
                                     "rl.response_median=3000", "rl.max_response=8192"])
-    r = Simulation(sc, SYSTEMS["rose"]).run()
+    sim = Simulation(sc, SYSTEMS["rose"])
+    in_burst, report = [], sim.dispatch.report
+
+    def checked_report(t, free_slots):
+        memory = sim.coserving.memory
+        in_burst.extend(slots for wid, slots in free_slots
+                        if memory.state(wid - sim.first_cs) is BurstState.BURST)
+        report(t, free_slots)
+
+    sim.dispatch.report = checked_report
+    r = sim.run()
     assert r.bursts > 0 and r.aborted_turns > 0
     assert r.steps[0].trajectories == 512 and r.total_s > 0
+    assert in_burst and not any(in_burst)                # no free slot while pages are taken back
 
 
 def test_dapo_generates_more_trajectories_than_it_trains_on():
