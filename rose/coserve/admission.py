@@ -24,6 +24,13 @@ Two refinements make the ceiling the SLO as it is measured (docs/coserve.md, "Ad
 The latency model is read at a quantile of its error (`LatencyModel`), and `share` (from the
 feedback guard `SlackGuard`) scales the rollout part of the ceiling down after an overrun.
 
+One step for every caller (`admission_step`: the native executor, the vLLM scheduler and the
+simulator): serving state in, admitted rollout work out, with one cap on the rollout part of an
+iteration, decodes before prefill and one idle minimum. The mechanisms build the state from
+their requests (`serving_state`) and charge each request the rollout time it waited for
+(`RolloutWait`). The free slots a device reports (`rollout_capacity`) follow one memory rule
+(`memory_room`): none in a burst, else as many typical turns as the free rollout budget holds.
+
 Memory (`BurstController`): one page pool, serving keeps a reserved headroom H. NORMAL: the
 rollout budget follows serving usage (pool - H - serving). Burst trigger: serving usage crosses
 the high-watermark inside H (free pages fall to (1 - high_watermark) * H). Emergency cut: the
@@ -37,10 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import math
-from collections.abc import Hashable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 from rose.contracts import TokenLoad
 
@@ -55,6 +63,11 @@ CHUNK_TOKENS = 512      # serving prompt tokens prefilled per iteration (chunked
 # "Admission"; measured in docs/benchmarks.md).
 TPOT_INFLATION = 0.10
 TTFT_INFLATION = 0.03
+# TTFT room kept for a serving request that may arrive while an iteration runs: it waits for the
+# iteration, then prefills this many tokens, within B_TTFT (`rollout_time_cap`).
+ARRIVAL_RESERVE_TOKENS = 512
+# With no serving request in flight rollouts always get at least this many tokens (`admission_step`).
+IDLE_MIN_ROLLOUT_TOKENS = 32
 
 
 class LatencyModel(Protocol):
@@ -82,6 +95,12 @@ class SLOBudgets:
         if not (self.ttft_inflation >= 0 and self.tpot_inflation >= 0):
             raise ValueError(f"inflation budgets must be >= 0, got ttft_inflation={self.ttft_inflation}, "
                              f"tpot_inflation={self.tpot_inflation}")
+
+    @functools.cached_property
+    def without_inflation(self) -> SLOBudgets:
+        """B_TTFT and B_TPOT alone, for bounds that leave the inflation budgets to be kept over
+        time (asked in hot loops: made once)."""
+        return SLOBudgets(self.ttft_s, self.tpot_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +133,55 @@ class ServingState:
         pending = sum(tokens for _, tokens in self.waiting)
         return TokenLoad(min(chunk_tokens, pending), len(self.decoding_last_token_s),
                          self.decode_context_tokens)
+
+
+@dataclasses.dataclass
+class RolloutWait:
+    """The seconds one serving request has waited for rollout work: in all, and up to its first
+    token (what admission's inflation budgets and banked slack read)."""
+
+    total_s: float = 0.0
+    before_first_s: float = 0.0
+
+    def charge(self, seconds: float, age_s: float, first_token: bool) -> None:
+        """Rollout work of `seconds` ran while the request was in flight, `age_s` after it arrived
+        (it waited for no more of the work than that); `first_token`: whether its first token
+        came before the work ran."""
+        self.total_s += min(seconds, age_s)
+        if not first_token:
+            self.before_first_s = self.total_s
+
+    @property
+    def since_first_s(self) -> float:
+        return self.total_s - self.before_first_s
+
+
+class ServingRequest(NamedTuple):
+    """One serving request in flight on a device, as a mechanism reads it for `serving_state`."""
+
+    arrival_s: float
+    prompt_left: int                 # prompt tokens still to prefill (before the first token)
+    context_tokens: int              # KV tokens its decode reads (after the first token)
+    first_token_s: float | None
+    last_token_s: float | None
+    output_tokens: int
+    wait: RolloutWait
+
+
+def serving_state(requests: Iterable[ServingRequest]) -> ServingState:
+    """The `ServingState` of a device's serving requests, given in arrival order: those without a
+    first token wait (FIFO), the others decode, each with its accounts."""
+    waiting, decoding = [], []
+    for r in requests:
+        (waiting if r.first_token_s is None else decoding).append(r)
+    return ServingState(
+        waiting=[(r.arrival_s, r.prompt_left) for r in waiting],
+        decoding_last_token_s=[r.last_token_s for r in decoding],
+        decode_context_tokens=sum(r.context_tokens for r in decoding),
+        waiting_rollout_s=[r.wait.total_s for r in waiting],
+        decoding_first_token_s=[r.first_token_s for r in decoding],
+        decoding_output_tokens=[r.output_tokens for r in decoding],
+        decoding_rollout_s=[r.wait.since_first_s for r in decoding])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +255,24 @@ def _slacks(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tupl
     return s_prf, s_dec
 
 
+def _limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyModel, chunk_tokens: int,
+           share: float, max_rollout_s: float) -> tuple[float, list[tuple[float, int]], TokenLoad]:
+    """`iteration_limit`, with the prefill terms and serving's own load it was found from."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    base = serving.load(chunk_tokens)
+    serving_s = latency.iteration_time(base, TokenLoad())
+    # One full serving iteration, kept back from banked slack (only requests with accounts bank).
+    reserve_s = latency.iteration_time(
+        TokenLoad(chunk_tokens, len(serving.decoding_last_token_s), serving.decode_context_tokens),
+        TokenLoad()) if serving.decoding_first_token_s else 0.0
+    terms = _prefill_terms(now, serving, slo, chunk_tokens)
+    limit = _ceiling(now, serving, slo, terms, serving_s, reserve_s)
+    if limit > serving_s:
+        limit = serving_s + min(share * (limit - serving_s), max_rollout_s)
+    return limit, terms, base
+
+
 def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyModel,
                     chunk_tokens: int = CHUNK_TOKENS, share: float = 1.0,
                     max_rollout_s: float = math.inf) -> float:
@@ -194,20 +280,10 @@ def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency:
     inflation budgets (module docstring), with the rollout part of it (T minus serving's own
     predicted time) scaled by `share` and capped at `max_rollout_s`. `inf` when no serving
     request is in flight and no cap is set."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    serving_s = latency.iteration_time(serving.load(chunk_tokens), TokenLoad())
-    reserve_s = latency.iteration_time(
-        TokenLoad(chunk_tokens, len(serving.decoding_last_token_s), serving.decode_context_tokens),
-        TokenLoad())
-    terms = _prefill_terms(now, serving, slo, chunk_tokens)
-    limit = _ceiling(now, serving, slo, terms, serving_s, reserve_s)
-    if limit > serving_s:
-        limit = serving_s + min(share * (limit - serving_s), max_rollout_s)
-    return limit
+    return _limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)[0]
 
 
-def _largest(lo: int, hi: int, fits) -> int:
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
     """Largest k in [lo, hi] with fits(k), given fits is monotone (true then false) and fits(lo).
     Tries hi first: admission usually has room for everything offered."""
     if fits(hi):
@@ -219,6 +295,36 @@ def _largest(lo: int, hi: int, fits) -> int:
     return lo
 
 
+class _Offer:
+    """Predicted times of the next iteration with serving's `base` load and the first `d` rollout
+    decodes of `decode_context` plus `p` rollout prefill tokens, each predicted once (the
+    searches come back to some)."""
+
+    def __init__(self, latency: LatencyModel, base: TokenLoad, decode_context: Sequence[int]) -> None:
+        self.latency, self.base = latency, base
+        self.prefix = [0, *itertools.accumulate(decode_context)]
+        self.times: dict[tuple[int, int], float] = {}
+
+    def time(self, d: int, p: int) -> float:
+        t = self.times.get((d, p))
+        if t is None:
+            t = self.times[d, p] = self.latency.iteration_time(self.base, TokenLoad(p, d, self.prefix[d]))
+        return t
+
+    def fill(self, limit: float, max_prefill: int) -> tuple[int, int]:
+        """The most decodes, then the most prefill tokens (up to `max_prefill`), under `limit`."""
+        if self.time(0, 0) >= limit:
+            return 0, 0
+        d = _largest(0, len(self.prefix) - 1, lambda k: self.time(k, 0) < limit)
+        return d, _largest(0, max_prefill, lambda k: self.time(d, k) < limit)
+
+    def admission(self, now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[float, int]],
+                  d: int, p: int, limit: float) -> Admission:
+        t = self.time(d, p)
+        s_prf, s_dec = _slacks(serving, slo, now, terms, t)
+        return Admission(d, p, t, limit, s_prf, s_dec)
+
+
 def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: LatencyModel,
           slo: SLOBudgets, chunk_tokens: int = CHUNK_TOKENS, rollout_chunk_tokens: int | None = None,
           share: float = 1.0, max_rollout_s: float = math.inf) -> Admission:
@@ -227,24 +333,47 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
     Serving always runs (its chunk and all its decodes); rollout tokens are added only while
     the iteration stays under `iteration_limit` with them. `rollout_chunk_tokens` (default
     `chunk_tokens`) caps rollout prefill per iteration; `share` and `max_rollout_s` scale and
-    cap the rollout part of the ceiling (the feedback guard; the executor keeps TTFT room for a
-    request that may arrive while the iteration runs)."""
-    limit = iteration_limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)
-    base = serving.load(chunk_tokens)
-    prefix = [0, *itertools.accumulate(rollout.decode_context)]
+    cap the rollout part of the ceiling (the feedback guard; `rollout_time_cap`)."""
+    limit, terms, base = _limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)
+    offer = _Offer(latency, base, rollout.decode_context)
+    d, p = offer.fill(limit, min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens))
+    return offer.admission(now, serving, slo, terms, d, p, limit)
 
-    def time_with(d: int, p: int) -> float:
-        return latency.iteration_time(base, TokenLoad(p, d, prefix[d]))
 
-    t0 = time_with(0, 0)
-    d = p = 0
-    if t0 < limit:
-        d = _largest(0, len(rollout.decode_context), lambda k: time_with(k, 0) < limit)
-        max_p = min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens)
-        p = _largest(0, max_p, lambda k: time_with(d, k) < limit)
-    t = time_with(d, p) if (d or p) else t0
-    s_prf, s_dec = _slacks(serving, slo, now, _prefill_terms(now, serving, slo, chunk_tokens), t)
-    return Admission(d, p, t, limit, s_prf, s_dec)
+def admission_step(now: float, serving: ServingState, rollout: RolloutDemand, latency: LatencyModel,
+                   slo: SLOBudgets, chunk_tokens: int = CHUNK_TOKENS, share: float = 1.0,
+                   arrival_reserve_tokens: int = ARRIVAL_RESERVE_TOKENS,
+                   idle_min_tokens: int = IDLE_MIN_ROLLOUT_TOKENS, banked: bool = True) -> Admission:
+    """The rollout work that joins one iteration of a co-serving device: the one step the native
+    executor, the vLLM scheduler and the simulator run.
+
+    1. cap: the rollout part of the iteration stays under `rollout_time_cap`, for a serving
+       request that may arrive while it runs (a prompt of `arrival_reserve_tokens`);
+    2. `admit`, under the SLOs and, with `banked`, the inflation budgets of each request's
+       accounts in `serving`; without it the caller keeps the inflation budgets on average over
+       iterations (`rollout_duty`: the simulator's fluid model) and the SLOs alone bound this one;
+    3. decodes first: rollout prefill joins only beside every ready rollout decode (an engine
+       spends a token budget on ready decodes first, so prefill tokens admitted beside only some
+       would run as more, costlier, decodes);
+    4. idle minimum: with no serving request in flight, at least `idle_min_tokens` of rollout
+       work (decodes first), so that a latency model that overestimates cannot starve rollouts:
+       each such iteration is also a measurement that corrects it. `limit_s` is then inf: there
+       is no serving slack for the feedback guard to measure."""
+    reserve_s = latency.iteration_time(TokenLoad(arrival_reserve_tokens), TokenLoad())
+    bound = slo if banked else slo.without_inflation
+    limit, terms, base = _limit(now, serving, bound, latency, chunk_tokens, share,
+                                rollout_time_cap(slo, reserve_s))
+    offer = _Offer(latency, base, rollout.decode_context)
+    decodes = len(rollout.decode_context)
+    d, p = offer.fill(limit, min(rollout.prefill_tokens, chunk_tokens))
+    if d < decodes:
+        p = 0
+    if not serving.waiting and not serving.decoding_last_token_s:
+        limit = math.inf
+        if d + p < idle_min_tokens:
+            d = min(decodes, idle_min_tokens)
+            p = min(rollout.prefill_tokens, idle_min_tokens - d)
+    return offer.admission(now, serving, bound, terms, d, p, limit)
 
 
 def rollout_time_cap(slo: SLOBudgets, reserve_prefill_s: float) -> float:
@@ -254,15 +383,23 @@ def rollout_time_cap(slo: SLOBudgets, reserve_prefill_s: float) -> float:
     return min(slo.ttft_s * slo.ttft_inflation, slo.ttft_s - reserve_prefill_s)
 
 
-def rollout_capacity(now: float, serving: ServingState, rollout: RolloutDemand,
-                     latency: LatencyModel, slo: SLOBudgets, typical_context: int,
-                     chunk_tokens: int = CHUNK_TOKENS, limit: int = 1024, share: float = 1.0) -> int:
-    """How many more rollout sequences of `typical_context` tokens could decode beside the ones
-    in `rollout` under the same ceiling as `admit` (at most `limit`): the executor's capacity
-    report to the scheduler, so that turns go where admission will actually run them."""
-    base = serving.load(chunk_tokens)
-    ceiling = iteration_limit(now, serving, slo, latency, chunk_tokens, share)
-    d0, c0 = len(rollout.decode_context), sum(rollout.decode_context)
+def rollout_capacity(now: float, serving: ServingState, running: RolloutDemand, latency: LatencyModel,
+                     slo: SLOBudgets, typical_context: int, chunk_tokens: int = CHUNK_TOKENS,
+                     limit: int = 1024, share: float = 1.0) -> int:
+    """The free rollout slots a serving device reports to the rollout scheduler, so that turns go
+    where admission will run them: how many more sequences of `typical_context` tokens could
+    decode beside the `running` ones, at most `limit` (what `memory_room` and the lease slots
+    leave). Under the SLOs alone, beside serving's decodes: a waiting prompt passes, and the
+    inflation budgets are kept over time; admission enforces both per iteration, so neither is
+    held against a turn that will run over many."""
+    if limit <= 0:
+        return 0
+    decoding = ServingState((), serving.decoding_last_token_s, serving.decode_context_tokens, (),
+                            serving.decoding_first_token_s, serving.decoding_output_tokens,
+                            serving.decoding_rollout_s)
+    base = decoding.load(chunk_tokens)
+    ceiling = iteration_limit(now, decoding, slo.without_inflation, latency, chunk_tokens, share)
+    d0, c0 = len(running.decode_context), sum(running.decode_context)
 
     def fits(k: int) -> bool:
         return latency.iteration_time(base, TokenLoad(0, d0 + k, c0 + k * typical_context)) < ceiling
@@ -373,3 +510,12 @@ class BurstController:
     def new_rl_step(self) -> None:
         """A new RL step began: the rollout budget may grow again."""
         self.state = BurstState.NORMAL
+
+
+def memory_room(state: BurstState, free: float, per_turn: float) -> int:
+    """The memory rule of a device's free-slot count: how many rollout turns of `per_turn` (the
+    typical turn's pages, bytes or tokens) the free part `free` of the rollout budget holds;
+    none in a burst, while the burst state machine takes pages back."""
+    if state is BurstState.BURST:
+        return 0
+    return max(0, int(free // per_turn))

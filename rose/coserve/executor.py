@@ -4,9 +4,9 @@ Two engines draw KV pages from one pool, each with its own block tables. Every i
 1. memory: the burst state machine (`admission.BurstController`) sets the rollout page budget
    from serving's usage, and on a burst aborts the rollout turns that no longer fit (they are
    handed back with their partial tokens; the scheduler reroutes them);
-2. compute: dual-SLO admission (`admission.admit`) decides how many rollout tokens may join,
-   predicted with the fitted iteration-time model read at a quantile of its error, under each
-   serving request's SLOs and inflation budgets, scaled by the feedback guard;
+2. compute: dual-SLO admission (`admission.admission_step`) decides how many rollout tokens may
+   join, predicted with the fitted iteration-time model read at a quantile of its error, under
+   each serving request's SLOs and inflation budgets, scaled by the feedback guard;
 3. serving's batch runs first, then the rollout model's with the admitted tokens;
 4. the measured times refit the latency model, feed the guard, and are charged to the serving
    requests that waited for the rollout part.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rose.contracts import Capacity, TokenLoad, Turn
+from rose.contracts import Capacity, Turn
 from rose.coserve.admission import (
     CHUNK_TOKENS,
     HEADROOM,
@@ -34,15 +34,17 @@ from rose.coserve.admission import (
     TPOT_INFLATION,
     TTFT_INFLATION,
     BurstController,
-    BurstState,
     RolloutDemand,
+    RolloutWait,
+    ServingRequest,
     ServingState,
     SlackGuard,
     SLOBudgets,
-    admit,
+    admission_step,
     iteration_limit,
+    memory_room,
     rollout_capacity,
-    rollout_time_cap,
+    serving_state,
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
@@ -151,9 +153,8 @@ class CoServingExecutor:
         self.metrics = ExecutorMetrics((SERVING, ROLLOUT))
         self.slo = cfg.slo
         self._turns: dict[str, Turn] = {}
-        # Per serving request: seconds it spent waiting for rollout work, in all and up to its
-        # first token (admission's inflation budgets and banked slack read them).
-        self._waited: dict[str, list[float]] = {}
+        # Per serving request: the rollout work it waited for.
+        self._waited: dict[str, RolloutWait] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
         # Whether a serving request is on its way in (its server sets this): a rollout iteration
         # under `rose` is given up for it between two layers, so a request never waits out a
@@ -223,28 +224,23 @@ class CoServingExecutor:
         return self.abort(turn_id) if turn_id in self._turns else None
 
     def capacity(self) -> Capacity:
-        """The report the rollout scheduler routes by. Free slots are counted by the admission
-        policy, as the simulator counts them (`rollout_capacity`): rollout sequences of a
-        typical context (the running ones' mean) that could decode beside the running ones
-        within the serving SLOs, at most the free lease slots, none in a burst. A waiting
-        prompt passes, and the inflation budgets are kept over time: admission enforces both
-        per iteration, so neither is held against a turn that will run over many."""
+        """The report the rollout scheduler routes by. Free slots are counted as the simulator
+        counts them: rollout turns of a typical context (the running ones' mean) that could
+        decode beside the running ones within the serving SLOs (`rollout_capacity`), at most
+        the free lease slots and what the free rollout pages hold (`memory_room`: none in a
+        burst)."""
         rollout = self._rollout()
         running = len(self._turns)
-        room = self.config.max_rollout_turns - running
-        if self.burst.state is BurstState.BURST or self.pool.headroom(ROLLOUT) == 0:
-            room = 0
         now = time.monotonic()
-        state = self._serving_state(now)
+        state = self._serving_state()
         chunk = self.config.chunk_tokens
-        free = 0
-        if room > 0:
-            contexts = [s.num_computed_tokens + 1 for s in rollout.scheduler.running]
-            typical = sum(contexts) // len(contexts) if contexts else self.config.typical_rollout_context
-            decoding = dataclasses.replace(state, waiting=(), waiting_rollout_s=())
-            free = rollout_capacity(now, decoding, RolloutDemand(contexts), self.tail,
-                                    SLOBudgets(self.slo.ttft_s, self.slo.tpot_s), typical, chunk,
-                                    limit=room, share=self.guard.share)
+        contexts = [s.num_computed_tokens + 1 for s in rollout.scheduler.running]
+        typical = sum(contexts) // len(contexts) if contexts else self.config.typical_rollout_context
+        turn_pages = rollout.blocks.pages_for(typical)
+        room = min(self.config.max_rollout_turns - running,
+                   memory_room(self.burst.state, self.pool.headroom(ROLLOUT), turn_pages))
+        free = rollout_capacity(now, state, RolloutDemand(contexts), self.tail, self.slo, typical, chunk,
+                                limit=room, share=self.guard.share)
         slack = iteration_limit(now, state, self.slo, self.tail, chunk, self.guard.share)
         slack -= self.tail.time(SERVING, state.load(chunk))
         return Capacity(free, slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
@@ -288,18 +284,16 @@ class CoServingExecutor:
         return outputs
 
     def _charge_rollout_time(self, seconds: float) -> None:
-        """Charge the rollout part of this iteration to each serving request in flight, for the
-        part of it after the request arrived."""
+        """Charge the rollout part of this iteration to each serving request in flight. It ran
+        after serving's part, so a first token of this iteration came before it."""
         now = time.monotonic()
         sched = self.serving.scheduler
         live = {s.request_id: s for s in sched.running + sched.waiting}
         for rid in self._waited.keys() - live.keys():
             del self._waited[rid]
         for rid, seq in live.items():
-            waited = self._waited.setdefault(rid, [0.0, 0.0])
-            waited[0] += min(seconds, now - seq.arrival_time)
-            if seq.first_token_time is None:
-                waited[1] = waited[0]
+            self._waited.setdefault(rid, RolloutWait()).charge(seconds, now - seq.arrival_time,
+                                                               seq.first_token_time is not None)
 
     def _observe_slack(self, measured_s: float) -> None:
         overruns = self.guard.overruns
@@ -365,40 +359,28 @@ class CoServingExecutor:
             return None
         if policy is Policy.STATIC:
             return self.config.static_rollout_tokens
-        running = sorted(self.rollout.scheduler.running, key=lambda s: s.sort_key)
+        sched = self.rollout.scheduler
+        ready = sorted((s for s in sched.running if s.num_uncomputed == 1), key=lambda s: s.sort_key)
+        # Everything else still has prompt to prefill (a waiting one-token prompt too).
         demand = RolloutDemand(
-            decode_context=[s.num_computed_tokens + 1 for s in running if s.num_uncomputed == 1],
-            prefill_tokens=sum(s.num_uncomputed for s in self._rollout_seqs() if s.num_uncomputed > 1))
-        reserve_s = self.tail.time(SERVING, TokenLoad(self.config.arrival_reserve_tokens))
-        cap = rollout_time_cap(self.slo, reserve_s)
-        state = self._serving_state(now)
-        decision = admit(now, state, demand, self.tail, self.slo, self.config.chunk_tokens,
-                         share=self.guard.share, max_rollout_s=cap)
-        self._limit_s = decision.limit_s if state.waiting or state.decoding_last_token_s else math.inf
+            decode_context=[s.num_computed_tokens + 1 for s in ready],
+            prefill_tokens=sum(s.num_uncomputed for s in sched.waiting)
+            + sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1))
+        cfg = self.config
+        decision = admission_step(now, self._serving_state(), demand, self.tail, self.slo, cfg.chunk_tokens,
+                                  self.guard.share, cfg.arrival_reserve_tokens, cfg.idle_min_rollout_tokens)
+        self._limit_s = decision.limit_s
         self.metrics.latency_error.set(self.latency.error)
         self.metrics.slack.set(min(decision.prefill_slack_s, decision.decode_slack_s))
-        if not state.waiting and not state.decoding_last_token_s:
-            return max(decision.rollout_tokens, self.config.idle_min_rollout_tokens)
-        if decision.decode_seqs < len(demand.decode_context):
-            # The engine spends a token budget on ready decodes before any prefill: prefill
-            # tokens admitted beside only some decodes would run as more (costlier) decodes.
-            return decision.decode_seqs
         return decision.rollout_tokens
 
-    def _serving_state(self, now: float) -> ServingState:
+    def _serving_state(self) -> ServingState:
         sched = self.serving.scheduler
-        seqs = sorted(sched.running + sched.waiting, key=lambda s: s.arrival)
-        waiting = [s for s in seqs if s.last_token_time is None]
-        decoding = [s for s in seqs if s.last_token_time is not None]
-        waited = [self._waited.get(s.request_id, (0.0, 0.0)) for s in decoding]
-        return ServingState(
-            waiting=[(s.arrival_time, s.num_uncomputed) for s in waiting],
-            decoding_last_token_s=[s.last_token_time for s in decoding],
-            decode_context_tokens=sum(len(s.token_ids) for s in decoding),
-            waiting_rollout_s=[self._waited.get(s.request_id, (0.0, 0.0))[0] for s in waiting],
-            decoding_first_token_s=[s.first_token_time for s in decoding],
-            decoding_output_tokens=[s.num_output_tokens for s in decoding],
-            decoding_rollout_s=[total - before for total, before in waited])
+        no_wait = RolloutWait()
+        return serving_state(
+            ServingRequest(s.arrival_time, s.num_uncomputed, len(s.token_ids), s.first_token_time,
+                           s.last_token_time, s.num_output_tokens, self._waited.get(s.request_id, no_wait))
+            for s in sorted(sched.running + sched.waiting, key=lambda s: s.arrival))
 
     def _rollout_seqs(self) -> list[Sequence]:
         sched = self._rollout().scheduler

@@ -6,9 +6,9 @@ vLLM holds one model per engine, so here serving requests (priority 0) and rollo
 scheduler with ROSE's admission in front of it; at every `schedule()`:
 1. it reads serving's state (each serving request's arrival, first and last token, prompt still
    to prefill) and the rollout demand (decodes ready, prompt tokens waiting);
-2. `admission.admit`, the policy the native executor and the simulator run, decides how many
-   rollout decodes and prefill tokens may join, predicted with a latency model fitted on this
-   engine's own iterations and read at a quantile of its error, scaled by the feedback guard;
+2. `admission.admission_step`, the step the native executor and the simulator run, decides how
+   many rollout decodes and prefill tokens may join, predicted with a latency model fitted on
+   this engine's own iterations and read at a quantile of its error, scaled by the feedback guard;
 3. the rollout requests not admitted are held out of vLLM's `running` list and `waiting` queue
    while vLLM's own `schedule()` runs, serving goes first in `running`, and vLLM's token budget
    (`max_num_scheduled_tokens`, read at every call) is serving's share plus what was admitted.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,19 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from rose.contracts import TokenLoad
 from rose.coserve.admission import (
+    ARRIVAL_RESERVE_TOKENS,
     CHUNK_TOKENS,
+    IDLE_MIN_ROLLOUT_TOKENS,
     TPOT_INFLATION,
     TTFT_INFLATION,
     RolloutDemand,
+    RolloutWait,
+    ServingRequest,
     ServingState,
     SlackGuard,
     SLOBudgets,
-    admit,
-    rollout_time_cap,
+    admission_step,
+    serving_state,
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile_batches
 from rose.engine.vllm_engine import VllmEngine
@@ -72,8 +75,7 @@ class _Served:
     outputs: int = 0
     first: float | None = None
     last: float | None = None
-    rollout_s: float = 0.0      # time spent on rollout work since it arrived
-    rollout_first_s: float = 0.0  # of which before its first token
+    wait: RolloutWait = dataclasses.field(default_factory=RolloutWait)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +97,16 @@ class DualSLOScheduler(Scheduler):
         self.tail = TailLatency(self.latency)
         self.guard = SlackGuard()
         self.chunk_tokens = CHUNK_TOKENS
-        self.reserve_tokens = 512
-        self.idle_min_tokens = 32
+        self.reserve_tokens = ARRIVAL_RESERVE_TOKENS
+        self.idle_min_tokens = IDLE_MIN_ROLLOUT_TOKENS
         self.full_budget, self.full_active = self.max_num_scheduled_tokens, self.max_num_active_reqs
         self.held_iterations = 0  # iterations with rollout work waiting and none admitted
         self._served: dict[str, _Served] = {}
         self._iteration: _Iteration | None = None
 
     def configure(self, slo: SLOBudgets, quantile: float = 0.95, chunk_tokens: int = CHUNK_TOKENS,
-                  arrival_reserve_tokens: int = 512, idle_min_rollout_tokens: int = 32) -> None:
+                  arrival_reserve_tokens: int = ARRIVAL_RESERVE_TOKENS,
+                  idle_min_rollout_tokens: int = IDLE_MIN_ROLLOUT_TOKENS) -> None:
         """Admission on, with the native executor's settings (`ExecutorConfig` says what each is)."""
         self.slo, self.chunk_tokens = slo, chunk_tokens
         self.tail = TailLatency(self.latency, quantile)
@@ -163,20 +166,14 @@ class DualSLOScheduler(Scheduler):
         prefilling = [r for r in rollout_running if _remaining(r) > 1]
         waiting = [r for r in self.waiting if r.priority != SERVING_PRIORITY]
         serving_waiting = [r for r in self.waiting if r.priority == SERVING_PRIORITY]
-        state = self._serving_state(now, serving_running + serving_waiting)
+        state = self._serving_state(serving_running + serving_waiting)
         demand = RolloutDemand([r.num_computed_tokens + 1 for r in decoding],
                                sum(_remaining(r) for r in prefilling + waiting))
         if not demand.decode_context and not demand.prefill_tokens:
             return [], [], math.inf
-        latency = OneForward(self.tail)
-        cap = rollout_time_cap(self.slo, self.tail.time(MODEL, TokenLoad(self.reserve_tokens)))
-        decision = admit(now, state, demand, latency, self.slo, self.chunk_tokens, share=self.guard.share,
-                         max_rollout_s=cap)
+        decision = admission_step(now, state, demand, OneForward(self.tail), self.slo, self.chunk_tokens,
+                                  self.guard.share, self.reserve_tokens, self.idle_min_tokens)
         d, p = decision.decode_seqs, decision.prefill_tokens
-        idle = not state.waiting and not state.decoding_last_token_s
-        if idle and d + p < self.idle_min_tokens:  # a model that overestimates cannot starve rollouts
-            d = min(len(decoding), self.idle_min_tokens)
-            p = min(demand.prefill_tokens, self.idle_min_tokens - d)
         if serving_waiting:
             # vLLM schedules its waiting queue after the running list: a running rollout prefill
             # would take the tokens meant for serving's prompt first.
@@ -191,20 +188,12 @@ class DualSLOScheduler(Scheduler):
         serving = state.load(self.chunk_tokens)
         serving_tokens = serving.prefill_tokens + serving.decode_seqs
         self.max_num_scheduled_tokens = min(self.full_budget, serving_tokens + d + p)
-        return held_running, held_waiting, math.inf if idle else decision.limit_s
+        return held_running, held_waiting, decision.limit_s
 
-    def _serving_state(self, now: float, requests: Iterable[Any]) -> ServingState:
+    def _serving_state(self, requests: list[Any]) -> ServingState:
         accounts = sorted(((self._served[r.request_id], r) for r in requests), key=lambda ar: ar[0].arrival)
-        waiting = [(a, r) for a, r in accounts if a.first is None]
-        decoding = [(a, r) for a, r in accounts if a.first is not None]
-        return ServingState(
-            waiting=[(a.arrival, _remaining(r)) for a, r in waiting],
-            decoding_last_token_s=[a.last for a, _ in decoding],
-            decode_context_tokens=sum(r.num_tokens for _, r in decoding),
-            waiting_rollout_s=[a.rollout_s for a, _ in waiting],
-            decoding_first_token_s=[a.first for a, _ in decoding],
-            decoding_output_tokens=[a.outputs for a, _ in decoding],
-            decoding_rollout_s=[a.rollout_s - a.rollout_first_s for a, _ in decoding])
+        return serving_state(ServingRequest(a.arrival, _remaining(r), r.num_tokens, a.first, a.last,
+                                            a.outputs, a.wait) for a, r in accounts)
 
     def _loads(self, scheduled: dict[str, int]) -> tuple[TokenLoad, TokenLoad]:
         """Serving's and rollout's share of the iteration just scheduled."""
@@ -221,15 +210,14 @@ class DualSLOScheduler(Scheduler):
 
     def _charge(self, it: _Iteration, seconds: float, now: float) -> None:
         """Charge the rollout part of a shared iteration (its predicted share of the measured
-        time) to each serving request in flight, for the part after the request arrived."""
+        time) to each serving request in flight. Tokens come at the end of the one forward, so a
+        first token of this iteration waited for it (its account is updated after this)."""
         total = self.latency.time(MODEL, it.serving + it.rollout)
         if total <= 0:
             return
         rollout_s = seconds * (1.0 - self.latency.time(MODEL, it.serving) / total)
         for acct in self._served.values():
-            acct.rollout_s += min(rollout_s, now - acct.arrival)
-            if acct.first is None:
-                acct.rollout_first_s = acct.rollout_s
+            acct.wait.charge(rollout_s, now - acct.arrival, acct.first is not None)
 
 
 def _remaining(request: Any) -> int:

@@ -2,13 +2,18 @@
 
 Fidelity. Serving and rollout progress in ticks (`sim.tick_s`). Inside a tick each replica's
 iteration times are constant, computed from the state at the tick's start (roofline cost
-model, `costs.py`) and, on serving GPUs, from the admission decision of the shared policy
-(`rose.coserve.admission`, called twice a tick per replica: for iterations that carry a
-serving prefill chunk and for those that do not). Requests and turns keep their own clocks, so
-their latencies are not rounded to ticks, and a trajectory may run several short turns within
-one tick. Turns are routed one by one by the shared routing policy (`rose.rollout.routing`).
-Training, weight sync and allocation are timed from the cost models. What this leaves out,
-and its error, is in docs/simulator.md.
+model, `costs.py`) and, on serving GPUs, from the admission step of the executor
+(`rose.coserve.admission.admission_step`, called twice a tick per replica: for iterations that
+carry a serving prefill chunk and for those that do not). Requests and turns keep their own
+clocks, so their latencies are not rounded to ticks, and a trajectory may run several short
+turns within one tick. Turns are routed one by one by the shared routing policy
+(`rose.rollout.routing`). Training, weight sync and allocation are timed from the cost models.
+What this leaves out, and its error, is in docs/simulator.md.
+
+The concerns live apart: `dispatch` (turns through the routing table), `provisioning` (spot and
+serverless capacity, and when serving GPUs are usable), `coserving` (admission and capacity
+reports on serving replicas) with `burst` (their memory), `rates` (dedicated replicas' rates);
+here, the RL step loop (`Simulation.run`) and the tick loop of a rollout round (`run_round`).
 """
 
 from __future__ import annotations
@@ -16,25 +21,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
-from rose.contracts import TokenLoad, WorkerKind
-from rose.coserve.admission import (
-    Admission,
-    BurstController,
-    RolloutDemand,
-    ServingState,
-    SLOBudgets,
-    admit,
-    rollout_capacity,
-    rollout_duty,
-)
-from rose.coserve.loadgen import fit_lengths
-from rose.rollout.routing import Route, RoutedTurn, RoutingTable, WorkerState, resume
+from rose.rollout.routing import RoutingTable
+from rose.sim.coserving import CoServing, ServingTimes
 from rose.sim.costs import (
     DRIVER_CHUNK_S,
-    RooflineLatency,
     WeightSync,
     cross_cluster_sync_time,
     device_by_name,
@@ -44,17 +38,16 @@ from rose.sim.costs import (
     model_by_name,
     train_step_time,
 )
-from rose.sim.rollout import DECODE, DONE, PREFILL, Round, TickRates
+from rose.sim.dispatch import Dispatch
+from rose.sim.provisioning import Provisioning
+from rose.sim.rates import charge_manager, plan_rates
+from rose.sim.rollout import ActiveView, Round, TickRates
 from rose.sim.scenarios import Scenario
-from rose.sim.serving import ServingFleet
-from rose.sim.spot import SpotMarket
 from rose.sim.systems import SYSTEMS, Extra, Sharing, System
-from rose.sim.workloads import dapo_resampling, groups_sampled, sample_round, step_multipliers
-from rose.traces import Trace, diurnal_for_peak, load_trace
+from rose.sim.workers import DEDICATED, ELASTIC, Workers
+from rose.sim.workloads import RoundDemand, dapo_resampling, groups_sampled, sample_round, step_multipliers
 
-DEDICATED, ELASTIC, COSERVE = 0, 1, 2
 SUBPASSES = 4               # further turns of one trajectory within a tick
-KIND_NAMES = ("dedicated", "elastic", "serving")
 
 
 @dataclasses.dataclass
@@ -103,27 +96,9 @@ class SimRun:
         return sum(s.trajectories for s in self.steps) / self.total_s
 
 
-@dataclasses.dataclass
-class Workers:
-    """Every rollout replica a run may use, as arrays indexed by worker id."""
-
-    kind: np.ndarray
-    kv_cap: np.ndarray          # KV tokens (co-serving: the rollout budget, updated per tick)
-    max_seqs: np.ndarray
-    ready_at: np.ndarray        # usable from (inf: not now)
-    gone_at: np.ndarray         # preempted or released at
-    registered: np.ndarray      # currently in the routing table
-
-    @classmethod
-    def build(cls, counts: tuple[int, int, int], kv: tuple[int, int, int], max_seqs: int) -> Workers:
-        kind = np.repeat([DEDICATED, ELASTIC, COSERVE], counts)
-        n = len(kind)
-        return cls(kind, np.repeat(np.array(kv, float), counts), np.full(n, max_seqs),
-                   np.where(kind == DEDICATED, 0.0, np.inf), np.full(n, np.inf), np.zeros(n, bool))
-
-
 class Simulation:
-    """One system on one scenario."""
+    """One system on one scenario (`serving_alone`: its serving cluster only, with no rollout
+    model beside serving: the SLO baseline of `serving_alone()`)."""
 
     def __init__(self, sc: Scenario, system: System, serving_alone: bool = False) -> None:
         sc = sc.sliced()
@@ -133,13 +108,7 @@ class Simulation:
         self.eff = efficiency_for(self.device)
         self.policy, self.serving_model = model_by_name(sc.models.policy), model_by_name(sc.models.serving)
         self.env = sc.rl.env_profile()
-        self.rng = np.random.default_rng(sc.sim.seed)
         self.dt = sc.sim.tick_s
-        self.slo = SLOBudgets(sc.serving.slo_ttft_ms / 1e3, sc.serving.slo_tpot_ms / 1e3,
-                              sc.serving.ttft_inflation, sc.serving.tpot_inflation)
-        # One rollout iteration is bounded by the SLOs alone; the inflation budgets bound how many
-        # serving iterations carry one (`rollout_duty`), as banked budgets do on a device.
-        self.iteration_slo = SLOBudgets(self.slo.ttft_s, self.slo.tpot_s)
         # Dedicated rollout replicas: all the job's GPUs when colocated, else the rollout share.
         if system.colocated:
             ded_gpus = c.train_gpus + c.rollout_gpus
@@ -158,471 +127,84 @@ class Simulation:
         ded_kv = kv_capacity_tokens(self.policy, self.device, c.rollout_tp, self.eff)
         self.workers = Workers.build((n_ded, n_el, n_cs_workers), (ded_kv, ded_kv, 0), sc.rl.rollout_max_seqs)
         self.first_cs = n_ded + n_el
-        self.table = RoutingTable(affinity=system.affinity, hold_slots=sc.rl.cap_counts == "trajectories")
         # A trajectory early in its life: what a serving executor budgets a new turn at.
         self.typical_ctx = self.env.prompt_tokens + 2 * int(self.env.response_median + self.env.obs_tokens)
-        self.ticks: list[tuple[float, np.ndarray]] = []
-        self.aborted = 0
-        # Spot availability as measured (rose.sim.spot); None: every requested GPU, every step.
-        measured = system.extra is Extra.SPOT and sc.elastic.availability == "measured"
-        self.market = SpotMarket(sc.sim.seed + 13) if measured else None
-        self.prep: list[tuple[float, float]] = []    # this step's (asked, usable) extra capacity
+        self.coserving: CoServing | None = None
         if self.n_cs:
-            self._init_serving(serving_alone)
+            self.coserving = CoServing(sc, self.device, self.eff, self.policy, self.serving_model, self.n_cs,
+                                       self.first_cs, self.typical_ctx, system.sharing is Sharing.NAIVE,
+                                       serving_alone)
+            self.workers.kv_cap[self.first_cs:] = self.coserving.memory.initial_budget
+        self.provisioning = Provisioning(sc, system, self.workers, self.policy.weight_bytes)
+        table = RoutingTable(affinity=system.affinity, hold_slots=sc.rl.cap_counts == "trajectories")
+        invoke_s = sc.elastic.serverless_invoke_s if system.extra is Extra.SERVERLESS else None
+        self.dispatch = Dispatch(table, self.workers, self.dt, sc.rl.fixed_concurrency, self._seq_s, invoke_s)
+        self.ticks: list[tuple[float, np.ndarray]] = []
 
-    # -- serving side -----------------------------------------------------------------------------
-    def _init_serving(self, alone: bool) -> None:
-        sc, c = self.sc, self.sc.cluster
-        trace = load_trace(sc.serving.trace).scaled(tokens=sc.serving.token_scale)
-        if sc.serving.max_context:
-            # Lengths clipped as the runtime's trace replay clips them to the serving model's context.
-            prompts, outputs = fit_lengths(trace, sc.serving.max_context, sc.serving.max_output)
-            trace = Trace(trace.name, trace.arrival_s, prompts, outputs)
-        self.fleet = ServingFleet(self.n_cs, trace, trace.mean_rate * sc.serving.load,
-                                  diurnal_for_peak(sc.serving.trace, sc.serving.minute_peak_to_mean),
-                                  sc.serving.start_hour * 3600.0, sc.serving.chunk_tokens, sc.sim.seed + 1)
-        self.serve_cost = forward_cost(self.serving_model, self.device, c.serving_tp, self.eff)
-        self.cs_cost = forward_cost(self.policy, self.device, c.serving_tp, self.eff)
-        self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
-        rollout_weights = 0.0 if alone else self.policy.weight_bytes
-        # One page pool in bytes holds both models' KV (two KV shapes).
-        self.pool = int(self.device.memory * c.serving_tp * self.eff.memory_utilization
-                        - self.serving_model.weight_bytes - rollout_weights)
-        if self.pool <= 0:
-            raise ValueError(f"scenario {sc.name}: {self.serving_model.name} and {self.policy.name} do "
-                             f"not fit together on {c.serving_tp} x {self.device.name}; raise serving_tp")
-        self.burst = [BurstController(self.pool, sc.serving.headroom, sc.serving.high_watermark)
-                      for _ in range(self.n_cs)]
-        self.workers.kv_cap[self.first_cs:] = self.burst[0].budget / self.policy.kv_bytes_per_token
-
-    def _serving_alone_times(self) -> tuple[np.ndarray, np.ndarray]:
-        """(prefill-iteration, decode-iteration) times of every serving replica, no rollout."""
-        f, chunk = self.fleet, self.sc.serving.chunk_tokens
-        dec, ctx = f.decode_seqs(), f.decode_context()
-        t_p = self.serve_cost.time(chunk, dec, ctx)
-        t_d = self.serve_cost.time(0, dec, ctx)
-        return t_p, np.maximum(t_d, 1e-4)
-
-    def _serving_tick_alone(self, t: float) -> None:
-        self.fleet.arrivals_until(t + self.dt)
-        t_p, t_d = self._serving_alone_times()
-        self.fleet.advance(t, self.dt, t_p, t_d, np.full(self.n_cs, float(self.sc.serving.chunk_tokens)))
-
-    def idle_until(self, t: float, t_end: float) -> float:
-        """Serving runs alone (no rollout) until t_end; returns the tick time reached."""
-        if not self.n_cs:
-            return t_end
-        while t < t_end:
-            self._serving_tick_alone(t)
-            t += self.dt
-        return t
-
-    # -- one rollout round --------------------------------------------------------------------------
-    def run_round(self, rnd: Round, t: float, version: int) -> float:
-        """Ticks from t until every trajectory of the round is done; returns the end time."""
-        self.round_start = t
-        self._set_caps(rnd, t)
-        self.last_view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
-                                         self.workers.kind == COSERVE)
-        while not rnd.all_done():
-            coserving = self.n_cs and self.system.extra is Extra.COSERVE
-            if coserving:
-                self.fleet.arrivals_until(t + self.dt)
-                self._memory(rnd, t)
-            if self.market:
-                self._rent_more(t)
-            elif self.system.extra is Extra.SERVERLESS:
-                self._reinvoke(t)
-            self._membership(rnd, t, version)
-            if coserving:
-                # The rollout manager polls every 0.25 s (`rose.rollout.manager`), within any tick.
-                self._report_capacity(t, rnd)
-            self._route(rnd, t, version)
-            if coserving:
-                self._rebalance_to_dedicated(rnd, t)
-            view = self.last_view = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
-                                                    self.workers.kind == COSERVE)
-            plan, serving_times = self._plan(rnd, view, t)
-            made = self._advance(rnd, t, view, plan)
-            # Turns whose environment step ends inside the tick go on inside it, at the rates
-            # planned for the tick, so a tick may hold several short turns of one trajectory.
-            for _ in range(SUBPASSES):
-                if not self._route(rnd, t, version):
-                    break
-                sub = rnd.active_view(self.workers.kv_cap, self.workers.max_seqs,
-                                      self.workers.kind == COSERVE, only_fresh=True)
-                made += self._advance(rnd, t, sub, plan, credit=False)
-            self.ticks.append((t, np.bincount(self.workers.kind, weights=made, minlength=3)))
-            self._measure_rates(view, made)
-            if serving_times is not None:
-                self.fleet.advance(t, self.dt, *serving_times)
-            elif self.n_cs:
-                self._serving_tick_alone(t)
-            t += self.dt
-            if t > 1e6:
-                raise RuntimeError(f"{self.system.name}: a rollout round did not finish (stuck turns)")
-        return float(np.nanmax(rnd.finished))
-
-    def _measure_rates(self, view, made: np.ndarray) -> None:
-        """What the scheduler measures of each worker: tokens/s per sequence it decoded."""
-        n_dec = np.bincount(view.worker[view.fits & (view.decode_rank >= 0)], minlength=len(made))
-        for wid in np.flatnonzero((n_dec > 0) & self.workers.registered).tolist():
-            self.table.measure(wid, float(made[wid]) / self.dt / int(n_dec[wid]))
-
-    def _set_caps(self, rnd: Round, t: float) -> None:
-        """The rollout manager's per-worker concurrency caps: the round's unfinished
-        trajectories shared over the usable workers (at the round's start, and again whenever
-        capacity joins) in proportion to how fast each decodes one sequence (a serving executor
-        runs the serving model's forward in every iteration too, so it gets a smaller share).
-        With `rl.fixed_concurrency` every worker keeps that cap, as `rose train`'s manager does."""
-        w = self.workers
-        if self.sc.rl.fixed_concurrency:
-            self.caps = np.full(len(w.kind), self.sc.rl.fixed_concurrency)
-            return
-        usable = ((w.ready_at <= t + self.dt) & (w.gone_at > t)) | w.registered
-        speed = np.where(usable, 1.0 / float(self.ded_cost.time(0, 1, self.typical_ctx)), 0.0)
-        if self.n_cs and self.system.extra is Extra.COSERVE:
-            _, t_d = self._serving_alone_times()
-            t_cs = t_d + float(self.cs_cost.time(0, 1, self.typical_ctx))
-            speed[self.first_cs:] = np.where(usable[self.first_cs:], 1.0 / t_cs, 0.0)
-        share = int(np.count_nonzero(rnd.phase != DONE)) * speed / max(speed.sum(), 1e-12)
-        self.caps = np.maximum(1, np.ceil(share)).astype(int)
-        self.caps[~usable] = max(1, math.ceil(rnd.n / max(1, int(usable.sum()))))
-        for wid in np.flatnonzero(w.registered).tolist():
-            self.table.set_concurrency(wid, int(self.caps[wid]))
-
-    def _membership(self, rnd: Round, t: float, version: int) -> None:
-        w = self.workers
-        join = np.flatnonzero(~w.registered & (w.ready_at <= t + self.dt) & (w.gone_at > t))
-        for wid in join.tolist():
-            kind = WorkerKind.SERVING if w.kind[wid] == COSERVE else WorkerKind.DEDICATED
-            self.table.register(WorkerState(wid, kind, int(self.caps[wid]),
-                                            last_heartbeat_s=t, policy_version=version))
-            w.registered[wid] = True
-        if len(join) and t > self.round_start:
-            # Capacity arrived mid-round: the rollout manager re-shares what is left over the
-            # workers now usable, so busier workers lose room and later turns move (at turn
-            # boundaries) to the new ones.
-            self._set_caps(rnd, t)
-        leave = np.flatnonzero(w.registered & (w.gone_at <= t + self.dt))
-        for wid in leave.tolist():
-            self._drop_worker(rnd, wid, t)
-        # Live workers heartbeat all through the tick (the stall timeout is shorter than a tick).
-        for wid in np.flatnonzero(w.registered).tolist():
-            self.table.heartbeat(wid, t + self.dt, policy_version=version)
-
-    def _rebalance_to_dedicated(self, rnd: Round, t: float) -> None:
-        """The scheduler moves turns in flight from serving executors to dedicated workers with
-        fewer turns (routing.rebalance), resuming them with the tokens already produced."""
-        for turn, src, dst in self.table.rebalance(t):
-            row = turn.trajectory_id - rnd.id_base
-            produced = rnd.interrupt(row)
-            self._place(rnd, row, self.table.move(turn.trajectory_id, src, dst, produced), t)
-
-    def _report_capacity(self, t: float, rnd: Round) -> None:
-        """Each serving executor's capacity report: free rollout slots, from its memory budget
-        and its compute slack (`rose.coserve.admission.rollout_capacity`)."""
-        f, chunk = self.fleet, self.sc.serving.chunk_tokens
-        reps = np.flatnonzero(self.workers.registered[self.first_cs:])
-        held = self.last_view.held(self.first_cs)
-        for r, st in zip(reps.tolist(), f.admission_states(t, reps), strict=True):
-            wid = self.first_cs + r
-            ctxs = [int(k) for _, k in held.get(wid, [])]
-            memory = max(0, int((self.workers.kv_cap[wid] - sum(ctxs)) // self.typical_ctx))
-            if self.system.sharing is Sharing.NAIVE or memory == 0:
-                slots = memory
+    # -- the RL loop -----------------------------------------------------------------------------
+    def run(self) -> SimRun:
+        """Each RL step: its rollout round on the tick grid, once the policy it needs exists, on
+        the capacity asked for at its start; then training, after the round on the same GPUs
+        when colocated, beside the next rounds (within the staleness bound) when not."""
+        wall0 = time.perf_counter()
+        steps: list[SimStep] = []
+        t, id_base = 0.0, 0
+        weights_at = self._serving_sync_s(0) if self.coserving else 0.0     # the initial full load
+        for step, demand in enumerate(self._demands()):
+            start = self._align(self._policy_ready(t, steps))
+            self.provisioning.acquire(start, weights_at)
+            if self.coserving:
+                self.coserving.memory.new_rl_step()
+            rollout_end = self._align(self.run_round(Round(demand, start, id_base), start, step))
+            id_base += demand.trajectories
+            self.dispatch.unregister(np.flatnonzero(self.workers.kind == ELASTIC))
+            final = self.provisioning.release()
+            train_s = self._train_s(demand)
+            if self.system.colocated:
+                sync_s = self.sc.sync.colocated_switch_s
+                end = rollout_end + final + sync_s + train_s
+                t = self.idle_until(rollout_end, self._align(end))
+                if self.coserving:
+                    weights_at = end + self._serving_sync_s(step + 1)
             else:
-                decode_only = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
-                slots = rollout_capacity(t, decode_only, RolloutDemand(ctxs), self.latency,
-                                         self.iteration_slo, self.typical_ctx, chunk, limit=memory)
-            self.table.heartbeat(wid, t + self.dt, free_slots=slots)
+                end = max(rollout_end, steps[-1].end_s if steps else 0.0) + train_s
+                sync_s, t = self._intra_sync_s(), rollout_end
+            steps.append(SimStep(step, start, rollout_end - start, train_s, sync_s,
+                                 self.provisioning.waited(start, rollout_end) + final, end,
+                                 self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
+        return self._result(steps, time.perf_counter() - wall0)
 
-    def _drop_worker(self, rnd: Round, wid: int, t: float) -> None:
-        lost = self.table.remove(wid)
-        self.workers.registered[wid] = False
-        for turn in lost:
-            row = turn.trajectory_id - rnd.id_base
-            if 0 <= row < rnd.n and rnd.phase[row] != DONE:
-                produced = rnd.interrupt(row)
-                self._place(rnd, row, self.table.route(resume(turn, produced), t), t)
-        self.aborted += len(lost)
+    def _demands(self) -> Iterator[RoundDemand]:
+        """Each step's rollout demand: it varies in how many groups DAPO samples, and in
+        response lengths otherwise; the same workload for every system."""
+        rl, seed = self.sc.rl, self.sc.sim.seed
+        mult = step_multipliers(rl.steps, rl.demand_sigma, seed)
+        dapo = rl.algorithm == "dapo"
+        resampling = dapo_resampling(mult, rl.demand_sigma) if dapo else None
+        groups = rl.trajectories // rl.group
+        rng = np.random.default_rng(seed + 7)
+        for step in range(rl.steps):
+            sampled = groups_sampled(groups, 1.0 / resampling[step], rng) if dapo else groups
+            yield sample_round(self.env, sampled, rl.group, 1.0 if dapo else float(mult[step]), rng)
 
-    def _place(self, rnd: Round, row: int, route: Route, now: float) -> None:
-        self._start(rnd, [row], [route], [now])
+    def _policy_ready(self, t: float, steps: list[SimStep]) -> float:
+        """When a rollout may start: bounded staleness makes rollout k wait for the policy of
+        step k - 1 - staleness (asynchronous systems)."""
+        k = len(steps) - 1 - self.system.staleness
+        if self.system.colocated or k < 0:
+            return t
+        return max(t, steps[k].end_s + self._intra_sync_s())
 
-    def _start(self, rnd: Round, rows: list[int], routes: list[Route], nows: list[float]) -> None:
-        """Apply routing decisions: placed turns start on their workers, the others queue."""
-        placed = [i for i, r in enumerate(routes) if r.worker_id is not None]
-        queued = [rows[i] for i, r in enumerate(routes) if r.worker_id is None]
-        if queued:
-            rnd.queue(np.array(queued))
-        if not placed:
-            return
-        p_rows = np.array([rows[i] for i in placed])
-        wids = np.array([routes[i].worker_id for i in placed])
-        hits = np.array([routes[i].cache_hit for i in placed])
-        # A serverless function keeps no KV between invocations, and each turn is one.
-        stateless = (self.workers.kind[wids] == ELASTIC) & (self.system.extra is Extra.SERVERLESS)
-        rnd.start(p_rows, wids, hits & ~stateless)
-        if stateless.any():
-            nows_p = np.array([nows[i] for i in placed])
-            sel = p_rows[stateless]
-            invoke = self.sc.elastic.serverless_invoke_s
-            rnd.ready[sel] = np.maximum(rnd.ready[sel], nows_p[stateless]) + invoke
-
-    def _advance(self, rnd: Round, t: float, view, plan: TickRates, credit: bool = True) -> np.ndarray:
-        """Progress the sequences of `view` through the tick; finished turns free their slot
-        and their environments step. Returns tokens generated per worker."""
-        finished, tokens = rnd.advance(t, self.dt, view, plan, credit)
-        if finished:
-            rows = np.array([f[0] for f in finished])
-            for row, wid in zip(rows.tolist(), rnd.worker[rows].tolist(), strict=True):
-                self.table.complete(wid, rnd.id_base + row)
-            done = rnd.finish_turns(rows, np.array([f[1] for f in finished]))
-            for row in rows[done].tolist():
-                self.table.finish_trajectory(rnd.id_base + row)
-        return tokens
-
-    def _route(self, rnd: Round, t: float, version: int) -> bool:
-        """Route queued turns and those ready before the tick ends; whether any was due."""
-        drained = self.table.drain(t)
-        if drained:
-            self._start(rnd, [turn.trajectory_id - rnd.id_base for turn, _ in drained],
-                        [route for _, route in drained], [t] * len(drained))
-        rows = rnd.due(t + self.dt)
-        if not len(rows):
-            return False
-        nows = np.maximum(t, rnd.ready[rows]).tolist()
-        routes = [self.table.route(RoutedTurn(rnd.id_base + row, turn, int(hist), resp,
-                                              policy_version=version), now)
-                  for row, turn, hist, resp, now in zip(rows.tolist(), rnd.turn[rows].tolist(),
-                                                        rnd.hist[rows].tolist(),
-                                                        rnd.responses(rows).tolist(), nows, strict=True)]
-        self._start(rnd, rows.tolist(), routes, nows)
-        return True
-
-    # -- co-serving memory: the burst state machine ---------------------------------------------
-    def _memory(self, rnd: Round, t: float) -> None:
-        """The burst state machine of each serving replica sets its rollout KV budget (naive
-        sharing: whatever serving leaves of the pool); sequences cut in a burst are aborted and
-        routed again with the tokens they produced."""
-        kv_r = self.policy.kv_bytes_per_token
-        serving_bytes = (self.fleet.kv_tokens() * self.serving_model.kv_bytes_per_token).tolist()
-        held = self.last_view.held(self.first_cs)
-        for r in range(self.n_cs):
-            wid = self.first_cs + r
-            if self.system.sharing is Sharing.NAIVE:
-                self.workers.kv_cap[wid] = max(0.0, (self.pool - serving_bytes[r]) / kv_r)
-                continue
-            # Sequences of the tick's view still running on this worker (sub-passes end some).
-            seqs = [(row, int(k * kv_r)) for row, k in held.get(wid, [])
-                    if rnd.worker[row] == wid and rnd.phase[row] in (PREFILL, DECODE)]
-            decision = self.burst[r].observe(int(serving_bytes[r]), seqs)
-            for row in decision.abort:
-                produced = rnd.interrupt(row)
-                self._place(rnd, row, self.table.abort(wid, rnd.id_base + row, produced, t), t)
-                self.aborted += 1
-            self.workers.kv_cap[wid] = decision.rollout_budget / kv_r
-
-    # -- the tick's plan -----------------------------------------------------------------------------
-    def _plan(self, rnd: Round, view, t: float):
-        w = self.workers
-        n = len(w.kind)
-        fit = view.fits
-        wk = view.worker[fit]
-        rows = view.idx[fit]
-        is_dec = view.decode_rank[fit] >= 0
-        dec = np.bincount(wk[is_dec], minlength=n).astype(float)
-        ctx = np.bincount(wk[is_dec], weights=rnd.ctx[rows[is_dec]], minlength=n)
-        pending = np.bincount(wk[~is_dec], weights=rnd.prefill_left[rows[~is_dec]], minlength=n)
-        budget = float(self.sc.rl.rollout_batched_tokens)
-        pf = np.minimum(budget, pending)
-        chunk_seqs = np.maximum(1, np.bincount(wk[~is_dec], minlength=n))
-        # The prompts pending at the tick's start take their chunked iterations, and the rest of
-        # the tick runs decode-only ones (as on serving GPUs): decodes do not crawl at a prefill
-        # iteration's pace for a whole tick because a few chunks were pending at its start.
-        iter_p = self.ded_cost.time(pf, dec, ctx, chunk_seqs)
-        iter_d = self.ded_cost.time(0.0, np.maximum(dec, 1), ctx)
-        n_pre = np.minimum(pending / np.maximum(pf, 1.0), self.dt / np.maximum(iter_p, 1e-12))
-        iters = n_pre + np.maximum(0.0, self.dt - n_pre * iter_p) / iter_d
-        iter_s = self.dt / iters                            # the tick's mean iteration time
-        plan = TickRates(prefill_rate=pf / np.maximum(iter_p, 1e-12),
-                    cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
-        serving_times = None
-        if self.n_cs and self.system.extra is Extra.COSERVE:
-            serving_times = self._plan_coserve(plan, view, rnd, t, pending)
-        if self.manager_s:
-            self._charge_manager(plan, iter_s, dec)
-        return plan, serving_times
-
-    def _charge_manager(self, plan: TickRates, iter_s: np.ndarray, dec: np.ndarray) -> None:
-        """The rollout manager runs on the dedicated devices' cores (`cluster.manager_on_dedicated`,
-        as `rose train` pins its driver to the trainer's): each token any worker streams costs
-        it `manager_s` of their time. A dedicated worker's own tokens lengthen its iterations;
-        the other workers' tokens, at this tick's planned rates, take a share of the tick from
-        the dedicated workers alike (none left when the manager would need more than all of it)."""
-        ded = self.workers.kind == DEDICATED
-        streamed = np.minimum(dec, plan.cap1) * plan.rate1 + np.minimum(dec, plan.cap2) * plan.rate2
-        others = self.manager_s * float(streamed[~ded].sum()) / max(1, int(ded.sum()))
-        own_s = iter_s[ded] + self.manager_s * dec[ded]
-        scale = max(0.0, 1.0 - others) * iter_s[ded] / np.maximum(own_s, 1e-12)
-        plan.prefill_rate[ded] *= scale
-        plan.rate1[ded] *= scale
-
-    def _plan_coserve(self, plan: TickRates, view, rnd: Round, t: float, pending: np.ndarray):
-        """Per serving replica with rollout work: admission for prefill-chunk iterations and for
-        decode-only ones, the share of the tick each takes, and the rollout rates that follow.
-        Returns the serving fleet's (prefill-iteration time, decode-iteration time, serving
-        prefill tokens per prefill iteration); replicas without rollout work run serving alone."""
-        sc, f = self.sc, self.fleet
-        chunk = sc.serving.chunk_tokens
-        t_p, t_d = self._serving_alone_times()
-        serve_pf = np.full(self.n_cs, float(chunk))
-        wids_all = self.first_cs + np.arange(self.n_cs)
-        contexts = view.decode_contexts(rnd, wids_all)
-        busy = np.flatnonzero([bool(c) for c in contexts] | (pending[wids_all] > 0))
-        if not len(busy):
-            return t_p, t_d, serve_pf
-        naive = self.system.sharing is Sharing.NAIVE
-        states = f.admission_states(t, busy)
-        backlog = f.prefill_backlog()[busy].tolist()
-        serving_dec = f.decode_seqs()[busy].tolist()
-        blocked = (self.pool - f.kv_tokens()[busy] * self.serving_model.kv_bytes_per_token
-                   - np.array([sum(contexts[r]) for r in busy]) * self.policy.kv_bytes_per_token
-                   < f.first_waiting_prompt()[busy] * self.serving_model.kv_bytes_per_token).tolist()
-        for i, (r, st) in enumerate(zip(busy.tolist(), states, strict=True)):
-            wid = self.first_cs + r
-            # Fluid prefill leaves fractions of a token: a fraction still needs an iteration.
-            demand = RolloutDemand(contexts[r], math.ceil(pending[wid]))
-            if naive:
-                a_p, a_d, serve_pf[r] = self._naive(serving_dec[i], st.decode_context_tokens, demand,
-                                                    backlog[i], chunk)
-                if blocked[i]:
-                    serve_pf[r] = 0.0           # no free pages for the next serving prompt
-                duty_d = duty_p = 1.0
-            else:
-                decoding = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
-                a_d = admit(t, decoding, demand, self.latency, self.iteration_slo, chunk)
-                a_p = admit(t, st, demand, self.latency, self.iteration_slo, chunk) if st.waiting else a_d
-                alone_d = self.latency.iteration_time(decoding.load(chunk), TokenLoad())
-                alone_p = self.latency.iteration_time(st.load(chunk), TokenLoad()) if st.waiting else alone_d
-                duty_d = rollout_duty(alone_d, a_d.iteration_s, self.slo.tpot_inflation)
-                duty_p = rollout_duty(alone_p, a_p.iteration_s, self.slo.ttft_inflation)
-                # Iterations with rollout work and without alternate: their mean time.
-                a_d = dataclasses.replace(a_d, iteration_s=duty_d * a_d.iteration_s + (1 - duty_d) * alone_d)
-                a_p = dataclasses.replace(a_p, iteration_s=duty_p * a_p.iteration_s + (1 - duty_p) * alone_p)
-            tp, td = max(a_p.iteration_s, 1e-4), max(a_d.iteration_s, 1e-4)
-            t_p[r], t_d[r] = tp, td
-            frac = min(1.0, backlog[i] / serve_pf[r] * tp / self.dt) if backlog[i] and serve_pf[r] else 0.0
-            plan.cap1[wid], plan.rate1[wid] = a_d.decode_seqs, (1.0 - frac) * duty_d / td
-            plan.cap2[wid], plan.rate2[wid] = a_p.decode_seqs, frac * duty_p / tp
-            plan.prefill_rate[wid] = ((1.0 - frac) * duty_d * a_d.prefill_tokens / td
-                                      + frac * duty_p * a_p.prefill_tokens / tp)
-        return t_p, t_d, serve_pf
-
-    def _naive(self, serving_decodes: int, serving_ctx: int, demand: RolloutDemand, backlog: float,
-               chunk: int) -> tuple[Admission, Admission, float]:
-        """No admission control: every rollout sequence that has pages decodes in every
-        iteration, and serving and rollout prompts share the prefill chunk in proportion to what
-        each has queued (first come, first served, on average). Returns the two iteration kinds
-        and serving's prefill tokens per prefill iteration."""
-        r_pending = demand.prefill_tokens
-        d, ctx = len(demand.decode_context), sum(demand.decode_context)
-        share = chunk * backlog / (backlog + r_pending) if backlog else float(chunk)
-        r_p = min(r_pending, chunk - int(share)) if backlog else 0
-        r_d = min(r_pending, chunk)
-        t_p = self.latency.iteration_time(TokenLoad(max(1, int(share)), serving_decodes, serving_ctx),
-                                          TokenLoad(r_p, d, ctx))
-        t_d = self.latency.iteration_time(TokenLoad(0, serving_decodes, serving_ctx), TokenLoad(r_d, d, ctx))
-        inf = math.inf
-        return Admission(d, r_p, t_p, inf, inf, inf), Admission(d, r_d, t_d, inf, inf, inf), max(share, 1.0)
-
-    # -- the RL loop ---------------------------------------------------------------------------------
     def _align(self, t: float) -> float:
         """Phases start on the tick grid (the same for every system)."""
         return math.ceil(t / self.dt - 1e-9) * self.dt
 
-    def _acquire(self, t: float, coserve_ready: float) -> None:
-        """Ask for the step's extra capacity at t; each piece's wait is recorded in `self.prep`."""
-        w = self.workers
-        sel = np.flatnonzero(w.kind == (COSERVE if self.system.extra is Extra.COSERVE else ELASTIC))
-        if not len(sel):
-            return
-        if self.system.extra is Extra.COSERVE:
-            w.ready_at[sel] = coserve_ready
-            for b in self.burst:
-                b.new_rl_step()
-            self.prep.append((t, coserve_ready))
-        elif self.system.extra is Extra.SPOT:
-            self._rent(sel[: self.market.granted(len(sel), t)] if self.market else sel, t)
-        else:
-            self._invoke(sel, t)
-
-    def _invoke(self, wids: np.ndarray, t: float) -> None:
-        """Serverless functions for `wids` from t: a cold start (container, engine, the weights
-        from object storage), then at most `serverless_max_run_s` of running."""
-        w, e = self.workers, self.sc.elastic
-        load_s = self.policy.weight_bytes / self.sc.cluster.rollout_tp / (e.serverless_storage_gbps / 8 * 1e9)
-        cold = e.serverless_container_s + e.serverless_engine_init_s + load_s
-        w.ready_at[wids], w.gone_at[wids] = t + cold, t + cold + e.serverless_max_run_s
-        self.prep.append((t, t + cold))
-
-    def _reinvoke(self, t: float) -> None:
-        """Functions that hit their time limit mid-rollout (their turns already resumed
-        elsewhere, with their tokens) start cold again."""
-        w = self.workers
-        el = np.flatnonzero(w.kind == ELASTIC)
-        ended = el[(w.gone_at[el] <= t) & ~w.registered[el]]
-        if len(ended):
-            self._invoke(ended, t)
-
-    def _rent(self, wids: np.ndarray, t: float) -> None:
-        """Spot instances for `wids` from t: each prepares (instance, container, engine, weights),
-        then lives an exponential lifetime."""
-        w, e = self.workers, self.sc.elastic
-        ready = t + self.rng.uniform(e.spot_prepare_min_s, e.spot_prepare_max_s, len(wids))
-        w.gone_at[wids] = ready + self.rng.exponential(e.spot_mean_lifetime_h * 3600.0, len(wids))
-        w.ready_at[wids] = ready
-        self.prep += [(t, r) for r in ready.tolist()]
-
-    def _rent_more(self, t: float) -> None:
-        """Measured availability: instances preempted or not granted are asked for again as soon
-        as the market grants more than the run holds, each paying the preparation again."""
-        w = self.workers
-        el = np.flatnonzero(w.kind == ELASTIC)
-        held = (w.ready_at[el] < np.inf) & (w.gone_at[el] > t)
-        want = self.market.granted(len(el), t) - int(held.sum())
-        if want > 0:
-            self._rent(el[~held & ~w.registered[el]][:want], t)
-
-    def _waited(self, start: float, end: float) -> float:
-        """Time in [start, end] during which extra capacity asked for was not usable yet (the
-        union of the step's preparation intervals)."""
-        total, reach = 0.0, start
-        for a, b in sorted(self.prep):
-            a, b = max(a, reach), min(b, end)
-            if b > a:
-                total, reach = total + b - a, b
-        return total
-
-    def _release(self) -> float:
-        """Give extra capacity back after a step's rollout; returns finalisation time (spot: of the
-        instances obtained this step)."""
-        w, e = self.workers, self.sc.elastic
-        sel = np.flatnonzero(w.kind == ELASTIC)
-        if not len(sel):
-            return 0.0
-        for wid in sel.tolist():
-            if w.registered[wid]:
-                self.table.remove(wid)
-                w.registered[wid] = False
-        obtained = int(np.count_nonzero(w.ready_at[sel] < np.inf))
-        w.ready_at[sel], w.gone_at[sel] = np.inf, np.inf
-        if self.system.extra is Extra.SPOT:
-            if not obtained:
-                return 0.0
-            return float(self.rng.uniform(e.spot_finalize_min_s, e.spot_finalize_max_s, obtained).max())
-        return e.serverless_finalize_s
+    def _train_s(self, demand: RoundDemand) -> float:
+        rl = self.sc.rl
+        ctx = demand.context_tokens()[: rl.trajectories]
+        logprob_passes = 2 if rl.algorithm == "grpo" else 1   # old policy + reference (GRPO's KL)
+        return train_step_time(self.policy, self.device, self.train_gpus, float(ctx.mean()) * rl.trajectories,
+                               logprob_passes, self.eff)
 
     def _serving_sync_s(self, step: int) -> float:
         c = self.sc.cluster
@@ -631,65 +213,82 @@ class Simulation:
         return cross_cluster_sync_time(payload, c.cross_gbps / 8 * 1e9, self.n_cs, c.serving_tp,
                                        self.device.nic_bw, self.train_gpus)
 
-    def run(self) -> SimRun:
-        wall0 = time.perf_counter()
-        sc = self.sc
-        mult = step_multipliers(sc.rl.steps, sc.rl.demand_sigma, sc.sim.seed)
-        dapo = sc.rl.algorithm == "dapo"
-        resampling = dapo_resampling(mult, sc.rl.demand_sigma) if dapo else None
-        groups = sc.rl.trajectories // sc.rl.group
-        wl_rng = np.random.default_rng(sc.sim.seed + 7)     # the same workload for every system
-        logprob_passes = 2 if sc.rl.algorithm == "grpo" else 1   # old policy + reference (GRPO's KL)
-        coserve = self.system.extra is Extra.COSERVE
-        records: list[SimStep] = []
-        t, id_base = 0.0, 0
-        coserve_ready = self._serving_sync_s(0) if coserve else 0.0      # initial full load
-        train_end: list[float] = []
-        for step in range(sc.rl.steps):
-            # Demand varies in how many groups DAPO samples, and in response lengths otherwise.
-            sampled = groups_sampled(groups, 1.0 / resampling[step], wl_rng) if dapo else groups
-            demand = sample_round(self.env, sampled, sc.rl.group, 1.0 if dapo else float(mult[step]), wl_rng)
-            if not self.system.colocated and step > self.system.staleness:
-                # Bounded staleness: rollout k waits for the policy of step k - 1 - staleness.
-                t = max(t, train_end[step - 1 - self.system.staleness] + self._intra_sync_s())
-            t = self._align(t)
-            start = t
-            self.prep = []
-            self._acquire(t, coserve_ready)
-            t = self._align(self.run_round(Round(demand, t, id_base), t, step))
-            id_base += demand.trajectories
-            rollout_end = t
-            final = self._release()
-            alloc = self._waited(start, rollout_end) + final
-            ctx = demand.context_tokens()[: sc.rl.trajectories]
-            train_s = train_step_time(self.policy, self.device, self.train_gpus,
-                                      float(ctx.mean()) * sc.rl.trajectories, logprob_passes, self.eff)
-            if self.system.colocated:
-                train_start = rollout_end + final + sc.sync.colocated_switch_s
-                end = train_start + train_s
-                sync_s = sc.sync.colocated_switch_s
-                t = self.idle_until(t, self._align(end))
-                if coserve:
-                    coserve_ready = end + self._serving_sync_s(step + 1)
-            else:
-                train_start = max(rollout_end, train_end[-1] if train_end else 0.0)
-                end = train_start + train_s
-                sync_s = self._intra_sync_s()
-            train_end.append(end)
-            records.append(SimStep(step, start, rollout_end - start, train_s, sync_s, alloc,
-                                      end, sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
-        total = max(r.end_s for r in records)
-        tick_t = np.array([x[0] for x in self.ticks])
-        tick_tok = np.array([x[1] for x in self.ticks]).reshape(-1, 3)
-        return SimRun(self.system.name, self.system.label, records, total, tick_t, tick_tok,
-                         self.fleet.log.arrays() if self.n_cs else None,
-                         {k.value: v for k, v in self.table.counts.items()}, self.aborted,
-                         sum(b.bursts for b in self.burst) if self.n_cs else 0,
-                         time.perf_counter() - wall0)
-
     def _intra_sync_s(self) -> float:
         """Trainer to rollout GPUs inside the cluster (NCCL broadcast at one NIC's speed)."""
         return self.policy.weight_bytes / self.device.nic_bw
+
+    def _result(self, steps: list[SimStep], wall_s: float) -> SimRun:
+        tick_t = np.array([x[0] for x in self.ticks])
+        tick_tok = np.array([x[1] for x in self.ticks]).reshape(-1, 3)
+        cs, d = self.coserving, self.dispatch
+        return SimRun(self.system.name, self.system.label, steps, max(s.end_s for s in steps), tick_t,
+                      tick_tok, cs.fleet.log.arrays() if cs else None,
+                      {k.value: v for k, v in d.table.counts.items()}, d.aborted,
+                      cs.memory.bursts if cs else 0, wall_s)
+
+    def idle_until(self, t: float, t_end: float) -> float:
+        """Serving runs alone (no rollout) until t_end; returns the tick time reached."""
+        return self.coserving.idle_until(t, t_end) if self.coserving else t_end
+
+    # -- one rollout round -------------------------------------------------------------------------
+    def run_round(self, rnd: Round, t: float, version: int) -> float:
+        """Ticks from t until every trajectory of the round is done; returns the end time."""
+        d, cs = self.dispatch, self.coserving
+        d.begin_round(rnd, t)
+        view = self.workers.view(rnd)           # the last tick's, until this tick's is taken
+        while not rnd.all_done():
+            if cs:
+                cs.fleet.arrivals_until(t + self.dt)
+                self._memory(cs, rnd, view, t)
+            self.provisioning.tick(t)
+            d.membership(rnd, t, version)
+            if cs:
+                # The rollout manager polls every 0.25 s (`rose.rollout.manager`), within any tick.
+                d.report(t, cs.free_slots(t, self.workers, view))
+            d.route(rnd, t, version)
+            if cs:
+                d.rebalance_to_dedicated(rnd, t)
+            view = self.workers.view(rnd)
+            plan, serving_times = self._plan(rnd, view, t)
+            made = d.advance(rnd, t, view, plan)
+            # Turns whose environment step ends inside the tick go on inside it, at the rates
+            # planned for the tick, so a tick may hold several short turns of one trajectory.
+            for _ in range(SUBPASSES):
+                if not d.route(rnd, t, version):
+                    break
+                made += d.advance(rnd, t, self.workers.view(rnd, only_fresh=True), plan, credit=False)
+            self.ticks.append((t, np.bincount(self.workers.kind, weights=made, minlength=3)))
+            d.measure_rates(view, made)
+            if cs:
+                cs.advance(t, serving_times)
+            t += self.dt
+            if t > 1e6:
+                raise RuntimeError(f"{self.system.name}: a rollout round did not finish (stuck turns)")
+        return float(np.nanmax(rnd.finished))
+
+    def _memory(self, cs: CoServing, rnd: Round, view: ActiveView, t: float) -> None:
+        """Each serving replica's burst state machine sets its rollout KV budget; sequences cut in
+        a burst are aborted and routed again with the tokens they produced."""
+        caps, aborts = cs.memory.observe(rnd, view.held(self.first_cs), self.first_cs, cs.fleet.kv_tokens())
+        self.workers.kv_cap[self.first_cs:] = caps
+        for wid, row in aborts:
+            self.dispatch.abort(rnd, wid, row, t)
+
+    def _plan(self, rnd: Round, view: ActiveView, t: float) -> tuple[TickRates, ServingTimes | None]:
+        """Every worker's rates for the tick, and the serving fleet's times where rollouts share it."""
+        plan, pending, iter_s, dec = plan_rates(rnd, view, len(self.workers.kind), self.ded_cost, self.dt,
+                                                float(self.sc.rl.rollout_batched_tokens))
+        serving_times = self.coserving.plan(plan, view, rnd, t, pending) if self.coserving else None
+        if self.manager_s:
+            charge_manager(plan, iter_s, dec, self.workers.kind == DEDICATED, self.manager_s)
+        return plan, serving_times
+
+    def _seq_s(self) -> np.ndarray:
+        """Each worker's time per decode iteration of one typical sequence (`Dispatch.set_caps`)."""
+        seq_s = np.full(len(self.workers.kind), float(self.ded_cost.time(0, 1, self.typical_ctx)))
+        if self.coserving:
+            seq_s[self.first_cs:] = self.coserving.seq_s()
+        return seq_s
 
 
 def _async_split(sc: Scenario) -> int:
@@ -716,5 +315,8 @@ def _async_split(sc: Scenario) -> int:
 def serving_alone(sc: Scenario, duration_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The serving cluster without any rollout for `duration_s` (the baseline for SLOs)."""
     sim = Simulation(sc, SYSTEMS["fixed-sync"], serving_alone=True)
+    if sim.coserving is None:
+        raise ValueError(f"scenario {sc.name}: no serving replica ({sc.cluster.serving_gpus} serving GPUs, "
+                         f"{sc.cluster.serving_tp} a replica)")
     sim.idle_until(0.0, duration_s)
-    return sim.fleet.log.arrays()
+    return sim.coserving.fleet.log.arrays()

@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from rose.sim.engine import KIND_NAMES
 from rose.sim.runner import ScenarioResult, SweepResult
+from rose.sim.workers import KIND_NAMES
 
 COLORS = {"fixed-sync": "#7f7f7f", "fixed-async": "#bcbd22", "elastic-spot": "#ff7f0e",
           "elastic-serverless": "#d62728", "rose": "#1f77b4", "rose-no-affinity": "#9ecae1",

@@ -12,12 +12,18 @@ from rose.coserve.admission import (
     BurstController,
     BurstState,
     RolloutDemand,
+    RolloutWait,
+    ServingRequest,
     ServingState,
     SlackGuard,
     SLOBudgets,
+    admission_step,
     admit,
     iteration_limit,
+    memory_room,
+    rollout_capacity,
     rollout_duty,
+    serving_state,
 )
 
 
@@ -144,6 +150,99 @@ def test_share_and_cap_scale_the_rollout_part_only():
     a = admit(0.0, ServingState(), RolloutDemand([100] * 300, 5000), LAT, SLO, max_rollout_s=0.02)
     idle_s = LAT.iteration_time(TokenLoad(), TokenLoad())  # the model's constant
     assert a.limit_s == pytest.approx(idle_s + 0.02) and a.iteration_s < a.limit_s and a.rollout_tokens > 0
+
+
+def test_the_step_caps_an_idle_iteration_for_a_request_that_may_arrive():
+    # B_TTFT 1 s, TTFT inflation 3%: an arriving request may wait 30 ms for the rollout part.
+    slo = SLOBudgets(ttft_s=1.0, tpot_s=0.05, ttft_inflation=0.03)
+    a = admission_step(0.0, ServingState(), RolloutDemand([100] * 1000), LAT, slo)
+    # base 5 ms + rollout 5 ms + 0.1 ms * d < 5 ms (serving's empty iteration) + 30 ms  ->  d < 250
+    assert a.decode_seqs == 249 and a.prefill_tokens == 0
+    assert math.isinf(a.limit_s)        # idle: no serving slack for the feedback guard to measure
+    # Its ceiling leaves a prompt of `arrival_reserve_tokens` time to prefill within B_TTFT.
+    reserve_s = LAT.iteration_time(TokenLoad(900), TokenLoad())
+    tight = admission_step(0.0, ServingState(), RolloutDemand([100] * 1000), LAT, SLOBudgets(0.04, 0.05),
+                           arrival_reserve_tokens=900)
+    assert tight.iteration_s < LAT.iteration_time(TokenLoad(), TokenLoad()) + 0.04 - reserve_s
+
+
+def test_the_step_admits_prefill_only_beside_every_ready_decode():
+    serving = ServingState(decoding_last_token_s=[0.0] * 10, decode_context_tokens=1000)
+    demand = RolloutDemand([50] * 1000, 512)
+    alone = admit(0.0, serving, demand, LAT, SLO)
+    assert alone.decode_seqs == 339 and alone.prefill_tokens > 0     # prefill fills what is left
+    step = admission_step(0.0, serving, demand, LAT, SLO)
+    assert (step.decode_seqs, step.prefill_tokens) == (339, 0)
+    assert step.iteration_s < alone.iteration_s and step.limit_s == alone.limit_s
+    # With every decode in, prefill joins as before.
+    few = admission_step(0.0, serving, RolloutDemand([50] * 5, 512), LAT, SLO)
+    assert few.decode_seqs == 5 and few.prefill_tokens == 512
+
+
+class Overestimating:
+    """A latency model that predicts 10 s for any work (a noisy start-up profile)."""
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return 10.0 if serving != TokenLoad() or rollout != TokenLoad() else 0.0
+
+
+def test_the_step_gives_rollouts_a_minimum_only_while_serving_is_idle():
+    demand = RolloutDemand([100] * 5, 100)
+    idle = admission_step(0.0, ServingState(), demand, Overestimating(), SLO)
+    assert (idle.decode_seqs, idle.prefill_tokens) == (5, 27)        # 32 tokens, decodes first
+    assert math.isinf(idle.limit_s)
+    few = admission_step(0.0, ServingState(), RolloutDemand([], 10), Overestimating(), SLO)
+    assert (few.decode_seqs, few.prefill_tokens) == (0, 10)          # no more than there is
+    busy = ServingState(decoding_last_token_s=[0.0], decode_context_tokens=10)
+    held = admission_step(0.0, busy, demand, Overestimating(), SLO)
+    assert held.rollout_tokens == 0 and math.isfinite(held.limit_s)
+
+
+def test_the_step_leaves_inflation_to_the_caller_without_accounts():
+    slo = SLOBudgets(ttft_s=1.0, tpot_s=0.05, tpot_inflation=0.1, ttft_inflation=INF)
+    serving = ServingState(decoding_last_token_s=[0.0], decode_context_tokens=10)
+    serving_s = LAT.iteration_time(serving.load(512), TokenLoad())
+    banked = admission_step(0.0, serving, RolloutDemand([100] * 1000), LAT, slo)
+    assert banked.limit_s == pytest.approx(1.1 * serving_s)         # per iteration, no accounts
+    fluid = admission_step(0.0, serving, RolloutDemand([100] * 1000), LAT, slo, banked=False)
+    assert fluid.limit_s == pytest.approx(0.05)                     # the SLO alone
+    assert fluid.decode_seqs > banked.decode_seqs
+
+
+def test_rollout_waits_are_charged_up_to_each_request_s_age_and_split_at_its_first_token():
+    wait = RolloutWait()
+    wait.charge(0.2, age_s=0.05, first_token=False)     # arrived 50 ms into the rollout work
+    wait.charge(0.1, age_s=1.0, first_token=False)
+    assert (wait.total_s, wait.before_first_s) == (pytest.approx(0.15), pytest.approx(0.15))
+    wait.charge(0.1, age_s=2.0, first_token=True)
+    assert (wait.total_s, wait.before_first_s, wait.since_first_s) == pytest.approx((0.25, 0.15, 0.1))
+
+
+def test_serving_state_splits_requests_into_waiting_and_decoding_with_their_accounts():
+    decoding_wait, waiting_wait = RolloutWait(0.3, 0.1), RolloutWait(0.05, 0.05)
+    # (arrival, prompt left, context, first token, last token, output tokens, wait), arrival order
+    state = serving_state([ServingRequest(0.0, 0, 120, 0.4, 0.9, 6, decoding_wait),
+                           ServingRequest(0.5, 300, 300, None, None, 0, waiting_wait),
+                           ServingRequest(0.7, 0, 80, 0.8, 0.95, 2, RolloutWait())])
+    assert state == ServingState(waiting=[(0.5, 300)], decoding_last_token_s=[0.9, 0.95],
+                                 decode_context_tokens=200, waiting_rollout_s=[0.05],
+                                 decoding_first_token_s=[0.4, 0.8], decoding_output_tokens=[6, 2],
+                                 decoding_rollout_s=[pytest.approx(0.2), 0.0])
+
+
+def test_free_slots_follow_one_memory_rule_and_the_slos_alone():
+    assert memory_room(BurstState.NORMAL, 1000, 300) == 3
+    assert memory_room(BurstState.FROZEN, 299, 300) == 0 and memory_room(BurstState.NORMAL, -5, 300) == 0
+    assert memory_room(BurstState.BURST, 10_000, 300) == 0          # none while pages are taken back
+    # A prompt past its TTFT deadline and a spent inflation budget would admit nothing this
+    # iteration; neither is held against a turn that runs over many.
+    late = ServingState(waiting=[(0.0, 512)], decoding_last_token_s=[1.0], decode_context_tokens=10,
+                        decoding_first_token_s=[0.0], decoding_output_tokens=[20], decoding_rollout_s=[0.5])
+    slo = SLOBudgets(ttft_s=0.5, tpot_s=0.05, ttft_inflation=0.0, tpot_inflation=0.0)
+    assert admission_step(1.0, late, RolloutDemand([100] * 4), LAT, slo).rollout_tokens == 0
+    slots = rollout_capacity(1.0, late, RolloutDemand([100] * 4), LAT, slo, typical_context=100, limit=64)
+    assert 0 < slots <= 64
+    assert rollout_capacity(1.0, late, RolloutDemand([100] * 4), LAT, slo, typical_context=100, limit=0) == 0
 
 
 def test_rollout_duty_keeps_the_mean_inflation_within_the_budget():

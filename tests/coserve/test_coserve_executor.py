@@ -202,10 +202,10 @@ def test_inflation_budget_keeps_rollouts_off_a_decoding_request_and_charges_what
     assert counts[0] > 0                                 # beside serving's prefill: TTFT unbounded
     assert sum(counts[1:]) == 0                          # serving decodes: rollouts wait
     rid = next(iter(ex.serving._seqs))
-    total, before_first = ex._waited[rid]
+    waited = ex._waited[rid]
     # Its first token came from serving's part of the first iteration; the rollout part ran after
     # it, so it was charged to its decode (and the budget of 0 held rollouts back from then on).
-    assert total > 0 and before_first == 0
+    assert waited.total_s > 0 and waited.before_first_s == 0
     assert ex.serving.abort(rid) is not None
     ex.step()
     ex.submit_turn(Turn("late", "traj-late", _ids(10, 99), SamplingParams(max_tokens=2)))

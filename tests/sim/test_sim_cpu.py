@@ -9,11 +9,13 @@ import pytest
 from rose.bench.train import bench_config
 from rose.sim import scenarios
 from rose.sim.costs import DRIVER_CHUNK_S
-from rose.sim.engine import COSERVE, DEDICATED, Simulation
+from rose.sim.engine import Simulation
+from rose.sim.rates import charge_manager
 from rose.sim.rollout import TickRates
 from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
+from rose.sim.workers import COSERVE, DEDICATED
 
 # `rose bench train --json OUT` on this machine, 2026-11-30 (6 steps a mode, quiet machine), four
 # runs of the current code (dedicated-first routing): 1.449, 1.496, 1.740, 1.270 (their mean; the
@@ -60,7 +62,7 @@ def test_the_manager_charges_the_dedicated_device_for_every_worker_s_tokens():
     iter_s, dec = np.array([0.010, 0.008]), np.array([16.0, 8.0])
     plan = TickRates(prefill_rate=np.array([1e4, 5e3]), cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
                 cap2=np.array([0.0, 4.0]), rate2=np.array([0.0, 20.0]))
-    sim._charge_manager(plan, iter_s, dec)
+    charge_manager(plan, iter_s, dec, sim.workers.kind == DEDICATED, sim.manager_s)
     serving_tokens_per_s = 6 * 125.0 + 4 * 20.0
     rate = (1.0 - DRIVER_CHUNK_S * serving_tokens_per_s) / (0.010 + 16 * DRIVER_CHUNK_S)
     assert plan.rate1.tolist() == pytest.approx([rate, 125.0])

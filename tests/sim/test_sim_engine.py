@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rose.sim.engine import COSERVE, Simulation
+from rose.coserve.admission import BurstState
+from rose.sim.engine import Simulation
 from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
+from rose.sim.workers import COSERVE
 
 SMALL = ["cluster.train_gpus=4", "cluster.serving_gpus=8", "rl.trajectories=256", "rl.steps=2",
          "rl.response_median=300", "rl.max_response=1024", "sim.tick_s=2", "sim.slice=1"]
@@ -68,9 +70,20 @@ def test_bursts_cut_rollouts_and_lose_nothing():
     sc = load_scenario("paper-8b", [*SMALL, "serving.trace=mooncake", "serving.load=0.5",
                                     "cluster.serving_gpus=4", "rl.steps=1", "rl.trajectories=512",
                                     "rl.response_median=3000", "rl.max_response=8192"])
-    r = Simulation(sc, SYSTEMS["rose"]).run()
+    sim = Simulation(sc, SYSTEMS["rose"])
+    in_burst, report = [], sim.dispatch.report
+
+    def checked_report(t, free_slots):
+        memory = sim.coserving.memory
+        in_burst.extend(slots for wid, slots in free_slots
+                        if memory.state(wid - sim.first_cs) is BurstState.BURST)
+        report(t, free_slots)
+
+    sim.dispatch.report = checked_report
+    r = sim.run()
     assert r.bursts > 0 and r.aborted_turns > 0
     assert r.steps[0].trajectories == 512 and r.total_s > 0
+    assert in_burst and not any(in_burst)                # no free slot while pages are taken back
 
 
 def test_dapo_generates_more_trajectories_than_it_trains_on():
@@ -84,25 +97,26 @@ def test_serving_executors_report_every_tick_and_free_a_slot_per_finished_turn()
     """The real manager polls capacity every 0.25 s: a turn ending on a serving executor frees its
     slot before the trajectory's next turn is routed (else that turn loses its cached prefix)."""
     sim = Simulation(load_scenario("paper-8b", SMALL), SYSTEMS["rose"])
+    d = sim.dispatch
     reports, ticks, freed = [0], [0], []
-    report, advance, complete = sim._report_capacity, sim._advance, sim.table.complete
+    report, advance, complete = d.report, d.advance, d.table.complete
 
-    def counted_report(t, rnd):
+    def counted_report(t, free_slots):
         reports[0] += 1
-        report(t, rnd)
+        report(t, free_slots)
 
     def checked_advance(rnd, t, view, plan, credit=True):
         ticks[0] += credit
         done: list = []
-        sim.table.complete = lambda wid, tid: done.append((wid, sim.table.workers[wid].free_slots)) or \
+        d.table.complete = lambda wid, tid: done.append((wid, d.table.workers[wid].free_slots)) or \
             complete(wid, tid)
         out = advance(rnd, t, view, plan, credit)
         for wid in {w for w, _ in done if sim.workers.kind[w] == COSERVE}:
             before = min(f for w, f in done if w == wid)
-            freed.append(sim.table.workers[wid].free_slots - before == sum(w == wid for w, _ in done))
+            freed.append(d.table.workers[wid].free_slots - before == sum(w == wid for w, _ in done))
         return out
 
-    sim._report_capacity, sim._advance = counted_report, checked_advance
+    d.report, d.advance = counted_report, checked_advance
     sim.run()
     assert reports[0] == ticks[0]
     assert freed and all(freed)

@@ -42,13 +42,13 @@ def test_preempted_spot_turns_resume_and_no_trajectory_is_lost():
 def test_full_availability_rents_every_gpu_each_step_and_never_replaces_one():
     sc = load_scenario("paper-8b", [*SPOT, "elastic.availability=full", "elastic.spot_mean_lifetime_h=0.1"])
     sim = Simulation(sc, SYSTEMS["elastic-spot"])
-    rented, rent = [], sim._rent
+    rented, rent = [], sim.provisioning.rent
 
     def counted_rent(wids, t):
         rented.append(len(wids))
         rent(wids, t)
 
-    sim._rent = counted_rent
+    sim.provisioning.rent = counted_rent
     r = sim.run()
     assert rented == [8, 8]                   # all 8 requested, at each step's allocation only
     assert r.aborted_turns > 0                # though instances were preempted mid-rollout
@@ -58,7 +58,7 @@ def test_measured_availability_rents_what_the_market_grants():
     rented = []
     for seed in range(6):
         sim = Simulation(load_scenario("paper-8b", [*SPOT, f"sim.seed={seed}"]), SYSTEMS["elastic-spot"])
-        sim._acquire(0.0, 0.0)
+        sim.provisioning.acquire(0.0, 0.0)
         rented.append(int((sim.workers.ready_at < float("inf")).sum()) - 4)   # less the 4 dedicated
         assert rented[-1] == SpotMarket(seed + 13).granted(8, 0.0)
     assert {0, 8} <= set(rented)                     # some runs find none, some all

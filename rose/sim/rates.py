@@ -1,0 +1,53 @@
+"""Each worker's rates for one tick (`rollout.TickRates`): dedicated and elastic replicas from the
+roofline cost model, and the rollout manager's CPU where it shares their cores. Co-serving
+executors' rates come from admission (`coserving.CoServing.plan`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rose.sim.costs import ForwardCost
+from rose.sim.rollout import ActiveView, Round, TickRates
+
+
+def plan_rates(rnd: Round, view: ActiveView, workers: int, cost: ForwardCost, dt: float,
+               batched_tokens: float) -> tuple[TickRates, np.ndarray, np.ndarray, np.ndarray]:
+    """Rates of every worker as a replica of `cost` that runs only rollouts, at most
+    `batched_tokens` of prefill per iteration. Returns them with each worker's prefill tokens
+    pending, its mean iteration time over the tick and its decoding sequences."""
+    n = workers
+    fit = view.fits
+    wk = view.worker[fit]
+    rows = view.idx[fit]
+    is_dec = view.decode_rank[fit] >= 0
+    dec = np.bincount(wk[is_dec], minlength=n).astype(float)
+    ctx = np.bincount(wk[is_dec], weights=rnd.ctx[rows[is_dec]], minlength=n)
+    pending = np.bincount(wk[~is_dec], weights=rnd.prefill_left[rows[~is_dec]], minlength=n)
+    pf = np.minimum(batched_tokens, pending)
+    chunk_seqs = np.maximum(1, np.bincount(wk[~is_dec], minlength=n))
+    # The prompts pending at the tick's start take their chunked iterations, and the rest of
+    # the tick runs decode-only ones (as on serving GPUs): decodes do not crawl at a prefill
+    # iteration's pace for a whole tick because a few chunks were pending at its start.
+    iter_p = cost.time(pf, dec, ctx, chunk_seqs)
+    iter_d = cost.time(0.0, np.maximum(dec, 1), ctx)
+    n_pre = np.minimum(pending / np.maximum(pf, 1.0), dt / np.maximum(iter_p, 1e-12))
+    iters = n_pre + np.maximum(0.0, dt - n_pre * iter_p) / iter_d
+    iter_s = dt / iters                            # the tick's mean iteration time
+    plan = TickRates(prefill_rate=pf / np.maximum(iter_p, 1e-12),
+                     cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
+    return plan, pending, iter_s, dec
+
+
+def charge_manager(plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, dedicated: np.ndarray,
+                   manager_s: float) -> None:
+    """The rollout manager runs on the dedicated devices' cores (`cluster.manager_on_dedicated`,
+    as `rose train` pins its driver to the trainer's): each token any worker streams costs
+    them `manager_s`. A dedicated worker's own tokens lengthen its iterations; the other
+    workers' tokens, at this tick's planned rates, take a share of the tick from the dedicated
+    workers alike (none left when the manager would need more than all of it)."""
+    streamed = np.minimum(dec, plan.cap1) * plan.rate1 + np.minimum(dec, plan.cap2) * plan.rate2
+    others = manager_s * float(streamed[~dedicated].sum()) / max(1, int(dedicated.sum()))
+    own_s = iter_s[dedicated] + manager_s * dec[dedicated]
+    scale = max(0.0, 1.0 - others) * iter_s[dedicated] / np.maximum(own_s, 1e-12)
+    plan.prefill_rate[dedicated] *= scale
+    plan.rate1[dedicated] *= scale
