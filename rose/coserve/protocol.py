@@ -278,8 +278,16 @@ class TurnRequest(_Sampling):
                                    **_wire(turn.params))
 
     def turn(self) -> Turn:
+        """The turn as sent, its sampling whole."""
         params = SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
         return Turn(self.turn_id, self.trajectory_id, self.token_ids, params, self.policy_version)
+
+
+# A field added to SamplingParams and not declared above would be dropped on the wire: refused
+# here, at import, rather than found as turns that sample differently on serving devices.
+_uncarried = [f.name for f in dataclasses.fields(SamplingParams) if f.name not in TurnRequest.model_fields]
+if _uncarried:
+    raise TypeError(f"TurnRequest does not carry SamplingParams' {', '.join(_uncarried)}")
 
 
 def _wire(params: SamplingParams) -> dict[str, Any]:
