@@ -1,6 +1,7 @@
 """A turn samples the same wherever it runs: on a dedicated worker (an `EngineWorker` over an
 `AsyncLLMEngine`) and on a serving device (a real `rose serve` process, through its lease API
-with the `LeaseClient`), with every field of its `SamplingParams` carried to the engine."""
+with the `LeaseClient`), with every field of its `SamplingParams` carried to the engine; and a
+rollout runs on both, the lease client as the serving device's `Worker`."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from rose.contracts import SamplingParams, Turn, TurnOutput
+from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
 from rose.coserve.cli import serve_process
 from rose.coserve.lease_client import LeaseClient, TurnRejected
 from rose.coserve.protocol import TurnRequest
 from rose.engine import LLMEngine
 from rose.engine.async_engine import AsyncLLMEngine
+from rose.model import load_tokenizer
+from rose.rl import Episode, make_env
+from rose.rollout.manager import RolloutManager, RolloutReport
+from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import EngineWorker
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -98,3 +103,27 @@ def test_a_turn_refused_is_refused_on_either(dedicated: EngineWorker, serving: s
         _run(dedicated, turn)
     with pytest.raises(TurnRejected, match="logit_bias token id 1000000 is outside the vocabulary"):
         _run(serving, turn)
+
+
+def test_a_rollout_spills_onto_a_serving_device_through_its_lease_client(
+        dedicated: EngineWorker, serving: str, tiny_qwen3: Path) -> None:
+    """The lease client is the serving device's `Worker`: registered, heartbeated and routed to
+    beside a dedicated worker, which the turns fill first."""
+    tokenizer = load_tokenizer(tiny_qwen3)
+    eps = [Episode(make_env("frozenlake", max_turns=2), tokenizer, seed=i) for i in range(4)]
+
+    async def rollout() -> RolloutReport:
+        registry = WorkerRegistry()
+        client = LeaseClient(serving, worker_id="serving-0", max_concurrency=4)
+        registry.add(dedicated)
+        registry.add(client)
+        try:
+            manager = RolloutManager(registry, SamplingParams(max_tokens=8, logprobs_at_temperature=True),
+                                     tick_s=0.05, rebalance=False)
+            return await manager.run(eps, policy_version=0, timeout_s=120)
+        finally:
+            await client.close()
+
+    report = asyncio.run(rollout())
+    assert len(report.trajectories) == len(eps) and not report.failed and not report.lost
+    assert report.turns_on(WorkerKind.SERVING) > 0 and report.turns_on(WorkerKind.DEDICATED) > 0
