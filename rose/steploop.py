@@ -1,10 +1,11 @@
 """A loop on a background thread around anything with `step()`, for asyncio callers to stream.
 
-It drives an `LLMEngine` (`rose.engine.async_engine.AsyncLLMEngine`) and the co-serving
-executor, which steps two of them. Everything that touches the target (adding, aborting,
-loading weights) is queued and run by that thread between two iterations, so a weight swap or
-an abort never lands mid-iteration. It knows nothing of engines beyond the `Steppable` protocol
-(as asyncio knows nothing of what it runs), so it sits below every layer: a turn's path counts
+It drives a `GenerationEngine` (rose.contracts; `rose.engine.async_engine.AsyncLLMEngine`) and
+the co-serving executor, which steps two of them. Everything that touches the target (adding,
+aborting, loading weights) is queued and run by that thread between two iterations, so a weight
+swap or an abort never lands mid-iteration. It knows nothing of engines beyond the `Steppable`
+protocol, the part of an engine's contract that every target has (as asyncio knows nothing of
+what it runs), so it imports nothing of any layer, rose.contracts included: a turn's path counts
 the layers whose code does the work, not the loop that calls into them (docs/architecture.md).
 
 The thread outlives its callers: a caller cancelled while its command waits is skipped, an
@@ -44,7 +45,7 @@ class RequestFailed(RuntimeError):
 
 
 class Output(Protocol):
-    """One request's progress as a target reports it (the engine's `RequestOutput`)."""
+    """One request's progress as a target reports it (an engine's `RequestOutput`)."""
 
     request_id: str
     finished: bool

@@ -173,7 +173,7 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await client.aclose()
+    await client.close()
     return counts
 
 

@@ -564,7 +564,7 @@ class Soak:
         for client in (self.openai_http, self.lease_http, self.bare_http):
             await client.aclose()
         await self.openai.close()
-        await self.lease.aclose()
+        await self.lease.close()
         return self.summary(drained_s, idle)
 
     async def inspect_idle(self) -> dict[str, Any]:

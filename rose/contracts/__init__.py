@@ -1,10 +1,11 @@
 """Typed contracts between the layers, with no implementation in them: what one layer hands
 another. Everything else in `rose` may import from here; this package imports nothing of it."""
 
+from rose.contracts.engine import GenerationEngine, InFlight, RequestOutput
 from rose.contracts.load import TokenLoad
 from rose.contracts.sampling import SamplingParams
 from rose.contracts.turn import Turn, TurnOutput
 from rose.contracts.worker import Capacity, Heartbeat, WeightUpdate, Worker, WorkerKind
 
-__all__ = ["Capacity", "Heartbeat", "SamplingParams", "TokenLoad", "Turn", "TurnOutput", "WeightUpdate",
-           "Worker", "WorkerKind"]
+__all__ = ["Capacity", "GenerationEngine", "Heartbeat", "InFlight", "RequestOutput", "SamplingParams",
+           "TokenLoad", "Turn", "TurnOutput", "WeightUpdate", "Worker", "WorkerKind"]

@@ -1,8 +1,9 @@
 """One rollout turn as every layer passes it: what a worker is asked (`Turn`) and what comes back
-(`TurnOutput`, streamed chunk by chunk and summed). The lease API's JSON is derived from these
-(`rose.coserve.protocol.TurnRequest`); routing sees a turn only as counts
-(`rose.rollout.routing.RoutedTurn`); a trajectory records each finished one
-(`rose.rl.trajectory.TurnRecord`)."""
+(`TurnOutput`, streamed chunk by chunk and summed; an engine's output becomes one with
+`RequestOutput.turn_output`, wherever the turn runs). The lease API's JSON carries every field of
+both (`rose.coserve.protocol`); routing sees a turn only as counts
+(`rose.rollout.routing.RoutedTurn`); a trajectory records each finished one with what its
+environment answered (`rose.rl.trajectory.TurnRecord`)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,21 @@ class Turn:
 @dataclasses.dataclass
 class TurnOutput:
     """What a turn produced: the new tokens of one streamed chunk, or all of them so far. One
-    logprob and one policy version per token; `finish_reason` None while unfinished, 'abort'
-    when handed back unfinished."""
+    logprob and one policy version per token, and the `params.top_logprobs` likeliest (id,
+    logprob) at each token's position where the turn asked for them; `finish_reason` None while
+    unfinished, 'abort' when handed back unfinished."""
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
     def extend(self, chunk: TurnOutput) -> TurnOutput:
         """Append a streamed chunk; return self."""
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         self.versions += chunk.versions
+        self.top_logprobs += chunk.top_logprobs
         self.finish_reason = chunk.finish_reason
         return self

@@ -1,6 +1,7 @@
 """What the rollout scheduler talks to: a worker runs turns, answers heartbeats and aborts turns.
-Dedicated workers and serving executors implement it (`rose.rollout.workers`), Ray actors only
-carry it across processes (`rose.runtime.actors`)."""
+Dedicated workers implement it (`rose.rollout.workers`), and so does a serving executor's lease
+API client (`rose.coserve.lease_client.LeaseClient`); Ray actors only carry it across processes
+(`rose.runtime.actors`)."""
 
 from __future__ import annotations
 

@@ -15,11 +15,11 @@ from fastapi.responses import Response, StreamingResponse
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from rose.contracts import InFlight, RequestOutput, TurnOutput
 from rose.coserve.api_errors import APIError, busy
 from rose.coserve.api_state import Served, ServerState, sse
 from rose.coserve.executor import ROLLOUT, StaleVersion, TurnSlotsFull
-from rose.coserve.protocol import INT64_MAX, TurnRequest
-from rose.engine import InFlight, RequestOutput
+from rose.coserve.protocol import INT64_MAX, TURN_OUTPUT, TurnRequest
 
 LEASE_PREFIX = "/v1/lease/"
 WEIGHTS_PATH = "/v1/lease/weights"
@@ -30,11 +30,9 @@ _BINARY_BODY = {"requestBody": {"required": True, "content": {
 router = APIRouter()
 
 
-def _turn_event(out: RequestOutput) -> dict[str, Any]:
-    """A turn's new tokens (an abort's event has none: its tokens were streamed)."""
-    return {"turn_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
-            "versions": out.versions, "finished": out.finished,
-            "finish_reason": out.finish_reason, "num_tokens": out.num_output_tokens}
+def _event(out: RequestOutput) -> str:
+    """A turn's new tokens as its stream's event (an abort's has none: its tokens were streamed)."""
+    return TURN_OUTPUT.dump_json(out.turn_output()).decode()
 
 
 async def _capacity(state: ServerState) -> dict[str, Any]:
@@ -59,9 +57,9 @@ async def submit_turn(body: TurnRequest, request: Request, state: Served) -> Res
 
     async def events() -> AsyncIterator[str]:
         try:
-            yield sse(_turn_event(first))
+            yield sse(_event(first))
             async for out in outputs:
-                yield sse(_turn_event(out))
+                yield sse(_event(out))
         finally:
             await outputs.aclose()
 
@@ -69,11 +67,12 @@ async def submit_turn(body: TurnRequest, request: Request, state: Served) -> Res
 
 
 @router.post("/v1/lease/turns/{turn_id}/abort")
-async def abort_turn(turn_id: str, state: Served) -> dict[str, Any]:
+async def abort_turn(turn_id: str, state: Served) -> TurnOutput:
+    """The turn's last event, which also ends its stream."""
     out = await state.loop.abort(turn_id, state.executor.abort_turn)  # rollout turns only; their streams end
     if out is None:
         raise APIError(404, f"no running turn {turn_id!r}", "turn_id", "not_found_error")
-    return _turn_event(out)
+    return out.turn_output()
 
 
 @router.get("/v1/lease/capacity")

@@ -1,8 +1,9 @@
-"""Client of the executor's lease API: what a rollout worker or scheduler calls over HTTP."""
+"""Client of the executor's lease API: the rollout scheduler's `Worker` (rose.contracts) for a
+co-serving executor, and the rest of the API (new RL steps, weights) for whoever drives it."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -10,9 +11,8 @@ import httpx
 import torch
 from safetensors.torch import save
 
-from rose.contracts import Turn, TurnOutput
-from rose.coserve.protocol import TurnRequest
-from rose.engine import InFlight
+from rose.contracts import Heartbeat, InFlight, Turn, TurnOutput, WorkerKind
+from rose.coserve.protocol import TURN_OUTPUT, TurnRequest
 
 
 class LeaseError(RuntimeError):
@@ -53,23 +53,32 @@ def _chunk(data: str, turn_id: str, url: str) -> TurnOutput:
     """One streamed event. A malformed event is the executor's failure (a ValueError would read
     as the turn's own)."""
     try:
-        event = json.loads(data)
-        return TurnOutput(event["token_ids"], event["logprobs"], event["versions"],
-                          event["finish_reason"] if event["finished"] else None)
-    except (ValueError, KeyError, TypeError) as exc:
+        chunk = TURN_OUTPUT.validate_json(data)
+        if not len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions):
+            raise ValueError("expected one logprob and one version per token")
+    except ValueError as exc:
         raise LeaseError(f"turn {turn_id!r} on {url}: malformed stream event {data[:200]!r}: {exc}",
                          200) from exc
+    return chunk
 
 
 class LeaseClient:
-    def __init__(self, url: str, client: httpx.AsyncClient | None = None, key: str | None = None) -> None:
-        """`key`: the executor's lease key, sent as a bearer token (None: the executor has none)."""
+    """A co-serving executor's rollout side, over its lease HTTP API."""
+
+    kind = WorkerKind.SERVING
+
+    def __init__(self, url: str, client: httpx.AsyncClient | None = None, key: str | None = None, *,
+                 worker_id: str | None = None, max_concurrency: int = 1) -> None:
+        """`key`: the executor's lease key, sent as a bearer token (None: the executor has none).
+        `worker_id` (default: the URL) and `max_concurrency` (the turns in flight the rollout
+        scheduler allows it, beside the free slots it reports) are what the scheduler knows it by."""
         self.url = url.rstrip("/")
+        self.worker_id, self.max_concurrency = worker_id or self.url, max_concurrency
         self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(300.0))
         if key is not None:
             self._client.headers["Authorization"] = f"Bearer {key}"
 
-    async def aclose(self) -> None:
+    async def close(self) -> None:
         await self._client.aclose()
 
     async def _post(self, path: str, **kwargs: Any) -> dict[str, Any]:
@@ -98,11 +107,15 @@ class LeaseClient:
             raise LeaseError(f"turn {turn.turn_id!r} on {self.url}: {exc}") from exc
         return output
 
-    async def heartbeat(self) -> dict[str, Any]:
-        return await self._post("/v1/lease/heartbeat")
+    async def heartbeat(self) -> Heartbeat:
+        """The executor's capacity report, through its engine loop (a dead or stuck loop fails it)."""
+        capacity = (await self._post("/v1/lease/heartbeat"))["capacity"]
+        return Heartbeat(int(capacity["policy_version"]), int(capacity["free_slots"]))
 
-    async def abort(self, turn_id: str) -> dict[str, Any]:
-        return await self._post(f"/v1/lease/turns/{turn_id}/abort")
+    async def abort(self, turn_id: str) -> None:
+        """Hand the turn back now: its stream ends with what it produced (`run_turn` returns)."""
+        with contextlib.suppress(LeaseError):  # already finished or handed back: its stream ended
+            await self._post(f"/v1/lease/turns/{turn_id}/abort")
 
     async def new_rl_step(self) -> dict[str, Any]:
         return await self._post("/v1/lease/new_rl_step")

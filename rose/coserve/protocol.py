@@ -11,10 +11,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from rose.contracts import SamplingParams, Turn
+from rose.contracts import SamplingParams, Turn, TurnOutput
 from rose.contracts.sampling import MAX_REPETITION_PENALTY
 
 INT32_MAX = 2**31 - 1
@@ -236,27 +244,57 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS, le=LOGIT_BIAS)]
+
+
 class TurnRequest(_Sampling):
-    """One rollout turn leased to this executor (`POST /v1/lease/turns`): a `Turn` on the wire."""
+    """One rollout turn leased to this executor (`POST /v1/lease/turns`): a `Turn` on the wire,
+    every field of its `SamplingParams` among them under the same name and default (`of` and
+    `turn` copy them all), so that a turn samples here as it does on a dedicated worker. Where
+    this edge bounds a field tighter than `SamplingParams.validate` does (as the OpenAI API's
+    edge does), the turn is refused with a 400 naming the field."""
 
     turn_id: str = Field(min_length=1, max_length=256)
     trajectory_id: str = Field(max_length=256)
     token_ids: list[TokenId] = Field(min_length=1)
     policy_version: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    max_tokens: MaxTokens = 16
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    logit_bias: Annotated[list[tuple[TokenId, Bias]], Field(max_length=MAX_LOGIT_BIAS)] = Field(
+        default_factory=list)
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    logprobs_at_temperature: bool = False
 
     @classmethod
     def of(cls, turn: Turn) -> TurnRequest:
-        """The body a client sends (unchecked here: the executor checks it, and refuses it with a
-        4xx naming what is wrong)."""
-        p = turn.params
+        """The body a client sends: the turn and every field of its sampling (unchecked here: the
+        executor checks it, and refuses it with a 4xx naming what is wrong)."""
         return cls.model_construct(turn_id=turn.turn_id, trajectory_id=turn.trajectory_id,
                                    token_ids=turn.token_ids, policy_version=turn.policy_version,
-                                   max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                   top_k=p.top_k, seed=p.seed, ignore_eos=p.ignore_eos,
-                                   stop_token_ids=list(p.stop_token_ids))
+                                   **_wire(turn.params))
 
-    def turn(self, default_max_tokens: int = 64) -> Turn:
-        """A rollout turn: its logprobs at the temperature that samples it (the behaviour policy)."""
-        params = dataclasses.replace(self.sampling(default_max_tokens, self.stop_token_ids),
-                                     logprobs_at_temperature=True)
+    def turn(self) -> Turn:
+        """The turn as sent, its sampling whole."""
+        params = SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
         return Turn(self.turn_id, self.trajectory_id, self.token_ids, params, self.policy_version)
+
+
+# A field added to SamplingParams and not declared above would be dropped on the wire: refused
+# here, at import, rather than found as turns that sample differently on serving devices.
+_uncarried = [f.name for f in dataclasses.fields(SamplingParams) if f.name not in TurnRequest.model_fields]
+if _uncarried:
+    raise TypeError(f"TurnRequest does not carry SamplingParams' {', '.join(_uncarried)}")
+
+
+def _wire(params: SamplingParams) -> dict[str, Any]:
+    """Every field of `params`, its tuples as the lists a request body holds."""
+    return {f.name: list(v) if isinstance(v := getattr(params, f.name), tuple) else v
+            for f in dataclasses.fields(params)}
+
+
+# A leased turn's streamed events and an abort's answer: a `TurnOutput` as JSON, every field of it.
+TURN_OUTPUT: TypeAdapter[TurnOutput] = TypeAdapter(TurnOutput)

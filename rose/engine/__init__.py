@@ -1,8 +1,7 @@
 """Native generation engine: paged KV pool, continuous batching, prefix cache, sampling."""
 
-from rose.contracts import SamplingParams
+from rose.contracts import InFlight, RequestOutput, SamplingParams
 from rose.engine.kv_pool import KVPool, KVSpec
-from rose.engine.llm_engine import EngineConfig, InFlight, LLMEngine
-from rose.engine.sequence import RequestOutput
+from rose.engine.llm_engine import EngineConfig, LLMEngine
 
 __all__ = ["EngineConfig", "InFlight", "KVPool", "KVSpec", "LLMEngine", "RequestOutput", "SamplingParams"]

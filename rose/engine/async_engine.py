@@ -1,22 +1,22 @@
-"""`AsyncLLMEngine`: an `LLMEngine` (or vLLM's, `rose.engine.vllm_engine.VllmEngine`, which has
-its surface) on its own thread (`rose.steploop.StepLoop`), for asyncio callers that stream
-requests and swap weights between two iterations."""
+"""`AsyncLLMEngine`: a `GenerationEngine` (rose.contracts: the native `LLMEngine`, or vLLM's
+`rose.engine.vllm_engine.VllmEngine`) on its own thread (`rose.steploop.StepLoop`), for asyncio
+callers that stream requests and swap weights between two iterations."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from typing import Generic, TypeVar
 
 import torch
 
-from rose.contracts import SamplingParams
-from rose.engine.llm_engine import InFlight, LLMEngine
-from rose.engine.sequence import RequestOutput
-from rose.engine.vllm_engine import VllmEngine
+from rose.contracts import GenerationEngine, InFlight, RequestOutput, SamplingParams
 from rose.steploop import StepLoop
 
+E = TypeVar("E", bound=GenerationEngine)
 
-class AsyncLLMEngine(StepLoop[RequestOutput]):
-    def __init__(self, engine: LLMEngine | VllmEngine) -> None:
+
+class AsyncLLMEngine(StepLoop[RequestOutput], Generic[E]):
+    def __init__(self, engine: E) -> None:
         super().__init__(engine, name="rose-engine")
         self.engine = engine
 
@@ -31,5 +31,8 @@ class AsyncLLMEngine(StepLoop[RequestOutput]):
         await super().ping(timeout_s, self.engine.check_health)
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                           in_flight: InFlight = InFlight.CONTINUE) -> None:
-        await self.call(lambda: self.engine.load_weights(named_tensors, version, in_flight))
+                           in_flight: InFlight | None = None) -> None:
+        """`in_flight` None: the engine's own default."""
+        load = self.engine.load_weights
+        await self.call(lambda: load(named_tensors, version) if in_flight is None
+                        else load(named_tensors, version, in_flight))

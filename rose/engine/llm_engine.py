@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import json
 import logging
@@ -13,32 +12,17 @@ from pathlib import Path
 
 import torch
 
-from rose.contracts import SamplingParams, TokenLoad
+from rose.contracts import InFlight, RequestOutput, SamplingParams, TokenLoad
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import IterationInterrupted, ModelRunner
 from rose.engine.sampling import Sampled, sample, unsampleable_rows
 from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
-from rose.engine.sequence import RequestOutput, Sequence, Status
+from rose.engine.sequence import Sequence, Status
 from rose.model import ModelConfig, load_model
 from rose.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
-
-
-class InFlight(enum.Enum):
-    """What `load_weights` does to sequences already running (every token keeps the version
-    that produced it, whichever is chosen)."""
-
-    # Keep their KV; their later tokens come from the new weights over the old KV, and carry
-    # the old version (the oldest that shaped them). Immediate and cheapest.
-    CONTINUE = "continue"
-    # Stage the new weights and admit nothing new; the running sequences finish under the old
-    # weights, then the swap happens: each sequence stays single-version.
-    FINISH_OLD = "finish_old"
-    # Preempt them at the iteration boundary and swap: each resumes from its prompt plus the
-    # tokens it produced, re-prefilled under the new weights.
-    ABORT_RESUME = "abort_resume"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +64,9 @@ def eos_ids(path: str | Path, config: ModelConfig) -> list[int]:
 
 
 class LLMEngine:
+    """The native `GenerationEngine` (rose.contracts), whose `step` also takes a token budget
+    and an interrupt (the co-serving executor's admission)."""
+
     def __init__(self, model: CausalLM, config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] = (), pool: KVPool | None = None,
                  name: str = "model") -> None:
@@ -185,7 +172,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         """Retire a request that produced nothing more; its last output."""
         self._retire(seq, reason, error)
-        return RequestOutput.of(seq)
+        return seq.output()
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -264,8 +251,8 @@ class LLMEngine:
             seq.append(token, now)
             if reason := self._finish_reason(seq, token):
                 self._retire(seq, reason)
-            outputs.append(RequestOutput.of(seq, [token], [logprob], [seq.kv_version],
-                                            [top] if seq.params.top_logprobs else None))
+            outputs.append(seq.output([token], [logprob], [seq.kv_version],
+                                      [top] if seq.params.top_logprobs else None))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:

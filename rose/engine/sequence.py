@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import time
 
 import torch
 
-from rose.contracts import SamplingParams
+from rose.contracts import RequestOutput, SamplingParams
 
 _arrivals = itertools.count()
 
@@ -70,47 +69,11 @@ class Sequence:
         self.last_token_time = now
         self.token_ids.append(token)
 
-
-@dataclasses.dataclass
-class RequestOutput:
-    """A request's progress. `token_ids`, `logprobs` and `versions` (the policy version that
-    produced each token) are the output tokens this output carries: an output of `step()` carries
-    only that iteration's new tokens (none for an abort), so streaming costs O(1) per token;
-    `merge` concatenates them (`LLMEngine.generate` returns each request's merged output)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    num_prompt_tokens: int
-    num_output_tokens: int  # produced so far in all
-    finished: bool
-    finish_reason: str | None  # 'stop', 'length', 'abort', 'error' (see `error`)
-    num_cached_tokens: int
-    arrival_time: float  # time.monotonic() of add_request
-    first_token_time: float | None
-    last_token_time: float | None
-    error: str | None = None
-    # Per token, the `top_logprobs` likeliest (id, logprob) at its position (empty if not asked).
-    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def of(cls, seq: Sequence, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
-           versions: list[int] | None = None,
-           top_logprobs: list[list[tuple[int, float]]] | None = None) -> RequestOutput:
-        return cls(seq.request_id, token_ids or [], logprobs or [], versions or [],
-                   seq.num_prompt_tokens, seq.num_output_tokens, seq.status is Status.FINISHED,
-                   seq.finish_reason, seq.num_cached_tokens, seq.arrival_time, seq.first_token_time,
-                   seq.last_token_time, seq.error, top_logprobs or [])
-
-    def merge(self, later: RequestOutput) -> None:
-        """Append a later output of the same request (its tokens and its state)."""
-        if later.request_id != self.request_id:
-            raise ValueError(f"cannot merge request {later.request_id!r} into {self.request_id!r}")
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.versions += later.versions
-        self.top_logprobs += later.top_logprobs
-        for field in ("num_output_tokens", "finished", "finish_reason", "num_cached_tokens",
-                      "first_token_time", "last_token_time", "error"):
-            setattr(self, field, getattr(later, field))
+    def output(self, token_ids: list[int] | None = None, logprobs: list[float] | None = None,
+               versions: list[int] | None = None,
+               top_logprobs: list[list[tuple[int, float]]] | None = None) -> RequestOutput:
+        """Its progress as the engine hands it up, with these new tokens (none by default)."""
+        return RequestOutput(self.request_id, token_ids or [], logprobs or [], versions or [],
+                             self.num_prompt_tokens, self.num_output_tokens, self.status is Status.FINISHED,
+                             self.finish_reason, self.num_cached_tokens, self.arrival_time,
+                             self.first_token_time, self.last_token_time, self.error, top_logprobs or [])

@@ -1,8 +1,8 @@
-"""vLLM's engine behind the native engine's surface: `add_request`, `step`, `abort`,
-`has_unfinished`, `load_weights` and `policy_version`, which `AsyncLLMEngine`'s step loop and
-the dedicated rollout worker drive, so that a worker runs on either (`rollout.backend`,
-docs/vllm.md). vLLM itself is imported only here and only when an engine is built: the default
-install has no vLLM (`make install-vllm` makes the venv that has it).
+"""vLLM's engine behind ROSE's `GenerationEngine` contract (rose.contracts), which
+`AsyncLLMEngine`'s step loop and the dedicated rollout worker drive, so that a worker runs on
+either (`rollout.backend`, docs/vllm.md). vLLM itself is imported only here and only when an
+engine is built: the default install has no vLLM (`make install-vllm` makes the venv that has
+it).
 
 vLLM's `LLMEngine` runs in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0: its engine core
 and its one worker run in the calling thread (no engine-core process, no ZMQ hop), so each
@@ -35,10 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rose.contracts import SamplingParams
+from rose.contracts import InFlight, RequestOutput, SamplingParams
 from rose.engine.kv_pool import KVSpec
-from rose.engine.llm_engine import InFlight
-from rose.engine.sequence import RequestOutput
 from rose.model import CausalLM, ModelConfig
 
 if TYPE_CHECKING:
@@ -151,7 +149,7 @@ class _Request:
 
 
 class VllmEngine:
-    """A vLLM `LLMEngine` in this process as a step loop's target (`rose.steploop.Steppable`)."""
+    """A vLLM `LLMEngine` in this process as a `GenerationEngine` (rose.contracts)."""
 
     def __init__(self, llm: Any, config: ModelConfig) -> None:
         self.llm, self.vocab_size, self.tied = llm, config.vocab_size, config.tie_word_embeddings

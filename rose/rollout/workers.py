@@ -1,10 +1,11 @@
-"""The two kinds of rollout worker behind the `Worker` contract (rose.contracts): what the
-rollout manager talks to.
+"""The rollout workers behind the `Worker` contract (rose.contracts): what the rollout manager
+talks to.
 
 - `EngineWorker`: a dedicated rollout worker, an `AsyncLLMEngine` in this process (the runtime
   hosts one per Ray actor, `rose.runtime.actors.DedicatedWorkerActor`);
 - `RemoteWorker`: the proxy of a worker in another process (a Ray actor handle's methods);
-- `LeaseWorker`: a co-serving executor reached over its lease HTTP API.
+- a co-serving executor is reached over its lease HTTP API by `rose.coserve.lease_client.LeaseClient`,
+  a `Worker` itself.
 
 `run_turn` writes tokens into its output as they arrive, so that a caller that loses the
 worker midway (an exception, a cancellation) keeps every token already produced and can resume.
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rose.contracts import Heartbeat, Turn, TurnOutput, WorkerKind
-from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected
+from rose.coserve.lease_client import ExecutorBusy, TurnRejected
 from rose.engine.async_engine import AsyncLLMEngine
 
 
@@ -58,7 +59,7 @@ class EngineWorker:
             raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
                              f"this worker has {version}")
         async for out in self.engine.generate(turn.token_ids, turn.params, request_id=turn.turn_id):
-            yield TurnOutput(out.token_ids, out.logprobs, out.versions, out.finish_reason)
+            yield out.turn_output()
 
     async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
         async for chunk in self.stream(turn):
@@ -111,27 +112,3 @@ class RemoteWorker:
 
     async def close(self) -> None:
         pass
-
-
-class LeaseWorker:
-    """A co-serving executor's rollout side, over the lease HTTP API."""
-
-    kind = WorkerKind.SERVING
-
-    def __init__(self, worker_id: str, url: str, max_concurrency: int, key: str | None = None) -> None:
-        self.worker_id, self.url, self.max_concurrency = worker_id, url, max_concurrency
-        self.client = LeaseClient(url, key=key)
-
-    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
-        return await self.client.run_turn(turn, output)
-
-    async def heartbeat(self) -> Heartbeat:
-        capacity = (await self.client.heartbeat())["capacity"]
-        return Heartbeat(int(capacity["policy_version"]), int(capacity["free_slots"]))
-
-    async def abort(self, turn_id: str) -> None:
-        with contextlib.suppress(LeaseError):  # already finished or handed back: its stream ended
-            await self.client.abort(turn_id)
-
-    async def close(self) -> None:
-        await self.client.aclose()

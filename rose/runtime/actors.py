@@ -295,7 +295,7 @@ class EndpointActor(_HttpReplica):
     by URL and lease key (`serving.endpoints`): the run neither starts nor stops it. This actor is
     its receiving end: it mirrors the policy's weights from the relay and pushes each sync's
     changed tensors to the server's lease API (`POST /v1/lease/weights`); turns go to the server
-    directly (`LeaseWorker`). Killing the actor leaves the server as it was."""
+    directly (`LeaseClient`). Killing the actor leaves the server as it was."""
 
     def __init__(self, worker_id: str, url: str, key: str | None, policy: Checkpoint, relay: str,
                  group: str) -> None:
@@ -312,6 +312,6 @@ class EndpointActor(_HttpReplica):
             try:
                 await client.load_weights(named, version)
             finally:
-                await client.aclose()
+                await client.close()
 
         asyncio.run(post())

@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 
 from rose.coserve.executor import ExecutorConfig
-from rose.coserve.lease_client import LeaseError
+from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.server import ServerLimits
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
-from rose.rollout.workers import LeaseWorker, RemoteWorker
+from rose.rollout.workers import RemoteWorker
 from rose.runtime.actors import DedicatedWorkerActor, EndpointActor, ServingDeviceActor
 from rose.runtime.checkpoints import Checkpoint
 from rose.runtime.config import Config, actor_device
@@ -143,7 +143,7 @@ class Replicas:
             url = self.metrics_urls[wid] = await handle.address.remote()
             write_prometheus_targets(self.targets_file, self.metrics_urls)
             key = self.config.serving.endpoint_key if wid in self.endpoints else self.server_limits.lease_key
-            worker: Any = LeaseWorker(wid, url, r.serving_concurrency, key=key)
+            worker: Any = LeaseClient(url, key=key, worker_id=wid, max_concurrency=r.serving_concurrency)
         else:
             await handle.ready.remote()
             worker = RemoteWorker(wid, handle, r.dedicated_concurrency)
@@ -156,9 +156,9 @@ class Replicas:
     async def new_rl_step(self) -> None:
         """Tell every serving executor a new step begins: it may grow its rollout budget again."""
         for worker in self.registry.workers.values():
-            if isinstance(worker, LeaseWorker):
+            if isinstance(worker, LeaseClient):
                 with contextlib.suppress(httpx.HTTPError, LeaseError):  # a dead executor has no budget
-                    await worker.client.new_rl_step()
+                    await worker.new_rl_step()
 
     async def close(self) -> None:
         import ray

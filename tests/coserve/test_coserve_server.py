@@ -204,7 +204,8 @@ def test_lease_turns_capacity_weights_and_metrics(server: tuple[str, CoServingEx
     assert cap["free_slots"] > 0 and cap["state"] == "normal" and cap["policy_version"] == 0
     events = _turn_events(url, {"turn_id": "t1", "trajectory_id": "traj", "token_ids": [1, 2, 3],
                                 "max_tokens": 7, "temperature": 0, "ignore_eos": True})
-    assert sum(len(e["token_ids"]) for e in events) == 7 and events[-1]["finished"]
+    assert sum(len(e["token_ids"]) for e in events) == 7 and events[-1]["finish_reason"] == "length"
+    assert all(e["finish_reason"] is None for e in events[:-1])
     assert all(v == 0 for e in events for v in e["versions"])
     # New rollout weights over HTTP, then turns carry the new version.
     new_policy = random_model(executor.rollout.model.config, seed=9)
@@ -318,6 +319,11 @@ JSON = {"content-type": "application/json"}
         ("/v1/lease/turns", {**TURN, "turn_id": "i", "token_ids": [-1]}, "token_ids"),
         ("/v1/lease/turns", {**TURN, "turn_id": "e", "stop_token_ids": [2**70]}, "stop_token_ids"),
         ("/v1/lease/turns", {**TURN, "turn_id": "e", "extra": 1}, "extra"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "b", "logit_bias": [[5, 101.0]]}, "logit_bias"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "b", "logit_bias": [[-1, 1.0]]}, "logit_bias"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "r", "repetition_penalty": 0.0}, "repetition_penalty"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "p", "min_p": float("nan")}, "min_p"),
+        ("/v1/lease/turns", {**TURN, "turn_id": "l", "top_logprobs": 21}, "top_logprobs"),
         ("/v1/completions", {**COMPLETION, "top_k": 2**31}, "top_k"),
         ("/v1/completions", {**COMPLETION, "temperature": float("nan")}, "temperature"),
         ("/v1/completions", {**COMPLETION, "top_p": float("inf")}, "top_p"),
@@ -447,9 +453,9 @@ def test_keys_guard_the_openai_and_lease_apis(guarded: tuple[str, CoServingExecu
             params = SamplingParams(max_tokens=3, ignore_eos=True)
             done = await client.run_turn(Turn("keyed", "traj", [1, 2], params))
             assert len(done.token_ids) == 3
-            assert (await client.heartbeat())["capacity"]["free_slots"] == 1
+            assert (await client.heartbeat()).free_slots == 1
         finally:
-            await client.aclose()
+            await client.close()
 
     asyncio.run(lease())
 
@@ -534,10 +540,10 @@ def test_the_lease_api_aborts_a_running_turn(guarded: tuple[str, CoServingExecut
     body = {**TURN, "turn_id": "stopped", "max_tokens": 1500, "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
         events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
-        assert not next(events)["finished"]
+        assert next(events)["finish_reason"] is None
         aborted = httpx.post(f"{url}/v1/lease/turns/stopped/abort", headers=LEASE)
         assert aborted.status_code == 200, aborted.text
-        assert aborted.json()["finished"] and aborted.json()["finish_reason"] == "abort"
+        assert aborted.json()["finish_reason"] == "abort" and aborted.json()["token_ids"] == []
         assert list(events)[-1] == aborted.json()
     assert _wait(lambda: not executor.has_unfinished())
 

@@ -14,18 +14,17 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from rose.contracts import SamplingParams, Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError, TurnRejected
-from rose.rollout.workers import Failure, LeaseWorker, RemoteWorker, classify
+from rose.rollout.workers import Failure, RemoteWorker, classify
 
 URL = "http://executor.test"
 
 
-def lease_worker(handler: Callable[[httpx.Request], httpx.Response]) -> LeaseWorker:
-    worker = LeaseWorker("s", URL, 4)
-    worker.client = LeaseClient(URL, client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
-    return worker
+def lease_worker(handler: Callable[[httpx.Request], httpx.Response]) -> LeaseClient:
+    return LeaseClient(URL, httpx.AsyncClient(transport=httpx.MockTransport(handler)), worker_id="s",
+                       max_concurrency=4)
 
 
-def run_turn(worker: LeaseWorker | RemoteWorker, result: TurnOutput | None = None) -> TurnOutput:
+def run_turn(worker: LeaseClient | RemoteWorker, result: TurnOutput | None = None) -> TurnOutput:
     turn = Turn("t0:0:0", "t0", [1, 2, 3], SamplingParams(max_tokens=4))
     return asyncio.run(worker.run_turn(turn, result if result is not None else TurnOutput()))
 
