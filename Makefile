@@ -37,7 +37,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # The embedded default `rose train`, whole (100 steps; its learning-rate decay spans them all, and
-# shorter runs learned less: 60 steps ended at success 0.16): a random tiny Qwen3 learns FrozenLake
+# shorter runs learn less: a 60-step run ended at success 0.16): a random tiny Qwen3 learns FrozenLake
 # from scratch in rose mode (core 0 trains and rolls out, core 1 serves a trace replay and lends its
 # idle capacity). It opens with what it runs and closes with how the success rate moved.
 # RAY_AUTH_MODE: token authentication, Ray's default for a local instance, chosen explicitly, as
