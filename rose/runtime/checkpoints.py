@@ -19,6 +19,8 @@ from typing import Any
 
 import xxhash
 
+from rose.transfer.relay import get_objects
+
 COPY_PREFIX = "rose-checkpoint-"
 
 
@@ -59,14 +61,12 @@ def open_checkpoint(checkpoint: Checkpoint, root: str | Path | None = None) -> s
     under `root` (default: the temporary directory) once per node, whole or not at all."""
     if isinstance(checkpoint, str):
         return checkpoint
-    import ray
-
     target = Path(root or tempfile.gettempdir()) / f"{COPY_PREFIX}{checkpoint.digest}"
     if target.is_dir():
         return str(target)  # written by an earlier actor on this node: renamed into place whole
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    for name, data in ray.get(checkpoint.files).items():
+    for name, data in get_objects([checkpoint.files])[0].items():
         (partial / name).parent.mkdir(parents=True, exist_ok=True)
         (partial / name).write_bytes(data)
     try:

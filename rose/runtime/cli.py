@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from rose.reporting import write_report
 from rose.runtime.config import Mode, chosen_defaults, load_config, resume_checkpoint, validate
+from rose.runtime.loggers import METRICS_FILE
+from rose.runtime.report import describe, outcome
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,13 @@ def run(args: argparse.Namespace) -> int:
     if defaults:
         chosen = ", ".join(f"{k} {v:g}" for k, v in defaults.items() if k != "why")
         log.info("defaults: %s (%s; set them in the config to choose)", chosen, defaults["why"])
+    for line in describe(config, mode):
+        log.info(line)
     result = train(config, mode, resume)
-    log.info("report: %s; checkpoints: %s", result.plot, ", ".join(result.checkpoints))
+    for line in outcome(result.steps, result.serving):
+        log.info(line)
+    log.info("report: %s; metrics: %s; checkpoints: %s", result.plot,
+             Path(config.train.out_dir) / METRICS_FILE, ", ".join(result.checkpoints))
     write_report(args.json, result.summary, mode=mode.value, serving=result.serving,
                  elastic_alloc_s=result.elastic_alloc_s, elastic_cancelled_s=result.elastic_cancelled_s,
                  checkpoints=result.checkpoints, defaults=defaults, steps=[r.record() for r in result.steps])

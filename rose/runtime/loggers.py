@@ -54,7 +54,8 @@ class ConsoleLogger:
     def __init__(self, serving: ServingDeviceConfig) -> None:
         from rich.console import Console
 
-        self.console, self.serving = Console(), serving
+        # One line per step, however wide: the terminal wraps it, and a log file keeps it whole.
+        self.console, self.serving = Console(soft_wrap=True), serving
 
     def log(self, r: dict[str, Any]) -> None:
         s, h, t, slo = r["serving"], r["heldout_success"], r["trainer"], self.serving

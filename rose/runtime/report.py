@@ -1,4 +1,5 @@
-"""What a training run reports: per-step records, the JSON summary, and the PNG figure.
+"""What a training run reports: per-step records, the JSON summary, the PNG figure, and the
+plain-words lines that open and close `rose train`'s output.
 
 One `TrainStep` per step is the single source: the loggers (rose.runtime.loggers) write its
 `record()` as the step ends, and the `--json` summary and the PNG are built from the same list.
@@ -15,7 +16,9 @@ from rose.contracts import WorkerKind
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
 from rose.rollout.manager import RolloutReport
-from rose.runtime.config import Mode, ServingDeviceConfig
+from rose.runtime.config import Config, Mode, ModelSource, ServingDeviceConfig, actor_device
+from rose.runtime.devices import cluster_address
+from rose.runtime.loggers import METRICS_FILE
 
 if TYPE_CHECKING:
     from rose.runtime.cluster import Cluster, SyncReport
@@ -188,3 +191,67 @@ def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, R
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def describe(config: Config, mode: Mode) -> list[str]:
+    """What the run trains, on which devices, what each step's line says and where the results go,
+    in plain words: the lines `rose train` opens with, for a reader new to it."""
+    c, d, r, s = config, config.devices, config.rollout, config.serving
+    local = cluster_address(c.ray_address) is None
+    options = ", ".join(f"{k} {v}" for k, v in c.env.options.items())
+    env = f"{c.env.name} ({options})" if options else c.env.name
+    policy = _model(c.model) + ("" if c.model.is_pretrained else " policy, from scratch")
+    lines = [f"training: {policy}, with {c.train.objective} on {env}: {r.groups} groups of {r.group_size} "
+             f"episodes a step, {c.train.steps} steps"]
+    rollout = actor_device(r.device)
+    where = [f"dedicated rollout worker dedicated-{i} on {_cores(cores, local)} ({rollout})"
+             for i, cores in enumerate(d.dedicated)]
+    if mode is Mode.ROSE:
+        serving = actor_device(s.device)
+        where += [f"serving device serving-{i} on {_cores(cores, local)} ({serving}) when it has room: it "
+                  f"serves {_model(s.model)} to a replay of the {s.trace} trace within SLOs of "
+                  f"{s.slo_ttft_ms:g} ms TTFT and {s.slo_tpot_ms:g} ms TPOT"
+                  for i, cores in enumerate(d.serving)]
+        where += [f"the serving endpoint {url} when it has room" for url in s.endpoints]
+    if mode is Mode.ELASTIC:
+        where += [f"elastic device elastic-{i} on {_cores(cores, local)} ({rollout}), started for each "
+                  f"step's rollouts after a {d.provision_delay_s:g} s provisioning delay"
+                  for i, cores in enumerate(d.elastic)]
+    trainer = f"{_cores(d.trainer, local)} ({actor_device(c.train.device)})"
+    lines.append(f"devices: the trainer on {trainer}; turns run on {'; '.join(where)}")
+    lines.append(f"each step's line: success = the share of its {r.groups * r.group_size} episodes that "
+                 "reach the goal, which rises as the policy learns; reward = their mean return; on serving = "
+                 "the share of tokens generated on serving devices")
+    lines.append(f"results in {c.train.out_dir}: {METRICS_FILE} (every step, as it ends), report.png (at the "
+                 "end: reward and success, step time, serving latency against the SLO, where turns ran), "
+                 f"checkpoints step-N (every {c.train.checkpoint_every} steps and the last)")
+    return lines
+
+
+def outcome(records: list[TrainStep], serving: dict[str, Any]) -> list[str]:
+    """How the run went, in plain words: the lines `rose train` closes with."""
+    if not records:
+        return []
+    first, last = records[0], records[-1]
+    best = max(records, key=lambda x: x.success_rate)
+    dedicated, served = sum(x.dedicated_turns for x in records), sum(x.serving_turns for x in records)
+    turns = f"turns: {dedicated} on dedicated workers, {served} on serving devices"
+    if (met := serving.get("slo_attainment")) is not None:
+        turns += (f"; the serving devices' own requests met their SLOs {met:.1%} of the time (p99 TTFT "
+                  f"{serving.get('p99_ttft_ms')} ms, TPOT {serving.get('p99_tpot_ms')} ms)")
+    return [f"success rate {first.success_rate:.2f} at step {first.step} -> {last.success_rate:.2f} at step "
+            f"{last.step} (best {best.success_rate:.2f}, step {best.step})", turns]
+
+
+def _model(model: ModelSource) -> str:
+    if model.path is not None:
+        return f"the checkpoint {model.path}"
+    if model.pretrained is not None:
+        return f"the pretrained {model.pretrained}"
+    return f"a random-initialised {model.arch} {model.preset} (seed {model.seed})"
+
+
+def _cores(cores: list[int], local: bool) -> str:
+    if not local:  # on a cluster a device's core list counts the CPUs its actor asks for
+        return f"{len(cores)} CPU{'s' if len(cores) > 1 else ''}"
+    return f"core{'s' if len(cores) > 1 else ''} {', '.join(map(str, cores))}"

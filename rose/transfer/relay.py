@@ -119,6 +119,16 @@ class _Directory:
             del self._items[k]
 
 
+def get_objects(refs: list[Any]) -> list[Any]:
+    """`ray.get(refs)` through the completion callbacks that `await ref` uses (`ObjectRef.future`).
+    Ray warns of a `ray.get` anywhere in an async actor's process, whichever thread makes it; the
+    rollout replicas are async actors that call the relay only from threads off their event loop
+    (and from `__init__`, before the loop serves anything), so the warning would be a false alarm
+    that hides a real one."""
+    futures = [ref.future() for ref in refs]
+    return [future.result() for future in futures]
+
+
 class RayRelay:
     """Relay over Ray: bulk payloads in the object store, keys in a named directory actor.
 
@@ -156,18 +166,18 @@ class RayRelay:
     def get(self, key: str, timeout: float | None = None) -> Any:
         self._settle()
         start = time.monotonic()
-        found, item = self._ray.get(self._dir.get.remote(key, timeout))
+        found, item = get_objects([self._dir.get.remote(key, timeout)])[0]
         if not found:
             raise TimeoutError(f"relay: no {key!r} after {time.monotonic() - start:.1f} s")
         return self._resolve(item)
 
     def scan(self, prefix: str) -> dict[str, Any]:
         self._settle()
-        return {k: self._resolve(v) for k, v in self._ray.get(self._dir.scan.remote(prefix)).items()}
+        return {k: self._resolve(v) for k, v in get_objects([self._dir.scan.remote(prefix)])[0].items()}
 
     def delete(self, prefix: str) -> None:
         self._settle()
-        self._ray.get(self._dir.delete.remote(prefix))
+        get_objects([self._dir.delete.remote(prefix)])
 
     def flush(self) -> None:
         """Wait until this process's registrations are in the directory: a `put` returns before
@@ -188,8 +198,7 @@ class RayRelay:
                 refs, self._unacked = list(self._unacked.values()), {}
             else:
                 refs = [self._unacked.pop(key)] if key in self._unacked else []
-        if refs:
-            self._ray.get(refs)
+        get_objects(refs)
 
     def close(self) -> None:
         """Remove the directory (and with it every payload it still references)."""
@@ -197,4 +206,4 @@ class RayRelay:
 
     def _resolve(self, item: tuple[str, Any]) -> Any:
         kind, value = item
-        return self._ray.get(value[0]) if kind == "ref" else value
+        return get_objects(value)[0] if kind == "ref" else value
