@@ -40,10 +40,8 @@ $(VLLM_STAMP): pyproject.toml
 # shorter runs learn less: a 60-step run ended at success 0.16): a random tiny Qwen3 learns FrozenLake
 # from scratch in rose mode (core 0 trains and rolls out, core 1 serves a trace replay and lends its
 # idle capacity). It opens with what it runs and closes with how the success rate moved.
-# RAY_AUTH_MODE: token authentication, Ray's default for a local instance, chosen explicitly, as
-# Ray asks (unset, it prints a notice); Ray reads it as it is imported, so it is set here.
 demo: install
-	RAY_AUTH_MODE=$${RAY_AUTH_MODE:-token} $(BIN)/rose train train.out_dir=$(DEMO_DIR) --json $(DEMO_DIR)/summary.json
+	$(BIN)/rose train train.out_dir=$(DEMO_DIR) --json $(DEMO_DIR)/summary.json
 
 # The layers contract (pyproject.toml, [tool.importlinter]) first: a few seconds. The CPU suite:
 # on a machine with CUDA too, the gpu tests are left to `make test-gpu`.

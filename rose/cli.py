@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 
 from rose import logs
@@ -69,6 +70,9 @@ def parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ray's default for a local instance (token authentication), chosen explicitly as Ray asks:
+    # unset, every command that starts Ray prints a notice. Ray reads it as it is imported.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     argv = sys.argv[1:] if argv is None else argv
     args = parser_for(argv).parse_args(argv)
     logs.configure(args.log_level)
