@@ -49,7 +49,7 @@ from rose.reporting import write_report
 
 MODES = ("native_alone", "native_naive", "native_rose", "vllm_alone", "vllm_fcfs", "vllm_priority",
          "vllm_dual_slo")
-POOL_BYTES = 512 << 20  # the KV pool (the native executor's) or cache (vLLM's)
+POOL_MB = 512  # the KV pool (the native executor's) or cache (vLLM's)
 MAX_CONTEXT, MAX_OUTPUT = 1024, 64  # the serving requests', as `rose bench coserve` replays them
 
 
@@ -82,9 +82,10 @@ class NativeBackend:
     """ROSE's co-serving executor, both models from one checkpoint, profiled as `rose serve` does."""
 
     def __init__(self, model: Path, policy: str, slo: dict[str, float]) -> None:
-        from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy
+        from rose.coserve.executor import CoServingExecutor
+        from rose.coserve.settings import ExecutorConfig, Policy
 
-        config = ExecutorConfig(pool_bytes=POOL_BYTES, policy=Policy(policy), slo_ttft_ms=slo["ttft_ms"],
+        config = ExecutorConfig(pool_mb=POOL_MB, policy=Policy(policy), slo_ttft_ms=slo["ttft_ms"],
                                 slo_tpot_ms=slo["tpot_ms"])
         self.executor = CoServingExecutor.from_pretrained(model, model, config)
         self.executor.profile()
@@ -111,7 +112,7 @@ class VllmBackend:
     def __init__(self, model: Path, policy: str, slo: dict[str, float]) -> None:
         from rose.coserve.vllm_admission import ROLLOUT_PRIORITY, SERVING_PRIORITY, VllmCoServing
 
-        self.coserving = VllmCoServing.from_pretrained(model, POOL_BYTES, policy, slo["ttft_ms"] / 1e3,
+        self.coserving = VllmCoServing.from_pretrained(model, POOL_MB << 20, policy, slo["ttft_ms"] / 1e3,
                                                        slo["tpot_ms"] / 1e3)
         self.engine = self.coserving.engine
         self.serving_priority = SERVING_PRIORITY

@@ -43,18 +43,7 @@ from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 from rose.contracts import TokenLoad
-
-# The policy's default settings, read by the executor's config (`ExecutorConfig`) and the
-# simulator's scenarios alike. They live here, not in the executor, because the simulator must
-# not import the executor (it would pull in torch, seconds of start-up for a pure model).
-HEADROOM = 0.2          # H: share of the pool only serving may use (design default)
-HIGH_WATERMARK = 0.5    # burst when serving has eaten this share of H
-CHUNK_TOKENS = 512      # serving prompt tokens prefilled per iteration (chunked prefill)
-# "Serving never notices": rollouts may add at most this share of a serving request's own
-# decode time to it (its TPOT), and of its own time to first token to its TTFT (docs/coserve.md,
-# "Admission"; measured in docs/benchmarks.md).
-TPOT_INFLATION = 0.10
-TTFT_INFLATION = 0.03
+from rose.coserve.settings import CHUNK_TOKENS, HEADROOM, HIGH_WATERMARK
 
 
 class LatencyModel(Protocol):

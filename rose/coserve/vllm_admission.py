@@ -35,9 +35,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from rose.contracts import TokenLoad
 from rose.coserve.admission import (
-    CHUNK_TOKENS,
-    TPOT_INFLATION,
-    TTFT_INFLATION,
     RolloutDemand,
     ServingState,
     SlackGuard,
@@ -46,6 +43,7 @@ from rose.coserve.admission import (
     rollout_time_cap,
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile_batches
+from rose.coserve.settings import CHUNK_TOKENS, TPOT_INFLATION, TTFT_INFLATION
 from rose.engine.vllm_engine import VllmEngine
 
 SERVING_PRIORITY, ROLLOUT_PRIORITY = 0, 1

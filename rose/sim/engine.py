@@ -135,8 +135,8 @@ class Simulation:
         self.env = sc.rl.env_profile()
         self.rng = np.random.default_rng(sc.sim.seed)
         self.dt = sc.sim.tick_s
-        self.slo = SLOBudgets(sc.serving.slo_ttft_ms / 1e3, sc.serving.slo_tpot_ms / 1e3,
-                              sc.serving.ttft_inflation, sc.serving.tpot_inflation)
+        e = sc.serving.executor
+        self.slo = SLOBudgets(e.slo_ttft_ms / 1e3, e.slo_tpot_ms / 1e3, e.ttft_inflation, e.tpot_inflation)
         # One rollout iteration is bounded by the SLOs alone; the inflation budgets bound how many
         # serving iterations carry one (`rollout_duty`), as banked budgets do on a device.
         self.iteration_slo = SLOBudgets(self.slo.ttft_s, self.slo.tpot_s)
@@ -180,7 +180,8 @@ class Simulation:
             trace = Trace(trace.name, trace.arrival_s, prompts, outputs)
         self.fleet = ServingFleet(self.n_cs, trace, trace.mean_rate * sc.serving.load,
                                   diurnal_for_peak(sc.serving.trace, sc.serving.minute_peak_to_mean),
-                                  sc.serving.start_hour * 3600.0, sc.serving.chunk_tokens, sc.sim.seed + 1)
+                                  sc.serving.start_hour * 3600.0, sc.serving.executor.chunk_tokens,
+                                  sc.sim.seed + 1)
         self.serve_cost = forward_cost(self.serving_model, self.device, c.serving_tp, self.eff)
         self.cs_cost = forward_cost(self.policy, self.device, c.serving_tp, self.eff)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
@@ -191,13 +192,14 @@ class Simulation:
         if self.pool <= 0:
             raise ValueError(f"scenario {sc.name}: {self.serving_model.name} and {self.policy.name} do "
                              f"not fit together on {c.serving_tp} x {self.device.name}; raise serving_tp")
-        self.burst = [BurstController(self.pool, sc.serving.headroom, sc.serving.high_watermark)
+        e = sc.serving.executor
+        self.burst = [BurstController(self.pool, e.headroom, e.high_watermark)
                       for _ in range(self.n_cs)]
         self.workers.kv_cap[self.first_cs:] = self.burst[0].budget / self.policy.kv_bytes_per_token
 
     def _serving_alone_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(prefill-iteration, decode-iteration) times of every serving replica, no rollout."""
-        f, chunk = self.fleet, self.sc.serving.chunk_tokens
+        f, chunk = self.fleet, self.sc.serving.executor.chunk_tokens
         dec, ctx = f.decode_seqs(), f.decode_context()
         t_p = self.serve_cost.time(chunk, dec, ctx)
         t_d = self.serve_cost.time(0, dec, ctx)
@@ -206,7 +208,8 @@ class Simulation:
     def _serving_tick_alone(self, t: float) -> None:
         self.fleet.arrivals_until(t + self.dt)
         t_p, t_d = self._serving_alone_times()
-        self.fleet.advance(t, self.dt, t_p, t_d, np.full(self.n_cs, float(self.sc.serving.chunk_tokens)))
+        chunk = float(self.sc.serving.executor.chunk_tokens)
+        self.fleet.advance(t, self.dt, t_p, t_d, np.full(self.n_cs, chunk))
 
     def idle_until(self, t: float, t_end: float) -> float:
         """Serving runs alone (no rollout) until t_end; returns the tick time reached."""
@@ -322,7 +325,7 @@ class Simulation:
     def _report_capacity(self, t: float, rnd: Round) -> None:
         """Each serving executor's capacity report: free rollout slots, from its memory budget
         and its compute slack (`rose.coserve.admission.rollout_capacity`)."""
-        f, chunk = self.fleet, self.sc.serving.chunk_tokens
+        f, chunk = self.fleet, self.sc.serving.executor.chunk_tokens
         reps = np.flatnonzero(self.workers.registered[self.first_cs:])
         held = self.last_view.held(self.first_cs)
         for r, st in zip(reps.tolist(), f.admission_states(t, reps), strict=True):
@@ -475,7 +478,7 @@ class Simulation:
         Returns the serving fleet's (prefill-iteration time, decode-iteration time, serving
         prefill tokens per prefill iteration); replicas without rollout work run serving alone."""
         sc, f = self.sc, self.fleet
-        chunk = sc.serving.chunk_tokens
+        chunk = sc.serving.executor.chunk_tokens
         t_p, t_d = self._serving_alone_times()
         serve_pf = np.full(self.n_cs, float(chunk))
         wids_all = self.first_cs + np.arange(self.n_cs)
