@@ -42,6 +42,10 @@ def _setting(default: Any, text: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorConfig:
+    """The co-serving executor's settings (`rose.coserve.executor.CoServingExecutor`): its KV
+    pool, the SLOs it keeps, rollout admission and burst control. Each field's help is its
+    `rose serve` flag's."""
+
     pool_mb: float = _setting(256.0, "KV page pool shared by both models, MiB")
     headroom: float = _setting(HEADROOM, "share of the pool reserved for serving")
     high_watermark: float = _setting(HIGH_WATERMARK, "burst when serving has used this share of the headroom")
