@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 T = TypeVar("T")
@@ -43,11 +43,13 @@ def load(schema: type[T] | T, files: Sequence[str | Path] = (), overrides: Seque
         try:
             conf = OmegaConf.merge(conf, layer)
         except OmegaConfBaseException as exc:
-            raise _error(exc, OmegaConf.to_container(layer), label) from None
+            raise _error(exc, OmegaConf.to_container(layer), conf, label) from None
     try:
         return OmegaConf.to_object(conf)
     except OmegaConfBaseException as exc:
-        raise _error(exc, {}, label) from None
+        raise _error(exc, {}, conf, label) from None
+    except ValueError as exc:  # a dataclass's own checks, whose messages start with the field's name
+        raise ValueError(f"{label}: {_refusing(conf)}{exc}") from None
 
 
 def _nested(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,10 +64,11 @@ def _nested(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _error(exc: OmegaConfBaseException, source: Any, label: str) -> ValueError:
+def _error(exc: OmegaConfBaseException, source: Any, conf: DictConfig, label: str) -> ValueError:
     """One line naming the full dotted key: OmegaConf names only the first level it does not
-    know (`no` for `no.such.key=1`), so an unknown key is followed down `source` to its leaf."""
-    key = getattr(exc, "full_key", None) or ""
+    know (`no` for `no.such.key=1`), so an unknown key is followed down `source` to its leaf.
+    An unknown key that a section beside it holds (a setting moved into `executor`) is named."""
+    key, hint = getattr(exc, "full_key", None) or "", ""
     if isinstance(exc, ConfigKeyError):
         node = source
         for part in key.split("."):
@@ -73,8 +76,26 @@ def _error(exc: OmegaConfBaseException, source: Any, label: str) -> ValueError:
         while isinstance(node, dict) and node:
             first = next(iter(node))
             key, node = f"{key}.{first}", node[first]
+        parent, _, leaf = key.rpartition(".")
+        section = OmegaConf.select(conf, parent) if parent else conf
+        if isinstance(section, DictConfig):
+            moved = [f"{parent}.{name}".lstrip(".") for name, child in section.items()
+                     if isinstance(child, DictConfig) and leaf in child]
+            hint = f" (did you mean {' or '.join(f'{m}.{leaf}' for m in moved)}?)" if moved else ""
     message = str(getattr(exc, "msg", exc)).splitlines()[0]
-    return ValueError(f"{label}: {key + ': ' if key else ''}{message}")
+    return ValueError(f"{label}: {key + ': ' if key else ''}{message}{hint}")
+
+
+def _refusing(conf: DictConfig, prefix: str = "") -> str:
+    """`KEY.` of the innermost section whose dataclass refuses its values ("" for the top one)."""
+    for name in conf:
+        child = conf[name]
+        if isinstance(child, DictConfig) and OmegaConf.get_type(child) is not dict:
+            try:
+                OmegaConf.to_object(child)
+            except ValueError:
+                return _refusing(child, f"{prefix}{name}.")
+    return prefix
 
 
 def named_config(name: str) -> Path:

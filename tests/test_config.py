@@ -4,6 +4,8 @@ values set in code, in that order; whatever OmegaConf refuses is one line naming
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,11 @@ from rose.config import load, named_config, read_named_config
 class Inner:
     size: int = 4
     name: str | None = None
+
+
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            raise ValueError(f"size must be >= 0, got {self.size}")
 
 
 @dataclasses.dataclass
@@ -44,6 +51,10 @@ def test_values_are_data_not_yaml() -> None:
     (["inner.size=many"], None, r"^config: inner\.size: Value 'many' of type 'str' could not be converted"),
     ([], {"rate": "fast"}, r"^config: rate: Value 'fast' of type 'str' could not be converted"),
     (["inner.size"], None, r"^override 'inner\.size' is not key=value$"),
+    # A key of a section, given one level up: the key it names there.
+    (["size=3"], None, r"^config: size: Key 'size' not in 'Outer' \(did you mean inner\.size\?\)$"),
+    # A dataclass's own check, its message prefixed with the section's key.
+    (["inner.size=-1"], None, r"^config: inner\.size must be >= 0, got -1$"),
     (["=3"], None, r"^override '=3' is not key=value$"),
 ])
 def test_refusals_are_one_line_naming_the_key(overrides: list[str], values: dict | None,
@@ -69,3 +80,15 @@ def test_named_configs() -> None:
     assert read_named_config("bench-train")["rollout"]["max_tokens"] == 24
     with pytest.raises(ValueError, match="no named config 'nope'"):
         named_config("nope")
+
+
+SCHEMAS = ("rose.config", "rose.coserve.settings", "rose.coserve.serve_config", "rose.runtime.config",
+           "rose.sim.scenarios")
+
+
+@pytest.mark.parametrize("module", SCHEMAS)
+def test_config_schemas_load_no_torch(module: str) -> None:
+    """A config is read and its types checked in a fraction of a second: the checks that need
+    torch (devices, models, the engine's KV layout) import it when they run."""
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,7 +13,8 @@ from hf_parity import assert_matches_hf, chosen_logprobs, hf_logits
 from rl_batches import random_batch
 
 from rose.contracts import Turn
-from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.executor import CoServingExecutor
+from rose.coserve.settings import ExecutorConfig
 from rose.engine import LLMEngine, SamplingParams
 from rose.model import load_model
 from rose.rl import Objective, Trainer, TrainerConfig
@@ -132,8 +133,7 @@ def test_a_trainer_step_on_the_device_matches_the_cpu(tiny_qwen3: Path, tmp_path
 def test_the_coserving_executor_on_the_device(tiny_qwen2: Path, tiny_qwen3: Path) -> None:
     """Both models and their one page pool on the device; serving gets the tokens it gets alone,
     a rollout turn runs beside it, and CPU weights load onto the device."""
-    executor = CoServingExecutor.from_pretrained(tiny_qwen2, tiny_qwen3,
-                                                 ExecutorConfig(pool_bytes=8 << 20, device="cuda"))
+    executor = CoServingExecutor.from_pretrained(tiny_qwen2, tiny_qwen3, ExecutorConfig(pool_mb=8), "cuda")
     assert executor.pool.device.type == "cuda"
     executor.profile()
     serving_prompt, turn_prompt = _prompts([40, 70], seed=3)

@@ -40,9 +40,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rose.bench import checkpoint_arg, serve_device_args
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.cli import serve_process
-from rose.coserve.executor import ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
+from rose.coserve.settings import ExecutorConfig
 from rose.engine import SamplingParams
 from rose.model import init_model
 from rose.model.device import add_device_arguments

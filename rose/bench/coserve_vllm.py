@@ -42,6 +42,7 @@ from rose.bench import checkpoint_arg
 from rose.bench.coserve import PROMPT_IDS, first_prompt, next_prompt
 from rose.contracts import SamplingParams, Turn
 from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, summarize
+from rose.coserve.settings import ExecutorConfig
 from rose.engine import RequestOutput
 from rose.model import init_model
 from rose.progress import bar
@@ -49,9 +50,14 @@ from rose.reporting import write_report
 
 MODES = ("native_alone", "native_naive", "native_rose", "vllm_alone", "vllm_fcfs", "vllm_priority",
          "vllm_dual_slo")
-POOL_BYTES = 512 << 20  # the KV pool (the native executor's) or cache (vLLM's)
+POOL_MB = 512  # the KV pool (the native executor's) or cache (vLLM's)
 MAX_CONTEXT, MAX_OUTPUT = 1024, 64  # the serving requests', as `rose bench coserve` replays them
 
+
+
+def settings(slo: dict[str, float]) -> ExecutorConfig:
+    """Both engines' settings: the executor's defaults, this run's SLOs and pool."""
+    return ExecutorConfig(pool_mb=POOL_MB, slo_ttft_ms=slo["ttft_ms"], slo_tpot_ms=slo["tpot_ms"])
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="45 s per mode instead of 300 s")
@@ -82,10 +88,10 @@ class NativeBackend:
     """ROSE's co-serving executor, both models from one checkpoint, profiled as `rose serve` does."""
 
     def __init__(self, model: Path, policy: str, slo: dict[str, float]) -> None:
-        from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy
+        from rose.coserve.executor import CoServingExecutor
+        from rose.coserve.settings import Policy
 
-        config = ExecutorConfig(pool_bytes=POOL_BYTES, policy=Policy(policy), slo_ttft_ms=slo["ttft_ms"],
-                                slo_tpot_ms=slo["tpot_ms"])
+        config = dataclasses.replace(settings(slo), policy=Policy(policy))
         self.executor = CoServingExecutor.from_pretrained(model, model, config)
         self.executor.profile()
 
@@ -111,8 +117,7 @@ class VllmBackend:
     def __init__(self, model: Path, policy: str, slo: dict[str, float]) -> None:
         from rose.coserve.vllm_admission import ROLLOUT_PRIORITY, SERVING_PRIORITY, VllmCoServing
 
-        self.coserving = VllmCoServing.from_pretrained(model, POOL_BYTES, policy, slo["ttft_ms"] / 1e3,
-                                                       slo["tpot_ms"] / 1e3)
+        self.coserving = VllmCoServing.from_pretrained(model, policy, settings(slo))
         self.engine = self.coserving.engine
         self.serving_priority = SERVING_PRIORITY
         self.rollout_priority = SERVING_PRIORITY if policy == "fcfs" else ROLLOUT_PRIORITY

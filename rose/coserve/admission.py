@@ -51,23 +51,14 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from rose.contracts import TokenLoad
-
-# The policy's default settings, read by the executor's config (`ExecutorConfig`) and the
-# simulator's scenarios alike. They live here, not in the executor, because the simulator must
-# not import the executor (it would pull in torch, seconds of start-up for a pure model).
-HEADROOM = 0.2          # H: share of the pool only serving may use (design default)
-HIGH_WATERMARK = 0.5    # burst when serving has eaten this share of H
-CHUNK_TOKENS = 512      # serving prompt tokens prefilled per iteration (chunked prefill)
-# "Serving never notices": rollouts may add at most this share of a serving request's own
-# decode time to it (its TPOT), and of its own time to first token to its TTFT (docs/coserve.md,
-# "Admission"; measured in docs/benchmarks.md).
-TPOT_INFLATION = 0.10
-TTFT_INFLATION = 0.03
-# TTFT room kept for a serving request that may arrive while an iteration runs: it waits for the
-# iteration, then prefills this many tokens, within B_TTFT (`rollout_time_cap`).
-ARRIVAL_RESERVE_TOKENS = 512
-# With no serving request in flight rollouts always get at least this many tokens (`admission_step`).
-IDLE_MIN_ROLLOUT_TOKENS = 32
+from rose.coserve.settings import (
+    ARRIVAL_RESERVE_TOKENS,
+    CHUNK_TOKENS,
+    HEADROOM,
+    HIGH_WATERMARK,
+    IDLE_MIN_ROLLOUT_TOKENS,
+    ExecutorConfig,
+)
 
 
 class LatencyModel(Protocol):
@@ -95,6 +86,12 @@ class SLOBudgets:
         if not (self.ttft_inflation >= 0 and self.tpot_inflation >= 0):
             raise ValueError(f"inflation budgets must be >= 0, got ttft_inflation={self.ttft_inflation}, "
                              f"tpot_inflation={self.tpot_inflation}")
+
+    @classmethod
+    def of(cls, config: ExecutorConfig) -> SLOBudgets:
+        """The budgets an executor's settings state (milliseconds there, seconds here)."""
+        return cls(config.slo_ttft_ms / 1e3, config.slo_tpot_ms / 1e3, config.ttft_inflation,
+                   config.tpot_inflation)
 
     @functools.cached_property
     def without_inflation(self) -> SLOBudgets:

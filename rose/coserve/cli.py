@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import socket
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -17,8 +19,9 @@ import httpx
 import torch
 
 from rose.coserve.executor import CoServingExecutor
-from rose.coserve.serve_config import POLICIES, ServeConfig, load_serve_config
+from rose.coserve.serve_config import ServeConfig, load_serve_config
 from rose.coserve.server import build_app
+from rose.coserve.settings import ExecutorConfig, Policy
 from rose.model import load_tokenizer
 from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
 from rose.steploop import StepLoop
@@ -27,34 +30,27 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """One flag per key of `ServeConfig`; a flag given overrides `--config` and the dotted overrides."""
+    """One flag per key of `ServeConfig`, the executor's settings included (`--pool-mb` sets
+    `executor.pool_mb`); a flag given overrides `--config` and the dotted overrides."""
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides of the config's keys, the flags' names (e.g. slo_ttft_ms=500)")
-    p.add_argument("--config", help="YAML file of these settings, keys named as the flags (pool_mb: 512)")
+                   help="dotted overrides of the config's keys (e.g. port=9000 executor.slo_ttft_ms=500)")
+    p.add_argument("--config", help="YAML file of these settings, keyed as the flags, the executor's under "
+                                    "executor: (executor: {pool_mb: 512})")
     defaults = ServeConfig()
 
-    def flag(name: str, text: str = "", **kwargs: Any) -> None:
+    def flag(name: str, text: str = "", key: str = "", group: Any = p, **kwargs: Any) -> None:
         # Not given: absent from the namespace, so the file or the dataclass default holds.
-        default = getattr(defaults, name.removeprefix("--").replace("-", "_"))
+        key = key or name.removeprefix("--").replace("-", "_")
+        default = functools.reduce(getattr, key.split("."), defaults)
+        default = default.value if isinstance(default, Policy) else default
         shown = f" (default: {default})" if default is not None and not isinstance(default, bool) else ""
-        p.add_argument(name, default=argparse.SUPPRESS, help=f"{text}{shown}".strip(), **kwargs)
+        group.add_argument(name, dest=key, default=argparse.SUPPRESS, help=f"{text}{shown}".strip(), **kwargs)
 
     flag("--model", "serving model checkpoint (HF format); required, here or in --config")
     flag("--rollout-model", "rollout model checkpoint; leases are refused without one")
     flag("--served-model-name", "model name clients use (default: the directory name)")
     flag("--host")
     flag("--port", type=int)
-    flag("--slo-ttft-ms", type=float)
-    flag("--slo-tpot-ms", type=float)
-    flag("--tpot-inflation", "share of a serving request's own decode time rollouts may add (inf: SLO only)",
-         type=float)
-    flag("--ttft-inflation", "share of a serving request's own time to first token rollouts may add",
-         type=float)
-    flag("--admission-quantile", "quantile of the latency model's error admission predicts at", type=float)
-    flag("--pool-mb", "KV page pool shared by both models", type=float)
-    flag("--headroom", "share of the pool reserved for serving", type=float)
-    flag("--policy", "rollout admission: rose (dual-SLO + burst control), naive, static",
-         choices=POLICIES)
     flag("--device", DEVICE_HELP)
     flag("--dtype", DTYPE_HELP, choices=list(DTYPES))
     flag("--threads", "torch threads (default: torch's)", type=int)
@@ -66,9 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--max-weights-mb", "largest body of POST /v1/lease/weights", type=float)
     flag("--max-waiting", "requests per model waiting for their first token; more get a 429", type=int)
     flag("--queue-timeout-s", "a request with no first token by then is dropped (503)", type=float)
-    flag("--max-rollout-turns", "lease slots: rollout turns running at once; more get a 429", type=int)
     flag("--limit-concurrency", "open connections and requests at once; more get a 503 from uvicorn",
          type=int)
+    executor = p.add_argument_group("co-serving executor", "its settings, executor.KEY in --config "
+                                                           "(rose.coserve.settings.ExecutorConfig)")
+    types = typing.get_type_hints(ExecutorConfig)
+    for field in dataclasses.fields(ExecutorConfig):
+        kind = types[field.name]
+        value = ({"choices": [policy.value for policy in Policy]} if kind is Policy
+                 else {"type": kind, "metavar": field.name.upper()})
+        flag(f"--{field.name.replace('_', '-')}", field.metadata["help"], f"executor.{field.name}", executor,
+             **value)
 
 
 def _cores(spec: str) -> set[int]:
@@ -81,8 +85,10 @@ def _cores(spec: str) -> set[int]:
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `--config` file, the dotted overrides, then the flags given (a flag not given is absent
-    from `args`)."""
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if hasattr(args, f.name)}
+    from `args`; each is stored under its config key)."""
+    keys = {f.name for f in dataclasses.fields(ServeConfig)}
+    keys |= {f"executor.{f.name}" for f in dataclasses.fields(ExecutorConfig)}
+    flags = {key: value for key, value in vars(args).items() if key in keys}
     return load_serve_config([args.config] if args.config else [], args.overrides, flags)
 
 
@@ -90,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     serve = serve_config(args)
-    config, limits = serve.executor_config(), serve.server_limits()  # bad values fail before models load
+    limits = serve.server_limits()  # bad values fail before models load
     if serve.cores:
         os.sched_setaffinity(0, _cores(serve.cores))
     if serve.threads:
@@ -99,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     # interval a request arriving during a rollout iteration waited tens of ms just to be parsed
     # and queued, beyond the iteration itself (coserve.md, "Admission").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, config)
+    executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, serve.executor,
+                                                 serve.device, serve.dtype)
     if not serve.no_profile:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))

@@ -17,8 +17,6 @@ tokens they like, no priority), `static` (a fixed page split and a fixed rollout
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -28,11 +26,6 @@ import torch
 
 from rose.contracts import Capacity, Turn
 from rose.coserve.admission import (
-    CHUNK_TOKENS,
-    HEADROOM,
-    HIGH_WATERMARK,
-    TPOT_INFLATION,
-    TTFT_INFLATION,
     BurstController,
     RolloutDemand,
     RolloutWait,
@@ -48,6 +41,7 @@ from rose.coserve.admission import (
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
+from rose.coserve.settings import ExecutorConfig, Policy
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
 from rose.engine.llm_engine import eos_ids
 from rose.engine.sequence import Sequence
@@ -66,77 +60,14 @@ class StaleVersion(ValueError):
     """New rollout weights whose version is below the rollout model's: versions only move forward."""
 
 
-class Policy(enum.Enum):
-    ROSE = "rose"
-    NAIVE = "naive"
-    STATIC = "static"
-
-
-@dataclasses.dataclass(frozen=True)
-class ExecutorConfig:
-    pool_bytes: int = 256 * 1024**2
-    headroom: float = HEADROOM  # H: share of the pool only serving may use
-    high_watermark: float = HIGH_WATERMARK  # burst when serving has eaten this share of H
-    slo_ttft_ms: float = 1000.0
-    slo_tpot_ms: float = 200.0
-    chunk_tokens: int = CHUNK_TOKENS
-    max_num_seqs: int = 64  # per engine
-    max_rollout_turns: int = 32  # lease slots
-    policy: Policy = Policy.ROSE
-    static_rollout_pages: float = 0.5  # `static`: rollout's fixed share of the pool
-    static_rollout_tokens: int = 64  # `static`: rollout tokens per iteration
-    # Inflation budgets (admission.TPOT_INFLATION says what they bound); a rollout step on an
-    # idle device is capped at ttft_inflation x B_TTFT (and an arriving request interrupts it
-    # between layers). inf: only the SLOs bound them.
-    tpot_inflation: float = TPOT_INFLATION
-    ttft_inflation: float = TTFT_INFLATION
-    # Admission predicts iteration times at this quantile of the latency model's measured
-    # error (1.0: its largest recent error; 0.5: about its mean).
-    admission_quantile: float = 0.95
-    # TTFT room is kept for a request that may arrive while an iteration runs: it waits for
-    # the iteration, then prefills this many tokens, within B_TTFT (0: no such reserve).
-    arrival_reserve_tokens: int = 512
-    # With no serving request in flight rollouts always get at least this many tokens, so that
-    # a latency model that overestimates (noisy profile) cannot starve them: each such
-    # iteration is also a measurement that corrects the fit.
-    idle_min_rollout_tokens: int = 32
-    # The context a new rollout turn is taken to attend to when counting free slots, while no
-    # rollout sequence runs to measure it from.
-    typical_rollout_context: int = 1024
-    # Where `from_pretrained` loads both models and in which dtype (None: `rose.model.device`'s
-    # defaults: CUDA if there is one, in bfloat16; else the CPU, in float32).
-    device: str | None = None
-    dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.slo_ttft_ms <= 0 or self.slo_tpot_ms <= 0:
-            raise ValueError(f"SLOs must be positive, got ttft {self.slo_ttft_ms} ms, "
-                             f"tpot {self.slo_tpot_ms} ms")
-        if not 0 < self.static_rollout_pages < 1:
-            raise ValueError(f"static_rollout_pages must be in (0, 1), got {self.static_rollout_pages}")
-        if not 0 < self.admission_quantile <= 1:
-            raise ValueError(f"admission_quantile must be in (0, 1], got {self.admission_quantile}")
-        if not (self.tpot_inflation >= 0 and self.ttft_inflation >= 0):
-            raise ValueError(f"inflation budgets must be >= 0, got tpot_inflation={self.tpot_inflation}, "
-                             f"ttft_inflation={self.ttft_inflation}")
-        resolve(self.device, self.dtype)
-
-    @property
-    def slo(self) -> SLOBudgets:
-        return SLOBudgets(self.slo_ttft_ms / 1e3, self.slo_tpot_ms / 1e3, self.ttft_inflation,
-                          self.tpot_inflation)
-
-    def engine(self) -> EngineConfig:
-        return EngineConfig(max_num_seqs=self.max_num_seqs, chunk_size=self.chunk_tokens,
-                            max_num_batched_tokens=max(2048, self.chunk_tokens))
-
-
 class CoServingExecutor:
     def __init__(self, serving: CausalLM, rollout: CausalLM | None,
                  config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
                  rollout_eos: Iterable[int] = ()) -> None:
         """Both models on one device, where their shared KV pool is made."""
         self.config = cfg = config or ExecutorConfig()
+        engine = EngineConfig(max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_tokens,
+                              max_num_batched_tokens=max(2048, cfg.chunk_tokens))
         models = [m for m in (serving, rollout) if m]
         weights = [next(m.parameters()) for m in models]
         if len({w.device for w in weights}) > 1:
@@ -144,14 +75,14 @@ class CoServingExecutor:
                              f"{weights[1].device}; a co-serving executor runs both on one device")
         specs = [KVSpec.of(m.config, w.dtype) for m, w in zip(models, weights, strict=True)]
         self.pool = KVPool.for_specs(cfg.pool_bytes, *specs, device=weights[0].device)
-        self.serving = LLMEngine(serving, cfg.engine(), serving_eos, self.pool, SERVING)
-        self.rollout = LLMEngine(rollout, cfg.engine(), rollout_eos, self.pool, ROLLOUT) if rollout else None
+        self.serving = LLMEngine(serving, engine, serving_eos, self.pool, SERVING)
+        self.rollout = LLMEngine(rollout, engine, rollout_eos, self.pool, ROLLOUT) if rollout else None
         self.burst = BurstController(self.pool.num_pages, cfg.headroom, cfg.high_watermark)
         self.latency = FittedLatencyModel()
         self.tail = TailLatency(self.latency, cfg.admission_quantile)
         self.guard = SlackGuard()
         self.metrics = ExecutorMetrics((SERVING, ROLLOUT))
-        self.slo = cfg.slo
+        self.slo = SLOBudgets.of(cfg)
         self._turns: dict[str, Turn] = {}
         # Per serving request: the rollout work it waited for.
         self._waited: dict[str, RolloutWait] = {}
@@ -170,10 +101,11 @@ class CoServingExecutor:
 
     @classmethod
     def from_pretrained(cls, serving_path: str | Path, rollout_path: str | Path | None = None,
-                        config: ExecutorConfig | None = None) -> CoServingExecutor:
-        """Both checkpoints loaded on the config's device, in its dtype."""
-        config = config or ExecutorConfig()
-        device, dtype = resolve(config.device, config.dtype)
+                        config: ExecutorConfig | None = None, device: str | None = None,
+                        dtype: str | None = None) -> CoServingExecutor:
+        """Both checkpoints loaded on `device`, in `dtype` (None: `rose.model.device`'s defaults:
+        CUDA if there is one, in bfloat16; else the CPU, in float32)."""
+        device, dtype = resolve(device, dtype)
         serving = load_model(serving_path, dtype, device)
         rollout = load_model(rollout_path, dtype, device) if rollout_path else None
         return cls(serving, rollout, config, eos_ids(serving_path, serving.config),

@@ -1,6 +1,8 @@
-"""`rose serve`'s settings: one key per command-line flag (`--pool-mb` is `pool_mb`), each default
-taken from the executor's or the server's own dataclass. A YAML file (`--config`) and dotted
-overrides hold the same keys, through the shared loader (`rose.config`)."""
+"""`rose serve`'s settings: the executor's (`executor`, a `rose.coserve.settings.ExecutorConfig`)
+and the process's and server's own, one key per command-line flag (`--port` is `port`, and each
+executor setting's flag names its key in `executor`: `--pool-mb` is `executor.pool_mb`). A YAML
+file (`--config`) and dotted overrides hold the same keys, through the shared loader
+(`rose.config`). Importing this module loads no torch."""
 
 from __future__ import annotations
 
@@ -11,12 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.config import load
-from rose.coserve.executor import ExecutorConfig, Policy
-from rose.coserve.server import ServerLimits
-from rose.model.device import resolve
-
-MB = 1024**2
-POLICIES = tuple(p.value for p in Policy)
+from rose.coserve.settings import MB, ExecutorConfig, ServerLimits
 
 
 @dataclasses.dataclass
@@ -26,17 +23,9 @@ class ServeConfig:
     served_model_name: str | None = None  # None: the model directory's name
     host: str = "127.0.0.1"
     port: int = 8000
-    slo_ttft_ms: float = ExecutorConfig.slo_ttft_ms
-    slo_tpot_ms: float = ExecutorConfig.slo_tpot_ms
-    tpot_inflation: float = ExecutorConfig.tpot_inflation
-    ttft_inflation: float = ExecutorConfig.ttft_inflation
-    admission_quantile: float = ExecutorConfig.admission_quantile
-    pool_mb: float = ExecutorConfig.pool_bytes / MB
-    headroom: float = ExecutorConfig.headroom
-    policy: str = ExecutorConfig.policy.value
-    max_rollout_turns: int = ExecutorConfig.max_rollout_turns
-    device: str | None = ExecutorConfig.device  # None: cuda if there is one, else cpu
-    dtype: str | None = ExecutorConfig.dtype  # None: bfloat16 on cuda, float32 on cpu
+    executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
+    device: str | None = None  # both models; None: cuda if there is one, else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
     threads: int | None = None  # None: torch's default
     cores: str | None = None  # pin the process to these cores, e.g. "1" or "0-1"
     no_profile: bool = False
@@ -47,13 +36,6 @@ class ServeConfig:
     max_waiting: int = ServerLimits.max_waiting_per_model
     queue_timeout_s: float = ServerLimits.queue_timeout_s
     limit_concurrency: int = ServerLimits.max_connections
-
-    def executor_config(self) -> ExecutorConfig:
-        return ExecutorConfig(pool_bytes=int(self.pool_mb * MB), headroom=self.headroom,
-                              slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
-                              tpot_inflation=self.tpot_inflation, ttft_inflation=self.ttft_inflation,
-                              admission_quantile=self.admission_quantile, policy=Policy(self.policy),
-                              max_rollout_turns=self.max_rollout_turns, device=self.device, dtype=self.dtype)
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(api_key=self.api_key, lease_key=self.lease_key,
@@ -66,14 +48,14 @@ class ServeConfig:
 def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str] = (),
                       flags: Mapping[str, Any] | None = None) -> ServeConfig:
     """The defaults, the keys from the environment, the YAML file(s), `key=value` overrides, then
-    the flags given. The executor's and the server's own checks run in `executor_config()` and
-    `server_limits()`."""
+    the flags given (dotted keys: `executor.pool_mb`). The executor's checks run as it loads; the
+    server's in `server_limits()`."""
+    from rose.model.device import resolve  # torch: only once a config is checked
+
     environment = ServeConfig(api_key=os.environ.get("ROSE_API_KEY") or None,
                               lease_key=os.environ.get("ROSE_LEASE_KEY") or None)
     config = load(environment, files, overrides, flags)
     if config.model is None:
         raise ValueError("config: model: a serving checkpoint is required (--model, or model: in --config)")
-    if config.policy not in POLICIES:
-        raise ValueError(f"config: policy must be one of {', '.join(POLICIES)}, got {config.policy!r}")
     resolve(config.device, config.dtype, label="config: ")
     return config

@@ -13,7 +13,6 @@ and has a deadline (503). A client that disconnects, streaming or not, has its r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hmac
 import threading
 from collections.abc import AsyncIterator
@@ -30,35 +29,12 @@ from rose.coserve.api_errors import APIError, ClientGone
 from rose.coserve.api_state import Arrivals, ServerState
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_api import LEASE_PREFIX, WEIGHTS_PATH
+from rose.coserve.settings import ServerLimits
 from rose.engine import RequestOutput
 from rose.model import Tokenizer
 from rose.steploop import StepLoop
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerLimits:
-    """Who may call, and how much any caller may ask of the server."""
-
-    api_key: str | None = None  # bearer key of the OpenAI API; None: open
-    lease_key: str | None = None  # bearer key of /v1/lease/*; None: open
-    max_body_bytes: int = 4 * 1024**2
-    max_weights_bytes: int = 64 * 1024**3  # POST /v1/lease/weights: a whole model
-    max_waiting_per_model: int = 256  # requests of one model waiting for their first token
-    queue_timeout_s: float = 120.0  # no first token by then: aborted, answered 503
-    health_timeout_s: float = 10.0  # the engine loop must answer /health within this
-    shutdown_timeout_s: float = 5.0  # waited for the engine thread to stop at exit
-    max_connections: int = 1024  # uvicorn's limit_concurrency: connections beyond it get a 503
-
-    def __post_init__(self) -> None:
-        for name in ("api_key", "lease_key"):
-            if getattr(self, name) == "":
-                raise ValueError(f"{name} must be a non-empty string, or None for no key")
-        for name in ("max_body_bytes", "max_weights_bytes", "max_waiting_per_model", "queue_timeout_s",
-                     "health_timeout_s", "shutdown_timeout_s", "max_connections"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
 
 class _Guard:

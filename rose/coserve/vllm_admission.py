@@ -34,11 +34,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from rose.contracts import TokenLoad
 from rose.coserve.admission import (
-    ARRIVAL_RESERVE_TOKENS,
-    CHUNK_TOKENS,
-    IDLE_MIN_ROLLOUT_TOKENS,
-    TPOT_INFLATION,
-    TTFT_INFLATION,
     RolloutDemand,
     RolloutWait,
     ServingRequest,
@@ -49,11 +44,11 @@ from rose.coserve.admission import (
     serving_state,
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile_batches
+from rose.coserve.settings import ExecutorConfig
 from rose.engine.vllm_engine import VllmEngine
 
 SERVING_PRIORITY, ROLLOUT_PRIORITY = 0, 1
 MODEL = "engine"  # one model: the latency model has one term
-MAX_NUM_SEQS = 64  # as the native executor's engines (`ExecutorConfig.max_num_seqs`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,24 +88,20 @@ class DualSLOScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.slo: SLOBudgets | None = None
+        self.settings = ExecutorConfig()
         self.latency = FittedLatencyModel()
         self.tail = TailLatency(self.latency)
         self.guard = SlackGuard()
-        self.chunk_tokens = CHUNK_TOKENS
-        self.reserve_tokens = ARRIVAL_RESERVE_TOKENS
-        self.idle_min_tokens = IDLE_MIN_ROLLOUT_TOKENS
         self.full_budget, self.full_active = self.max_num_scheduled_tokens, self.max_num_active_reqs
         self.held_iterations = 0  # iterations with rollout work waiting and none admitted
         self._served: dict[str, _Served] = {}
         self._iteration: _Iteration | None = None
 
-    def configure(self, slo: SLOBudgets, quantile: float = 0.95, chunk_tokens: int = CHUNK_TOKENS,
-                  arrival_reserve_tokens: int = ARRIVAL_RESERVE_TOKENS,
-                  idle_min_rollout_tokens: int = IDLE_MIN_ROLLOUT_TOKENS) -> None:
-        """Admission on, with the native executor's settings (`ExecutorConfig` says what each is)."""
-        self.slo, self.chunk_tokens = slo, chunk_tokens
-        self.tail = TailLatency(self.latency, quantile)
-        self.reserve_tokens, self.idle_min_tokens = arrival_reserve_tokens, idle_min_rollout_tokens
+    def configure(self, settings: ExecutorConfig) -> None:
+        """Admission on, under the native executor's settings (its SLOs, inflation budgets,
+        quantile, chunk, arrival reserve and idle minimum)."""
+        self.settings, self.slo = settings, SLOBudgets.of(settings)
+        self.tail = TailLatency(self.latency, settings.admission_quantile)
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)
@@ -171,8 +162,9 @@ class DualSLOScheduler(Scheduler):
                                sum(_remaining(r) for r in prefilling + waiting))
         if not demand.decode_context and not demand.prefill_tokens:
             return [], [], math.inf
-        decision = admission_step(now, state, demand, OneForward(self.tail), self.slo, self.chunk_tokens,
-                                  self.guard.share, self.reserve_tokens, self.idle_min_tokens)
+        cfg = self.settings
+        decision = admission_step(now, state, demand, OneForward(self.tail), self.slo, cfg.chunk_tokens,
+                                  self.guard.share, cfg.arrival_reserve_tokens, cfg.idle_min_rollout_tokens)
         d, p = decision.decode_seqs, decision.prefill_tokens
         if serving_waiting:
             # vLLM schedules its waiting queue after the running list: a running rollout prefill
@@ -185,7 +177,7 @@ class DualSLOScheduler(Scheduler):
         held = {id(r) for r in held_running}
         self.running = serving_running + [r for r in rollout_running if id(r) not in held]
         self.waiting.remove_requests(held_waiting)
-        serving = state.load(self.chunk_tokens)
+        serving = state.load(cfg.chunk_tokens)
         serving_tokens = serving.prefill_tokens + serving.decode_seqs
         self.max_num_scheduled_tokens = min(self.full_budget, serving_tokens + d + p)
         return held_running, held_waiting, decision.limit_s
@@ -236,19 +228,21 @@ class VllmCoServing:
         self.scheduler = engine.llm.engine_core.engine_core.scheduler  # in process: the same object
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, kv_cache_bytes: int, policy: str, slo_ttft_s: float,
-                        slo_tpot_s: float, quantile: float = 0.95) -> VllmCoServing:
+    def from_pretrained(cls, path: str | Path, policy: str,
+                        settings: ExecutorConfig | None = None) -> VllmCoServing:
+        """`settings`: the native executor's (its pool is vLLM's KV cache here; its admission
+        settings are the dual-SLO scheduler's)."""
         if policy not in cls.POLICIES:
             raise ValueError(f"policy {policy!r}: expected one of {', '.join(cls.POLICIES)}")
+        settings = settings or ExecutorConfig()
         engine = VllmEngine.from_pretrained(
-            path, kv_cache_bytes, scheduling_policy="fcfs" if policy == "fcfs" else "priority",
-            scheduler_cls=f"{__name__}.{DualSLOScheduler.__name__}", max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=CHUNK_TOKENS + MAX_NUM_SEQS)
+            path, settings.pool_bytes, scheduling_policy="fcfs" if policy == "fcfs" else "priority",
+            scheduler_cls=f"{__name__}.{DualSLOScheduler.__name__}", max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.chunk_tokens + settings.max_num_seqs)
         coserving = cls(engine, policy)
         coserving.profile()
         if policy == "dual_slo":
-            coserving.scheduler.configure(SLOBudgets(slo_ttft_s, slo_tpot_s, TTFT_INFLATION, TPOT_INFLATION),
-                                          quantile)
+            coserving.scheduler.configure(settings)
         return coserving
 
     def profile(self) -> None:

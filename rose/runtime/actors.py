@@ -27,10 +27,11 @@ import torch
 
 from rose import logs
 from rose.contracts import WeightUpdate
-from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import RequestResult, build_trace, replay
-from rose.coserve.server import ServerLimits, build_app
+from rose.coserve.server import build_app
+from rose.coserve.settings import ExecutorConfig, ServerLimits
 from rose.engine import LLMEngine, RequestOutput
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.vllm_engine import VllmEngine
@@ -235,13 +236,13 @@ class ServingDeviceActor(_HttpReplica):
     process, through the engine loop the server runs on."""
 
     def __init__(self, worker_id: str, cores: list[int], local: bool, serving: Checkpoint, policy: Checkpoint,
-                 config: ExecutorConfig, replay_spec: ServingDeviceConfig, relay: str, group: str,
-                 limits: ServerLimits) -> None:
+                 config: ExecutorConfig, device: str, replay_spec: ServingDeviceConfig, relay: str,
+                 group: str, limits: ServerLimits) -> None:
         self._start_as(worker_id, cores, local)
         serving_path, rollout_path = open_checkpoint(serving), open_checkpoint(policy)
         import uvicorn
 
-        executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config)
+        executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config, device)
         executor.profile()
         self.limits = limits
         loop = StepLoop(executor, name="rose-executor")

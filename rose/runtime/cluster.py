@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from rose.coserve.loadgen import RequestResult
-from rose.coserve.server import ServerLimits
+from rose.coserve.settings import ServerLimits
 from rose.model import load_tokenizer
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry

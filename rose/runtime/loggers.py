@@ -58,7 +58,7 @@ class ConsoleLogger:
         self.console, self.serving = Console(soft_wrap=True), serving
 
     def log(self, r: dict[str, Any]) -> None:
-        s, h, t, slo = r["serving"], r["heldout_success"], r["trainer"], self.serving
+        s, h, t, slo = r["serving"], r["heldout_success"], r["trainer"], self.serving.executor
         serving = (f" | serving p99 TTFT {s.get('p99_ttft_ms')} / {slo.slo_ttft_ms:g} ms, "
                    f"TPOT {s.get('p99_tpot_ms')} / {slo.slo_tpot_ms:g} ms, "
                    f"SLO {s.get('slo_attainment')}") if s else ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -22,10 +23,9 @@ from typing import Any
 
 import httpx
 
-from rose.coserve.executor import ExecutorConfig
 from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult
-from rose.coserve.server import ServerLimits
+from rose.coserve.settings import ServerLimits
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.workers import RemoteWorker
@@ -84,17 +84,14 @@ class Replicas:
     def start_serving(self, wid: str, cores: list[int]) -> Any:
         import ray
 
-        s = self.config.serving
-        executor = ExecutorConfig(pool_bytes=s.pool_mb << 20, slo_ttft_ms=s.slo_ttft_ms,
-                                  slo_tpot_ms=s.slo_tpot_ms, admission_quantile=s.admission_quantile,
-                                  tpot_inflation=s.tpot_inflation, ttft_inflation=s.ttft_inflation,
-                                  max_rollout_turns=self.config.rollout.serving_concurrency,
-                                  device=actor_device(s.device))
-        options = self._options("serving", cores, str(executor.device))
+        s, device = self.config.serving, actor_device(self.config.serving.device)
+        # Its lease slots: the turns the run keeps on each serving device.
+        executor = dataclasses.replace(s.executor, max_rollout_turns=self.config.rollout.serving_concurrency)
+        options = self._options("serving", cores, device)
         self.cores[wid] = cores
         self.serving[wid] = ray.remote(ServingDeviceActor).options(**options).remote(
-            wid, cores, self.placement.local, self.serving_model, self.policy, executor, s, self.relay,
-            self.group, self.server_limits)
+            wid, cores, self.placement.local, self.serving_model, self.policy, executor, device, s,
+            self.relay, self.group, self.server_limits)
         return self.serving[wid]
 
     def _options(self, role: str, cores: list[int], device: str) -> dict[str, Any]:

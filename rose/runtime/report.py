@@ -116,7 +116,7 @@ def serving_summary(results: list[RequestResult], s: ServingDeviceConfig) -> dic
     if not results:
         return {}
     duration = max(r.scheduled_s + (r.latency_s or 0) for r in results) - min(r.scheduled_s for r in results)
-    return summarize_requests(results, max(duration, 1e-9), s.slo_ttft_ms, s.slo_tpot_ms)
+    return summarize_requests(results, max(duration, 1e-9), s.executor.slo_ttft_ms, s.executor.slo_tpot_ms)
 
 
 def summarize(records: list[TrainStep], serving: dict[str, Any]) -> dict[str, Any]:
@@ -175,8 +175,8 @@ def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, R
         a.scatter([t for t, _ in ok], [r.ttft_s * 1e3 for _, r in ok], s=4, label="TTFT")
         tp = [(t, r.tpot_s) for t, r in ok if r.tpot_s is not None]
         a.scatter([t for t, _ in tp], [v * 1e3 for _, v in tp], s=4, label="TPOT")
-        a.axhline(s.slo_ttft_ms, color="C0", linestyle="--", label="TTFT SLO")
-        a.axhline(s.slo_tpot_ms, color="C1", linestyle="--", label="TPOT SLO")
+        a.axhline(s.executor.slo_ttft_ms, color="C0", linestyle="--", label="TTFT SLO")
+        a.axhline(s.executor.slo_tpot_ms, color="C1", linestyle="--", label="TPOT SLO")
         a.set_yscale("log")
         a.legend()
     a.set(xlabel="time (s)", ylabel="ms", title="serving latency" + ("" if ok else " (no serving device)"))

@@ -46,10 +46,11 @@ class CoServing:
                  serving_model: ModelShape, n: int, first_wid: int, typical_ctx: int, naive: bool,
                  alone: bool) -> None:
         s, c = sc.serving, sc.cluster
+        self.settings = e = s.executor
         self.n, self.first_wid, self.typical_ctx, self.naive = n, first_wid, typical_ctx, naive
-        self.dt, self.chunk = sc.sim.tick_s, s.chunk_tokens
+        self.dt, self.chunk = sc.sim.tick_s, e.chunk_tokens
         self.policy, self.serving_model = policy, serving_model
-        self.slo = SLOBudgets(s.slo_ttft_ms / 1e3, s.slo_tpot_ms / 1e3, s.ttft_inflation, s.tpot_inflation)
+        self.slo = SLOBudgets.of(e)
         trace = load_trace(s.trace).scaled(tokens=s.token_scale)
         if s.max_context:
             # Lengths clipped as the runtime's trace replay clips them to the serving model's context.
@@ -57,7 +58,7 @@ class CoServing:
             trace = Trace(trace.name, trace.arrival_s, prompts, outputs)
         self.fleet = ServingFleet(n, trace, trace.mean_rate * s.load,
                                   diurnal_for_peak(s.trace, s.minute_peak_to_mean), s.start_hour * 3600.0,
-                                  s.chunk_tokens, sc.sim.seed + 1)
+                                  e.chunk_tokens, sc.sim.seed + 1)
         self.serve_cost = forward_cost(serving_model, device, c.serving_tp, eff)
         self.cs_cost = forward_cost(policy, device, c.serving_tp, eff)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
@@ -68,7 +69,7 @@ class CoServing:
         if self.pool <= 0:
             raise ValueError(f"scenario {sc.name}: {serving_model.name} and {policy.name} do "
                              f"not fit together on {c.serving_tp} x {device.name}; raise serving_tp")
-        self.memory = BurstMemory(n, self.pool, s.headroom, s.high_watermark, naive,
+        self.memory = BurstMemory(n, self.pool, e.headroom, e.high_watermark, naive,
                                   policy.kv_bytes_per_token, serving_model.kv_bytes_per_token)
 
     # -- serving alone ---------------------------------------------------------------------------
@@ -165,9 +166,15 @@ class CoServing:
         iterations carry one (`rollout_duty`), as banked budgets do on a device. Each kind's
         admission comes back with its mean iteration time, with rollout work and without."""
         decoding = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
-        a_d = admission_step(t, decoding, demand, self.latency, self.slo, self.chunk, banked=False)
-        a_p = (admission_step(t, st, demand, self.latency, self.slo, self.chunk, banked=False)
-               if st.waiting else a_d)
+        e = self.settings
+
+        def step(state: ServingState) -> Admission:
+            return admission_step(t, state, demand, self.latency, self.slo, self.chunk, banked=False,
+                                  arrival_reserve_tokens=e.arrival_reserve_tokens,
+                                  idle_min_tokens=e.idle_min_rollout_tokens)
+
+        a_d = step(decoding)
+        a_p = step(st) if st.waiting else a_d
         alone_d = self.latency.iteration_time(decoding.load(self.chunk), TokenLoad())
         alone_p = self.latency.iteration_time(st.load(self.chunk), TokenLoad()) if st.waiting else alone_d
         duty_d = rollout_duty(alone_d, a_d.iteration_s, self.slo.tpot_inflation)

@@ -48,8 +48,9 @@ def plot_scenario(res: ScenarioResult, out: Path) -> None:
     ax.legend(fontsize=7, ncol=2, loc="best", framealpha=0.6)
     _bars(axes[0, 2], names, [100 * r.allocation_overhead for r in runs.values()], "{:.1f}%",
           "allocation overhead", "% of training time")
-    for ax, attr, slo, label in ((axes[1, 0], "minute_ttft_ms", sc.serving.slo_ttft_ms, "P99 TTFT"),
-                                 (axes[1, 1], "minute_tpot_ms", sc.serving.slo_tpot_ms, "P99 TPOT")):
+    e = sc.serving.executor
+    for ax, attr, slo, label in ((axes[1, 0], "minute_ttft_ms", e.slo_ttft_ms, "P99 TTFT"),
+                                 (axes[1, 1], "minute_tpot_ms", e.slo_tpot_ms, "P99 TPOT")):
         for name, st in sv.items():
             ax.plot(st.minute_t / 60, getattr(st, attr), label=name, color=COLORS.get(name),
                     lw=2 if name in ("rose", "serving-alone") else 1)

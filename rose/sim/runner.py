@@ -35,7 +35,7 @@ def serving_stats(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario,
     arrival, ttft, tpot = log
     keep = arrival < until_s
     arrival, ttft, tpot = arrival[keep], ttft[keep] * 1e3, tpot[keep] * 1e3
-    slo_t, slo_o = sc.serving.slo_ttft_ms, sc.serving.slo_tpot_ms
+    slo_t, slo_o = sc.serving.executor.slo_ttft_ms, sc.serving.executor.slo_tpot_ms
     ok = (ttft <= slo_t) & (np.nan_to_num(tpot) <= slo_o)
     minute = (arrival // WINDOW_S).astype(np.int64)
     starts, p_t, p_o = [], [], []

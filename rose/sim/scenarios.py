@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rose.config import load, read_named_config
-from rose.coserve.admission import CHUNK_TOKENS, HEADROOM, HIGH_WATERMARK, TPOT_INFLATION, TTFT_INFLATION
+from rose.coserve.settings import ExecutorConfig
 from rose.sim.costs import DEVICES, MODELS, WeightSync
 from rose.sim.systems import SYSTEMS
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
@@ -30,6 +30,11 @@ FROZENLAKE_THINKING_MEDIAN = 2400.0
 # that order).
 PAPER_TRAJECTORIES_PER_GPU = 16
 ENV_FIELDS = ("prompt_tokens", "obs_tokens", "response_median", "max_response", "max_turns", "env_step_s")
+# The executor settings each simulated serving replica follows (its admission and burst control);
+# the others are the device's own (its pool: the GPU's memory; its latency model: the roofline,
+# exact; its lease slots: rl.fixed_concurrency) or the system's (policy: rose, naive-share).
+SIMULATED_SETTINGS = ("slo_ttft_ms", "slo_tpot_ms", "tpot_inflation", "ttft_inflation", "chunk_tokens",
+                      "headroom", "high_watermark", "arrival_reserve_tokens", "idle_min_rollout_tokens")
 
 
 @dataclasses.dataclass
@@ -59,25 +64,18 @@ class ModelsConfig:
 @dataclasses.dataclass
 class ServingFleetConfig:
     """The simulated serving cluster (`rose.sim.serving.ServingFleet`): its traffic over the day,
-    and ROSE's admission on each replica."""
+    and the co-serving executor on each replica."""
 
     trace: str = "azure-conv"
     load: float = 1.0                # x the trace's own mean request rate, per serving replica
     token_scale: float = 1.0         # x the trace's prompt and output lengths
     minute_peak_to_mean: float = 1.7   # ROSE paper's 24 h trace; sets the diurnal amplitude
     start_hour: float = 9.0          # time of day the run starts
-    # Defaults: MLPerf Inference's server-scenario limits for Llama-3.1-8B (TTFT 2 s, TPOT
-    # 100 ms); the paper scenarios set the paper's own.
-    slo_ttft_ms: float = 2000.0
-    slo_tpot_ms: float = 100.0
-    # ROSE's admission on each replica: the executor's defaults (rose.coserve.admission).
-    tpot_inflation: float = TPOT_INFLATION
-    ttft_inflation: float = TTFT_INFLATION
-    chunk_tokens: int = CHUNK_TOKENS
     max_context: int = 0             # clip prompt + output to this (0: no clipping), as a replay does
     max_output: int = 0              # ... and outputs to this (used with max_context)
-    headroom: float = HEADROOM
-    high_watermark: float = HIGH_WATERMARK
+    # Each replica's executor, as `rose serve`'s and with its defaults; the scenarios state their
+    # SLOs. Only SIMULATED_SETTINGS may differ from the defaults.
+    executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
 
 
 @dataclasses.dataclass
@@ -206,7 +204,7 @@ def validate(sc: Scenario) -> Scenario:
                        ("rl.group", r.group), ("rl.steps", r.steps),
                        ("rl.rollout_max_seqs", r.rollout_max_seqs),
                        ("rl.rollout_batched_tokens", r.rollout_batched_tokens),
-                       ("serving.chunk_tokens", s.chunk_tokens), ("sync.full_every", sc.sync.full_every)):
+                       ("sync.full_every", sc.sync.full_every)):
         need(value >= 1, key, ">= 1", value)
     need(c.train_gpus >= c.rollout_tp and c.train_gpus % c.rollout_tp == 0, "cluster.train_gpus",
          f"a positive multiple of rollout_tp ({c.rollout_tp})", c.train_gpus)
@@ -217,21 +215,19 @@ def validate(sc: Scenario) -> Scenario:
          f"a positive multiple of rl.group ({r.group})", r.trajectories)
     for key, value in (("cluster.cross_gbps", c.cross_gbps), ("serving.load", s.load),
                        ("serving.token_scale", s.token_scale),
-                       ("serving.slo_ttft_ms", s.slo_ttft_ms), ("serving.slo_tpot_ms", s.slo_tpot_ms),
                        ("sim.tick_s", sc.sim.tick_s), ("rl.demand_sigma", r.demand_sigma + 1e-12),
                        ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
                        ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps),
                        ("elastic.serverless_max_run_s", sc.elastic.serverless_max_run_s)):
         need(value > 0, key, "positive", value)
-    for key, value in (("serving.tpot_inflation", s.tpot_inflation),
-                       ("serving.ttft_inflation", s.ttft_inflation)):
-        need(value >= 0, key, ">= 0 (inf: the SLOs alone)", value)
+    unmodelled = [k for k in s.executor.changed() if k not in SIMULATED_SETTINGS]
+    if unmodelled:
+        raise ValueError(f"scenario {sc.name}: serving.executor.{unmodelled[0]} is not simulated (only "
+                         f"{', '.join(SIMULATED_SETTINGS)} are); leave it at its default")
     need(r.fixed_concurrency >= 0, "rl.fixed_concurrency", ">= 0", r.fixed_concurrency)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
          "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
-    for key, value in (("serving.headroom", s.headroom), ("serving.high_watermark", s.high_watermark),
-                       ("sync.changed_fraction", sc.sync.changed_fraction)):
-        need(0 < value < 1 or (key == "serving.high_watermark" and value == 1), key, "in (0, 1)", value)
+    need(0 < sc.sync.changed_fraction < 1, "sync.changed_fraction", "in (0, 1)", sc.sync.changed_fraction)
     need(s.max_context == 0 or s.max_context > s.max_output + 1 >= 2, "serving.max_context",
          "0 (no clipping) or above serving.max_output + 1 (with max_output >= 1)", s.max_context)
     need(s.minute_peak_to_mean >= 1, "serving.minute_peak_to_mean", ">= 1", s.minute_peak_to_mean)
@@ -276,7 +272,8 @@ def _paper_8b() -> Scenario:
         description="Qwen3-8B (thinking) on FrozenLake, GRPO, 256 prompts x group 16; 48 H800 training "
                     "GPUs, 64 H800 serving Qwen2.5-7B under the Azure conversation trace; 16 trajectories "
                     "per rollout GPU",
-        serving=ServingFleetConfig(slo_ttft_ms=500.0, slo_tpot_ms=150.0, **PAPER_ADMISSION),
+        serving=ServingFleetConfig(executor=ExecutorConfig(slo_ttft_ms=500.0, slo_tpot_ms=150.0,
+                                                           **PAPER_ADMISSION)),
         rl=RLConfig(steps=4, response_median=FROZENLAKE_THINKING_MEDIAN, max_response=8192,
                     fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU, cap_counts="trajectories"),
         sim=SimConfig(tick_s=4.0, slice=4),
@@ -290,7 +287,8 @@ def _paper_32b() -> Scenario:
                     "GPUs (TP 4), 64 H800 serving Qwen2.5-32B (TP 4); 16 trajectories per rollout GPU",
         cluster=ClusterConfig(rollout_tp=4, serving_tp=4),
         models=ModelsConfig(policy="qwen3-32b", serving="qwen2.5-32b"),
-        serving=ServingFleetConfig(slo_ttft_ms=1000.0, slo_tpot_ms=450.0, **PAPER_ADMISSION),
+        serving=ServingFleetConfig(executor=ExecutorConfig(slo_ttft_ms=1000.0, slo_tpot_ms=450.0,
+                                                           **PAPER_ADMISSION)),
         rl=RLConfig(env="alfworld", algorithm="dapo", trajectories=1024 * 16, group=16, steps=2,
                     fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU * 4,    # a TP-4 replica: 4 GPUs
                     cap_counts="trajectories"),
@@ -320,6 +318,7 @@ def _cpu_bench_train() -> Scenario:
     # 0.4 MB model each step, assumed 0.2 s.
     bench = read_named_config("bench-train")
     m, r, t, d, s = bench["model"], bench["rollout"], bench["train"], bench["devices"], bench["serving"]
+    executor = {k: v for k, v in s.get("executor", {}).items() if k in SIMULATED_SETTINGS}
     return Scenario(
         name="cpu-bench-train",
         description="rose bench train on this 2-core machine: core 0 trains, rolls out the tiny Qwen3 and "
@@ -331,8 +330,7 @@ def _cpu_bench_train() -> Scenario:
                             serving=f"{s['model']['preset']}-{s['model']['arch']}"),
         serving=ServingFleetConfig(trace=s["trace"], load=s["load"], token_scale=s["prompt_scale"],
                                    max_context=s["max_context"], max_output=s["max_output"],
-                                   minute_peak_to_mean=1.0, slo_ttft_ms=s["slo_ttft_ms"],
-                                   slo_tpot_ms=s["slo_tpot_ms"]),
+                                   minute_peak_to_mean=1.0, executor=ExecutorConfig(**executor)),
         # frozenlake-tiny: the measured profile of these episodes (rose.sim.workloads); a worker
         # never runs more sequences than the turns it has in flight; 2,048 batched tokens: the
         # engine's default (rose.engine.EngineConfig).

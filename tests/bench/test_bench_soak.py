@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rose.cli import main
-from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.executor import CoServingExecutor
+from rose.coserve.settings import MB, ExecutorConfig
 from rose.engine import KVSpec, SamplingParams
 from rose.model import preset_config, random_model
 
@@ -31,7 +32,7 @@ def test_idle_pages_beyond_the_prefix_cache_are_leaks() -> None:
     # What `kv_pages_leaked` reads: at idle, the pages an owner maps are all its prefix cache's,
     # until one is held by nothing.
     model = random_model(preset_config("qwen2", "tiny"), seed=1)
-    ex = CoServingExecutor(model, None, ExecutorConfig(pool_bytes=64 * KVSpec.of(model.config).block_bytes))
+    ex = CoServingExecutor(model, None, ExecutorConfig(pool_mb=64 * KVSpec.of(model.config).block_bytes / MB))
 
     def serve(prompt: list[int]) -> dict[str, float]:
         ex.add_serving(prompt, SamplingParams(max_tokens=3, ignore_eos=True))

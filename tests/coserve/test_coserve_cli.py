@@ -15,9 +15,8 @@ import transformers
 
 from rose.cli import main
 from rose.coserve.cli import add_arguments, serve_config, serve_process
-from rose.coserve.executor import ExecutorConfig, Policy
 from rose.coserve.serve_config import ServeConfig, load_serve_config
-from rose.coserve.server import ServerLimits
+from rose.coserve.settings import ExecutorConfig, Policy, ServerLimits
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -28,30 +27,34 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_defaults_are_the_executor_s_and_the_server_s() -> None:
     config = ServeConfig()
-    assert config.executor_config() == ExecutorConfig()
+    assert config.executor == ExecutorConfig()
     assert config.server_limits() == ServerLimits()
 
 
 def test_every_flag_is_a_key() -> None:
+    """A flag for each key but the executor's section, and one for each of its settings."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     flags = {a.dest for a in parser._actions} - {"help", "config", "overrides"}
-    assert flags == {f.name for f in dataclasses.fields(ServeConfig)}
+    assert flags == ({f.name for f in dataclasses.fields(ServeConfig)} - {"executor"}
+                     | {f"executor.{f.name}" for f in dataclasses.fields(ExecutorConfig)})
+    assert parser.parse_args(["--pool-mb", "64", "--policy", "static"]).__dict__ == {
+        "overrides": [], "config": None, "executor.pool_mb": 64.0, "executor.policy": "static"}
 
 
 def test_flags_override_the_file_and_the_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROSE_API_KEY", "from-env")
     monkeypatch.delenv("ROSE_LEASE_KEY", raising=False)
     path = tmp_path / "serve.yaml"
-    path.write_text("model: /ckpt/serving\nport: 9000\nslo_ttft_ms: 500\npool_mb: 512\npolicy: naive\n"
-                    "lease_key: from-file\n")
-    config = serve_config(_parse(["--config", str(path), "--port", "9100", "slo_tpot_ms=150",
-                                  "--no-profile", "--lease-key", "true"]))
+    path.write_text("model: /ckpt/serving\nport: 9000\nlease_key: from-file\n"
+                    "executor:\n  slo_ttft_ms: 500\n  pool_mb: 512\n  policy: naive\n  headroom: 0.3\n")
+    config = serve_config(_parse(["--config", str(path), "--port", "9100", "executor.slo_tpot_ms=150",
+                                  "--no-profile", "--lease-key", "true", "--headroom", "0.25"]))
     assert (config.model, config.port) == ("/ckpt/serving", 9100)
-    assert (config.slo_ttft_ms, config.slo_tpot_ms) == (500, 150)
     assert config.no_profile and config.api_key == "from-env" and config.lease_key == "true"
-    executor = config.executor_config()
-    assert (executor.pool_bytes, executor.policy, executor.headroom) == (512 << 20, Policy.NAIVE, 0.2)
+    executor = config.executor
+    assert (executor.slo_ttft_ms, executor.slo_tpot_ms) == (500, 150)
+    assert (executor.pool_bytes, executor.policy, executor.headroom) == (512 << 20, Policy.NAIVE, 0.25)
     # Flags alone, as before: a flag not given leaves the default.
     assert serve_config(_parse(["--model", "m"])) == ServeConfig(model="m", api_key="from-env")
 
@@ -59,8 +62,13 @@ def test_flags_override_the_file_and_the_overrides(tmp_path: Path, monkeypatch: 
 @pytest.mark.parametrize("overrides, message", [
     ([], r"^config: model: a serving checkpoint is required"),
     (["model=m", "dtype=float16"], r"^config: dtype must be one of float32, bfloat16, got 'float16'"),
-    (["model=m", "policy=greedy"], r"^config: policy must be one of rose, naive, static, got 'greedy'"),
-    (["model=m", "slo_ttft=5"], r"^config: slo_ttft: Key 'slo_ttft' not in 'ServeConfig'"),
+    (["model=m", "executor.policy=greedy"], r"^config: executor\.policy: Invalid value 'greedy'"),
+    (["model=m", "slo_ttft=5"], r"^config: slo_ttft: Key 'slo_ttft' not in 'ServeConfig'$"),
+    # The executor's settings moved into its section: a key of the old place says where.
+    (["model=m", "pool_mb=5"], r"^config: pool_mb: Key 'pool_mb' not in 'ServeConfig' \(did you mean "
+                               r"executor\.pool_mb\?\)$"),
+    (["model=m", "executor.admission_quantile=0"],
+     r"^config: executor\.admission_quantile must be in \(0, 1\], got 0\.0$"),
     (["model=m", "port=http"], r"^config: port: Value 'http' of type 'str' could not be converted"),
 ])
 def test_bad_settings_are_one_line(overrides: list[str], message: str) -> None:
@@ -70,7 +78,7 @@ def test_bad_settings_are_one_line(overrides: list[str], message: str) -> None:
 
 def test_the_command_refuses_before_loading_a_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", "/nonexistent", "--slo-ttft-ms", "0"]) == 2
-    assert "SLOs must be positive" in capsys.readouterr().err
+    assert "config: executor.slo_ttft_ms must be positive, got 0.0" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "config: model: a serving checkpoint is required" in capsys.readouterr().err
 

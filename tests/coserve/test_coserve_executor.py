@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from rose.contracts import TokenLoad
-from rose.coserve.executor import CoServingExecutor, ExecutorConfig, Policy, Turn
+from rose.contracts import TokenLoad, Turn
+from rose.coserve.executor import CoServingExecutor
 from rose.coserve.latency import FittedLatencyModel, TailLatency, nonnegative_lstsq
+from rose.coserve.settings import MB, ExecutorConfig, Policy
 from rose.engine import KVSpec, SamplingParams
 from rose.model import preset_config, random_model
 
@@ -20,7 +21,7 @@ def _executor(pages: int = 64, **config: object) -> CoServingExecutor:
     serving = random_model(preset_config("qwen2", "tiny"), seed=1)
     rollout = random_model(preset_config("qwen3", "tiny", num_hidden_layers=3, head_dim=8), seed=2)
     spec = max(KVSpec.of(serving.config).block_bytes, KVSpec.of(rollout.config).block_bytes)
-    return CoServingExecutor(serving, rollout, ExecutorConfig(pool_bytes=pages * spec, **config))
+    return CoServingExecutor(serving, rollout, ExecutorConfig(pool_mb=pages * spec / MB, **config))
 
 
 def _ids(n: int, seed: int = 0) -> list[int]:
@@ -230,8 +231,8 @@ def test_bad_admission_settings_are_refused() -> None:
 
 
 def test_both_models_run_on_one_device_in_the_dtype_named(tiny_qwen2: Path, tiny_qwen3: Path) -> None:
-    config = ExecutorConfig(pool_bytes=4 << 20, device="cpu", dtype="bfloat16")
-    ex = CoServingExecutor.from_pretrained(tiny_qwen2, tiny_qwen3, config)
+    ex = CoServingExecutor.from_pretrained(tiny_qwen2, tiny_qwen3, ExecutorConfig(pool_mb=4), device="cpu",
+                                           dtype="bfloat16")
     assert ex.pool.device == torch.device("cpu")
     assert {next(e.model.parameters()).dtype for e in (ex.serving, ex.rollout)} == {torch.bfloat16}
     with pytest.raises(ValueError, match=r"the serving model is on cpu, the rollout model on meta"):

@@ -26,10 +26,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save
 
 from rose.contracts import Turn
-from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import build_trace, fit_lengths, replay, summarize
-from rose.coserve.server import ServerLimits, build_app
+from rose.coserve.server import build_app
+from rose.coserve.settings import ExecutorConfig, ServerLimits
 from rose.engine import SamplingParams
 from rose.model import Tokenizer, init_model, load_tokenizer, random_model
 from rose.steploop import StepLoop
@@ -67,7 +68,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def executor_of(checkpoints: tuple[Path, Path], **config: Any) -> CoServingExecutor:
-    return CoServingExecutor.from_pretrained(*checkpoints, ExecutorConfig(pool_bytes=8 * 1024**2, **config))
+    return CoServingExecutor.from_pretrained(*checkpoints, ExecutorConfig(pool_mb=8, **config))
 
 
 def app_of(executor: CoServingExecutor, checkpoints: tuple[Path, Path],

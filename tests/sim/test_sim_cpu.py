@@ -27,11 +27,12 @@ MEASURED_SPEEDUP_ROSE_VS_FIXED = (1.449 + 1.496 + 1.740 + 1.270) / 4
 def test_cpu_bench_train_is_derived_from_the_bench_train_workload(monkeypatch: pytest.MonkeyPatch):
     # The scenario reads the named config `rose bench train` loads: a change there moves it.
     workload = scenarios.read_named_config("bench-train")
-    workload["rollout"]["groups"], workload["serving"]["slo_ttft_ms"] = 4, 500.0
+    workload["rollout"]["groups"], workload["serving"]["executor"]["slo_ttft_ms"] = 4, 500.0
     workload["env"]["options"]["max_turns"] = 6
     monkeypatch.setattr(scenarios, "read_named_config", lambda name: workload)
     sc = load_scenario("cpu-bench-train")
-    assert (sc.rl.trajectories, sc.serving.slo_ttft_ms, sc.rl.env_profile().max_turns) == (32, 500.0, 6)
+    assert (sc.rl.trajectories, sc.serving.executor.slo_ttft_ms, sc.rl.env_profile().max_turns) == (
+        32, 500.0, 6)
 
 
 def test_cpu_bench_train_agrees_where_the_workload_has_no_figure_for_it():
@@ -42,8 +43,9 @@ def test_cpu_bench_train_agrees_where_the_workload_has_no_figure_for_it():
     assert r.serving_concurrency == r.dedicated_concurrency
     assert s.output_scale == s.prompt_scale
     assert d.trainer == d.dedicated[0]
-    # The admission budgets the workload leaves to each side's own default.
-    assert (sc.serving.tpot_inflation, sc.serving.ttft_inflation) == (s.tpot_inflation, s.ttft_inflation)
+    # The executor's settings the simulator models, whether the workload states them or not.
+    assert all(getattr(sc.serving.executor, k) == getattr(s.executor, k)
+               for k in scenarios.SIMULATED_SETTINGS)
 
 
 def test_cpu_bench_train_predicts_the_measured_speedup_within_20_percent():

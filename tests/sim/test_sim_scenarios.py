@@ -29,8 +29,8 @@ def test_paper_scenarios_follow_the_issue():
     # The paper's evaluation: 16 trajectories per rollout GPU, its serving SLOs (TTFT, TPOT).
     assert (s8.rl.fixed_concurrency, s32.rl.fixed_concurrency) == (16, 16 * s32.cluster.rollout_tp)
     assert s8.rl.cap_counts == s32.rl.cap_counts == "trajectories"
-    assert (s8.serving.slo_ttft_ms, s8.serving.slo_tpot_ms, s32.serving.slo_ttft_ms,
-            s32.serving.slo_tpot_ms) == (500, 150, 1000, 450)
+    e8, e32 = s8.serving.executor, s32.serving.executor
+    assert (e8.slo_ttft_ms, e8.slo_tpot_ms, e32.slo_ttft_ms, e32.slo_tpot_ms) == (500, 150, 1000, 450)
 
 
 def test_overrides_apply_with_types():
@@ -48,7 +48,10 @@ def test_overrides_apply_with_types():
     ("cluster.device=TPU", "cluster.device must be one of"),
     ("cluster.serving_tp=5", "multiple of its tp"),
     ("paper-32b", "not key=value"),
-    ("serving.headroom=1.5", "serving.headroom must be in (0, 1)"),
+    ("serving.executor.headroom=1.5", "scenario paper-8b: serving.executor.headroom must be in (0, 1)"),
+    ("serving.headroom=0.3", "serving.headroom: Key 'headroom' not in 'ServingFleetConfig' (did you mean "
+                             "serving.executor.headroom"),
+    ("serving.executor.policy=naive", "serving.executor.policy is not simulated (only slo_ttft_ms"),
     ("sim.systems=[rose,bogus]", "sim.systems must be"),
     ("rl.trajectories=100", "multiple of rl.group"),
     ("elastic.availability=some", "elastic.availability must be measured or full"),
@@ -64,13 +67,15 @@ def test_unknown_scenario():
         load_scenario("x")
 
 
-def test_admission_defaults_are_the_executors_and_need_no_torch():
-    # One source (rose.coserve.admission) for both; the simulator stays free of torch's start-up.
-    code = ("import dataclasses, sys, rose.sim.runner; from rose.sim.scenarios import ServingFleetConfig; "
-            "assert 'torch' not in sys.modules; "
-            "from rose.coserve.executor import ExecutorConfig; "
-            "s, e = ServingFleetConfig(), ExecutorConfig(); "
-            "shared = {f.name for f in dataclasses.fields(s)} & {f.name for f in dataclasses.fields(e)}; "
-            "print(*sorted(k for k in shared if getattr(s, k) != getattr(e, k)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["slo_tpot_ms", "slo_ttft_ms"]  # the simulator's own SLOs (MLPerf's)
+def test_the_simulator_runs_without_torch():
+    # The executor's settings are plain data (rose.coserve.settings): the simulator stays free of
+    # torch's seconds of start-up.
+    code = "import sys, rose.sim.runner, rose.sim.cli; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_simulated_replica_is_configured_as_an_executor_with_its_defaults():
+    # The scenarios state every setting in which they differ from the executor's defaults.
+    s8, bench = load_scenario("paper-8b").serving.executor, load_scenario("cpu-bench-train").serving.executor
+    assert s8.changed() == ["slo_ttft_ms", "slo_tpot_ms", "tpot_inflation", "ttft_inflation"]
+    assert bench.changed() == []  # bench-train's SLOs, 1,000 / 200 ms, are the defaults
