@@ -1,5 +1,5 @@
 """`rose bench coserve-vllm`: co-serving on vLLM (a dual-SLO scheduler subclass) against ROSE's
-native executor, on one core, in one run (issue 23, item 6; docs/vllm.md).
+native executor, on one core, in one run (docs/vllm.md).
 
 vLLM holds one model per engine, so here one checkpoint serves both kinds of request: the
 serving trace and the rollout turns go to the same model (on the native executor, two copies of

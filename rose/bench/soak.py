@@ -36,7 +36,7 @@ inspected. Summary:
   completion answered), `server_alive_after`, `shutdown_s`, `sigterm_ignored`, and
   `server_tracebacks` (in its log; the report lists their exceptions).
 
-Goal (issue 16): 10 minutes with 0 5xx, under 10% RSS growth, 0 pages leaked, 0 lost turns.
+Goal: 10 minutes with 0 5xx, under 10% RSS growth, 0 pages leaked, 0 lost turns.
 """
 
 from __future__ import annotations

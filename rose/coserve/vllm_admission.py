@@ -1,5 +1,5 @@
-"""Dual-SLO admission inside vLLM's scheduler: co-serving on one vLLM engine (a prototype of
-issue 23, item 6; docs/vllm.md, "Co-serving on vLLM").
+"""Dual-SLO admission inside vLLM's scheduler: co-serving on one vLLM engine (a prototype;
+docs/vllm.md, "Co-serving on vLLM").
 
 vLLM holds one model per engine, so here serving requests (priority 0) and rollout turns
 (priority 1) are requests of one model, in one forward pass. `DualSLOScheduler` is vLLM's

@@ -289,7 +289,7 @@ def test_loadgen_replays_a_real_trace_window(server: tuple[str, CoServingExecuto
         build_trace("azure-conv", duration_s=0, load=1.0)
 
 
-# -- bad input, limits, keys and faults (issue 16) ---------------------------------------------
+# -- bad input, limits, keys and faults ---------------------------------------------------------
 
 
 def _still_serving(url: str, headers: dict[str, str] | None = None) -> None:

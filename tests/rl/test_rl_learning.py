@@ -65,7 +65,7 @@ def test_a_tiny_policy_learns_frozenlake(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_rose_train_embedded_default_learns_frozenlake(tmp_path: Path) -> None:
     """`rose train` itself, on the embedded default (rose mode: core 0 trains and rolls out, core 1
-    serves a trace replay and lends its idle capacity), within the issue's 10 minutes."""
+    serves a trace replay and lends its idle capacity), within 10 minutes."""
     out = tmp_path / "summary.json"
     start = time.monotonic()
     assert main(["train", f"train.out_dir={tmp_path / 'run'}", "--json", str(out)]) == 0

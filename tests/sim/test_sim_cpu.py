@@ -1,5 +1,5 @@
 """The `cpu` device against this machine: `cpu-bench-train` reads `rose bench train`'s workload and
-predicts its `speedup_rose_vs_fixed` within 20% (issue 7)."""
+predicts its `speedup_rose_vs_fixed` within 20%."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ def test_named_scenarios_load_and_validate():
     assert set(SCENARIOS) | set(SWEEPS) == set(names)
 
 
-def test_paper_scenarios_follow_the_issue():
+def test_paper_scenarios_follow_the_papers_set_up():
     s8, s32 = load_scenario("paper-8b"), load_scenario("paper-32b")
     assert (s8.models.policy, s8.models.serving, s8.rl.env, s8.rl.algorithm) == (
         "qwen3-8b", "qwen2.5-7b", "frozenlake", "grpo")
