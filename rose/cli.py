@@ -71,8 +71,11 @@ def parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # Ray's default for a local instance (token authentication), chosen explicitly as Ray asks:
-    # unset, every command that starts Ray prints a notice. Ray reads it as it is imported.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # unset, every command that starts Ray prints a notice. Ray reads it as it is imported, and
+    # its own processes read it as they start: once Ray is imported (a caller in this process),
+    # changing it would set the two apart.
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     argv = sys.argv[1:] if argv is None else argv
     args = parser_for(argv).parse_args(argv)
     logs.configure(args.log_level)

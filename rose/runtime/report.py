@@ -210,7 +210,7 @@ def describe(config: Config, mode: Mode) -> list[str]:
         serving = actor_device(s.device)
         where += [f"serving device serving-{i} on {_cores(cores, local)} ({serving}) when it has room: it "
                   f"serves {_model(s.model)} to a replay of the {s.trace} trace within SLOs of "
-                  f"{s.slo_ttft_ms:g} ms TTFT and {s.slo_tpot_ms:g} ms TPOT"
+                  f"{s.executor.slo_ttft_ms:g} ms TTFT and {s.executor.slo_tpot_ms:g} ms TPOT"
                   for i, cores in enumerate(d.serving)]
         where += [f"the serving endpoint {url} when it has room" for url in s.endpoints]
     if mode is Mode.ELASTIC:

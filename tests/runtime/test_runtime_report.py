@@ -36,7 +36,7 @@ def test_the_embedded_default_is_described_in_plain_words() -> None:
     assert devices == ("devices: the trainer on core 0 (cpu); turns run on dedicated rollout worker "
                        "dedicated-0 on core 0 (cpu); serving device serving-0 on core 1 (cpu) when it has "
                        "room: it serves a random-initialised qwen2 tiny (seed 1) to a replay of the "
-                       "azure-conv trace within SLOs of 500 ms TTFT and 100 ms TPOT")
+                       "azure-conv trace within SLOs of 1000 ms TTFT and 200 ms TPOT")
     assert "success = the share of its 64 episodes that reach the goal" in each_step
     assert results.startswith("results in /tmp/rose-demo: metrics.jsonl (every step, as it ends), report.png")
 
