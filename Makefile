@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 DEMO_DIR ?= /tmp/rose-demo
 
-.PHONY: install install-vllm demo test test-slow test-gpu chaos fuzz lint clean
+.PHONY: install install-vllm demo test test-vllm test-slow test-gpu chaos fuzz lint clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ demo: install
 test: install
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+# The tests that need vLLM (marked `vllm`: the vLLM rollout backend, co-serving on vLLM), from its venv.
+test-vllm: install-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow

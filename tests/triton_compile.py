@@ -1,6 +1,6 @@
 """Compile the Triton attention kernel for a CUDA target, with no GPU: what only the compiled path
 checks (tl.dot's shapes, types, registers) fails here as it would on the device. Run by
-tests/test_engine_attention.py as `python tests/triton_compile.py` with TRITON_INTERPRET unset."""
+tests/engine/test_engine_attention.py as `python tests/triton_compile.py` with TRITON_INTERPRET unset."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`rose bench coserve-vllm`'s driver loop and its native modes (the vLLM modes need vLLM:
-tests/test_coserve_vllm.py; the benchmark's figures are in docs/vllm.md)."""
+tests/coserve/test_coserve_vllm.py; the benchmark's figures are in docs/vllm.md)."""
 
 from __future__ import annotations
 

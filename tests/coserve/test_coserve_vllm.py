@@ -1,8 +1,8 @@
 """Co-serving on vLLM (`rose.coserve.vllm_admission`, docs/vllm.md): ROSE's dual-SLO admission as
 vLLM's scheduler, on one vLLM engine serving both kinds of request.
 
-vLLM is not in the default venv: run with `make install-vllm` then
-`.venv-vllm/bin/python -m pytest -q tests/test_coserve_vllm.py`."""
+vLLM is not in the default venv: `make test-vllm` runs this file from `.venv-vllm` (made
+first if need be)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: `make install-vllm`, then run this file "
-                                   "with .venv-vllm/bin/python -m pytest")
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this file")
 
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
@@ -23,6 +22,8 @@ from rose.contracts import SamplingParams, TokenLoad
 from rose.coserve.settings import ExecutorConfig
 from rose.coserve.vllm_admission import MODEL, ROLLOUT_PRIORITY, SERVING_PRIORITY, VllmCoServing
 from rose.engine import RequestOutput
+
+pytestmark = pytest.mark.vllm
 
 # SLOs of 10 s and no inflation budgets: admission bounded by nothing but its own rules.
 LOOSE = ExecutorConfig(pool_mb=64, slo_ttft_ms=10_000, slo_tpot_ms=10_000, tpot_inflation=math.inf,

@@ -1,6 +1,6 @@
 """The fused forward's C++ steps (`csrc/cpu_ops.cpp`) against the PyTorch ops they replace, and
 the engine's choice of forward. Token-for-token parity with `transformers` through the fused
-forward is tests/test_engine_parity.py's (CPU float32 runs it)."""
+forward is tests/engine/test_engine_parity.py's (CPU float32 runs it)."""
 
 from __future__ import annotations
 

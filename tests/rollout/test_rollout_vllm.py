@@ -3,8 +3,8 @@ the same weights: greedy turns token for token (up to a near-tie), sampled token
 1e-3 in fp32, multi-turn prompts as token ids, abort with the partial tokens, weights from the
 relay through the replica's apply hook, a failed engine failing the heartbeat.
 
-vLLM is not in the default venv: run with `make install-vllm` then
-`.venv-vllm/bin/python -m pytest -q tests/test_rollout_vllm.py`. vLLM keeps process-wide state
+vLLM is not in the default venv: `make test-vllm` runs this file from `.venv-vllm` (made
+first if need be). vLLM keeps process-wide state
 (its parallel groups, torn down when an engine is freed): one engine at a time per process, so
 the tests that start an engine of their own come after those of the module's shared one."""
 
@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed here: `make install-vllm`, then run this file "
-                                   "with .venv-vllm/bin/python -m pytest")
+pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this file")
 
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
@@ -35,6 +34,8 @@ from rose.runtime.actors import on_loop
 from rose.runtime.config import load_config
 from rose.steploop import RequestFailed
 from rose.transfer import LocalRelay, Receiver, ReceiverSpec, Sender, model_spec
+
+pytestmark = pytest.mark.vllm
 
 KV_BYTES = 64 << 20
 TIE = 1e-4  # a greedy mismatch is excused only where the native model's top two logits are this close

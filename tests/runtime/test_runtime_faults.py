@@ -1,7 +1,7 @@
 """Kill a dedicated rollout worker, and separately a co-serving executor, in the middle of a
 step: the step completes, every trajectory comes back whole (lost_trajectories 0). A trainer
 call that finds its actor dead restarts the trainer and is made again, once; a second death
-stops the run naming how to go on (tests/test_runtime_chaos.py kills the real actors)."""
+stops the run naming how to go on (tests/runtime/test_runtime_chaos.py kills the real actors)."""
 
 from __future__ import annotations
 
