@@ -121,4 +121,4 @@ def test_a_tight_tpot_slo_holds_rollouts_until_serving_is_done(coserving: VllmCo
 
 def test_an_unknown_policy_is_refused_before_vllm_starts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="policy 'lifo': expected one of dual_slo, priority, fcfs"):
-        VllmCoServing.from_pretrained(tmp_path, 1 << 20, "lifo", 1.0, 0.1)
+        VllmCoServing.from_pretrained(tmp_path, "lifo")
