@@ -29,7 +29,6 @@ from rose.coserve.admission import (
     BurstController,
     RolloutDemand,
     RolloutWait,
-    ServingRequest,
     ServingState,
     SlackGuard,
     SLOBudgets,
@@ -41,9 +40,10 @@ from rose.coserve.admission import (
 )
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
+from rose.coserve.serving_engine import NativeServing, ServingEngine
 from rose.coserve.settings import ExecutorConfig, Policy
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
-from rose.engine.llm_engine import eos_ids
+from rose.engine.llm_engine import EngineStep, eos_ids
 from rose.engine.sequence import Sequence
 from rose.model import load_model
 from rose.model.decoder import CausalLM
@@ -75,8 +75,9 @@ class CoServingExecutor:
                              f"{weights[1].device}; a co-serving executor runs both on one device")
         specs = [KVSpec.of(m.config, w.dtype) for m, w in zip(models, weights, strict=True)]
         self.pool = KVPool.for_specs(cfg.pool_bytes, *specs, device=weights[0].device)
-        self.serving = LLMEngine(serving, engine, serving_eos, self.pool, SERVING)
-        self.rollout = LLMEngine(rollout, engine, rollout_eos, self.pool, ROLLOUT) if rollout else None
+        self.serving: ServingEngine = NativeServing(serving, engine, serving_eos, self.pool, SERVING)
+        self.rollout: LLMEngine | None = (LLMEngine(rollout, engine, rollout_eos, self.pool, ROLLOUT)
+                                          if rollout else None)
         self.burst = BurstController(self.pool.num_pages, cfg.headroom, cfg.high_watermark)
         self.latency = FittedLatencyModel()
         self.tail = TailLatency(self.latency, cfg.admission_quantile)
@@ -202,13 +203,13 @@ class CoServingExecutor:
         outputs = self._control_memory() if self.rollout else []
         self._limit_s = math.inf
         budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
-        outputs += self._run(self.serving, SERVING, None)
+        outputs += self._record(SERVING, self.serving.step(), self.serving.last_step)
         serving_s = self.serving.last_step.seconds
         if self.rollout and self.rollout.has_unfinished():
             self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
             if budget != 0:
-                outputs += self._run(self.rollout, ROLLOUT, budget,
-                                     self.serving_arrived if self.config.policy is Policy.ROSE else None)
+                interrupt = self.serving_arrived if self.config.policy is Policy.ROSE else None
+                outputs += self._record(ROLLOUT, self.rollout.step(budget, interrupt), self.rollout.last_step)
                 self._charge_rollout_time(self.rollout.last_step.seconds)
                 if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
                     self._observe_slack(serving_s + self.rollout.last_step.seconds)
@@ -219,23 +220,20 @@ class CoServingExecutor:
         """Charge the rollout part of this iteration to each serving request in flight. It ran
         after serving's part, so a first token of this iteration came before it."""
         now = time.monotonic()
-        sched = self.serving.scheduler
-        live = {s.request_id: s for s in sched.running + sched.waiting}
+        live = self.serving.in_flight(self._waited)
         for rid in self._waited.keys() - live.keys():
             del self._waited[rid]
-        for rid, seq in live.items():
-            self._waited.setdefault(rid, RolloutWait()).charge(seconds, now - seq.arrival_time,
-                                                               seq.first_token_time is not None)
+        for rid, r in live.items():
+            self._waited.setdefault(rid, RolloutWait()).charge(seconds, now - r.arrival_s,
+                                                               r.first_token_s is not None)
 
     def _observe_slack(self, measured_s: float) -> None:
         overruns = self.guard.overruns
         self.metrics.rollout_share.set(self.guard.observe(measured_s, self._limit_s))
         self.metrics.admission_overruns.inc(self.guard.overruns - overruns)
 
-    def _run(self, engine: LLMEngine, name: str, budget: int | None,
-             interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
-        outputs = engine.step(budget, interrupt)
-        step = engine.last_step
+    def _record(self, name: str, outputs: list[RequestOutput], step: EngineStep) -> list[RequestOutput]:
+        """Account one engine's part of the iteration: its time, its tokens, what finished."""
         if step.interrupted:
             self.metrics.rollout_interrupted.inc()
         self.latency.observe(name, step.load, step.seconds)
@@ -274,7 +272,7 @@ class CoServingExecutor:
         held = [(s.request_id, len(s.block_table))
                 for s in sorted(self._rollout_seqs(), key=lambda s: s.arrival)]
         # Pages only a prefix cache holds are reclaimable: they count as free here.
-        decision = self.burst.observe(self.serving.blocks.num_active_pages, held)
+        decision = self.burst.observe(self.serving.kv_pages().active, held)
         self.pool.set_budget(ROLLOUT, decision.rollout_budget)
         if decision.state is not before:
             self.metrics.transitions.labels(before.name.lower(), decision.state.name.lower()).inc()
@@ -307,12 +305,7 @@ class CoServingExecutor:
         return decision.rollout_tokens
 
     def _serving_state(self) -> ServingState:
-        sched = self.serving.scheduler
-        no_wait = RolloutWait()
-        return serving_state(
-            ServingRequest(s.arrival_time, s.num_uncomputed, len(s.token_ids), s.first_token_time,
-                           s.last_token_time, s.num_output_tokens, self._waited.get(s.request_id, no_wait))
-            for s in sorted(sched.running + sched.waiting, key=lambda s: s.arrival))
+        return serving_state(self.serving.in_flight(self._waited).values())
 
     def _rollout_seqs(self) -> list[Sequence]:
         sched = self._rollout().scheduler
@@ -320,16 +313,17 @@ class CoServingExecutor:
 
     def _export_pool(self) -> None:
         """The gauges of the batch and the pool, after each iteration."""
-        m, sched = self.metrics, self.serving.scheduler
-        m.running.labels(m.model_name).set(len(sched.running))
-        m.waiting.labels(m.model_name).set(len(sched.waiting))
+        m = self.metrics
+        running, waiting = self.serving.queue_lengths()
+        m.running.labels(m.model_name).set(running)
+        m.waiting.labels(m.model_name).set(waiting)
         m.kv_usage.labels(m.model_name).set(1.0 - self.pool.num_free / self.pool.num_pages)
         m.turns_running.set(len(self._turns))
         for owner in (SERVING, ROLLOUT):
             m.pool_pages.labels(owner).set(self.pool.used(owner))
-        for engine in (self.serving, self.rollout):
-            if engine is not None:
-                m.cached_pages.labels(engine.blocks.owner).set(engine.blocks.num_cached_pages)
+        m.cached_pages.labels(SERVING).set(self.serving.kv_pages().cached)
+        if self.rollout is not None:
+            m.cached_pages.labels(ROLLOUT).set(self.rollout.blocks.num_cached_pages)
         m.pool_pages.labels("free").set(self.pool.num_free)
 
     def _rollout(self) -> LLMEngine:

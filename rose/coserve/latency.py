@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rose.contracts import TokenLoad
+from rose.coserve.serving_engine import ServingEngine
 from rose.engine import LLMEngine, SamplingParams
 
 
@@ -171,15 +172,15 @@ def profile_batches(vocab_size: int, max_len: int, prompt_lens: tuple[int, ...] 
         yield prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
 
 
-def profile(engine: LLMEngine, model: str, latency: FittedLatencyModel) -> None:
+def profile(engine: LLMEngine | ServingEngine, model: str, latency: FittedLatencyModel) -> None:
     """Measure `profile_batches` on an idle engine (a few seconds on a CPU), fit `model`'s term,
     and start the error count afresh. Leaves the engine empty."""
-    for prompts, params in profile_batches(engine.vocab_size, engine.max_model_len):
-        for prompt in prompts:
-            engine.add_request(prompt, params)
+    for k, (prompts, params) in enumerate(profile_batches(engine.vocab_size, engine.max_model_len)):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, f"rose-profile-{k}-{i}")
         while engine.has_unfinished():
             engine.step()
             latency.observe(model, engine.last_step.load, engine.last_step.seconds)
-    engine.blocks.reset_prefix_cache()
+    engine.reset_prefix_cache()
     latency.fit()
     latency.reset_error()

@@ -313,6 +313,10 @@ class LLMEngine:
         self.blocks.reset_prefix_cache()
         self.policy_version = version
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the pages only the prefix cache holds."""
+        self.blocks.reset_prefix_cache()
+
     def check_health(self) -> None:
         """Nothing to check: an iteration that fails fails only its own requests (`step`)."""
 
