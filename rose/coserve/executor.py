@@ -1,6 +1,8 @@
 """The SLO-safe co-serving executor: a serving model and a rollout model on one device.
 
-Two engines draw KV pages from one pool, each with its own block tables. Every iteration:
+Two engines draw KV pages from one pool, each with its own block tables; or, where vLLM serves
+(`rose.coserve.vllm_serving`), its KV cache is its own and the rollout pool is the rest, both
+counted as the device's KV by the burst state machine. Every iteration:
 1. memory: the burst state machine (`admission.BurstController`) sets the rollout page budget
    from serving's usage, and on a burst aborts the rollout turns that no longer fit (they are
    handed back with their partial tokens; the scheduler reroutes them);
@@ -41,7 +43,7 @@ from rose.coserve.admission import (
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
 from rose.coserve.serving_engine import NativeServing, ServingEngine
-from rose.coserve.settings import ExecutorConfig, Policy
+from rose.coserve.settings import MB, Engine, ExecutorConfig, Policy
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
 from rose.engine.llm_engine import EngineStep, eos_ids
 from rose.engine.sequence import Sequence
@@ -61,24 +63,47 @@ class StaleVersion(ValueError):
 
 
 class CoServingExecutor:
-    def __init__(self, serving: CausalLM, rollout: CausalLM | None,
+    def __init__(self, serving: CausalLM | ServingEngine, rollout: CausalLM | None,
                  config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
                  rollout_eos: Iterable[int] = ()) -> None:
-        """Both models on one device, where their shared KV pool is made."""
+        """Both models on one device. `serving` is a model the native engine serves from the KV
+        pool both share, made here; or an engine with a KV cache of its own (vLLM's,
+        `rose.coserve.vllm_serving`), beside which the rollout model's pool is what is left of
+        `config.pool_bytes`. The burst state machine counts both as the device's KV, in the
+        pool's pages: serving's use of its own cache moves the rollout budget, triggers the cut
+        and the freeze, as in one pool, though on the CPU the pages a cut frees cannot join
+        the other engine's cache."""
         self.config = cfg = config or ExecutorConfig()
         engine = EngineConfig(max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_tokens,
                               max_num_batched_tokens=max(2048, cfg.chunk_tokens))
-        models = [m for m in (serving, rollout) if m]
+        if isinstance(serving, CausalLM):
+            models = [m for m in (serving, rollout) if m]
+            own_bytes = 0
+        elif rollout is None:
+            raise ValueError("a serving engine with a KV cache of its own is co-served beside a rollout "
+                             "model; give one")
+        else:
+            models = [rollout]
+            kv = serving.kv_pages()
+            own_bytes = kv.total * kv.page_bytes
+            if own_bytes >= cfg.pool_bytes:
+                raise ValueError(f"the serving engine's KV cache ({own_bytes / MB:g} MiB) leaves nothing "
+                                 f"of pool_mb ({cfg.pool_mb:g}) to the rollout model")
         weights = [next(m.parameters()) for m in models]
         if len({w.device for w in weights}) > 1:
             raise ValueError(f"the serving model is on {weights[0].device}, the rollout model on "
                              f"{weights[1].device}; a co-serving executor runs both on one device")
         specs = [KVSpec.of(m.config, w.dtype) for m, w in zip(models, weights, strict=True)]
-        self.pool = KVPool.for_specs(cfg.pool_bytes, *specs, device=weights[0].device)
-        self.serving: ServingEngine = NativeServing(serving, engine, serving_eos, self.pool, SERVING)
+        self.pool = KVPool.for_specs(cfg.pool_bytes - own_bytes, *specs, device=weights[0].device)
+        self.serving: ServingEngine = (NativeServing(serving, engine, serving_eos, self.pool, SERVING)
+                                       if isinstance(serving, CausalLM) else serving)
         self.rollout: LLMEngine | None = (LLMEngine(rollout, engine, rollout_eos, self.pool, ROLLOUT)
                                           if rollout else None)
-        self.burst = BurstController(self.pool.num_pages, cfg.headroom, cfg.high_watermark)
+        self.serving_page_bytes = self.serving.kv_pages().page_bytes
+        # The serving engine's own cache in the pool's pages (0: it draws from the pool).
+        self.own_pages = own_bytes // self.pool.page_bytes
+        self.device_pages = self.pool.num_pages + self.own_pages
+        self.burst = BurstController(self.device_pages, cfg.headroom, cfg.high_watermark)
         self.latency = FittedLatencyModel()
         self.tail = TailLatency(self.latency, cfg.admission_quantile)
         self.guard = SlackGuard()
@@ -94,23 +119,34 @@ class CoServingExecutor:
         self.serving_arrived: Callable[[], bool] = lambda: False
         self.served = self.served_within_slo = 0
         if cfg.policy is Policy.STATIC:
-            rollout_pages = int(cfg.static_rollout_pages * self.pool.num_pages)
+            rollout_pages = int(cfg.static_rollout_pages * self.device_pages)
             self.pool.set_budget(ROLLOUT, rollout_pages)
-            self.pool.set_budget(SERVING, self.pool.num_pages - rollout_pages)
+            self.pool.set_budget(SERVING, self.device_pages - rollout_pages)
         elif cfg.policy is Policy.ROSE:
             self.pool.set_budget(ROLLOUT, self.burst.budget)
 
     @classmethod
     def from_pretrained(cls, serving_path: str | Path, rollout_path: str | Path | None = None,
                         config: ExecutorConfig | None = None, device: str | None = None,
-                        dtype: str | None = None) -> CoServingExecutor:
+                        dtype: str | None = None, engine: Engine = Engine.NATIVE) -> CoServingExecutor:
         """Both checkpoints loaded on `device`, in `dtype` (None: `rose.model.device`'s defaults:
-        CUDA if there is one, in bfloat16; else the CPU, in float32)."""
+        CUDA if there is one, in bfloat16; else the CPU, in float32). `engine`: what serves the
+        serving model (vLLM: its KV cache is `config.serving_pool_share` of the pool, and it
+        needs a rollout model)."""
+        config = config or ExecutorConfig()
         device, dtype = resolve(device, dtype)
-        serving = load_model(serving_path, dtype, device)
         rollout = load_model(rollout_path, dtype, device) if rollout_path else None
-        return cls(serving, rollout, config, eos_ids(serving_path, serving.config),
-                   eos_ids(rollout_path, rollout.config) if rollout else ())
+        rollout_eos = eos_ids(rollout_path, rollout.config) if rollout_path and rollout else ()
+        if engine is Engine.VLLM:
+            from rose.coserve.vllm_serving import VllmServing
+
+            vllm = VllmServing.from_pretrained(
+                serving_path, int(config.pool_bytes * config.serving_pool_share), str(device),
+                str(dtype).removeprefix("torch."), max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.chunk_tokens + config.max_num_seqs)
+            return cls(vllm, rollout, config, rollout_eos=rollout_eos)
+        serving = load_model(serving_path, dtype, device)
+        return cls(serving, rollout, config, eos_ids(serving_path, serving.config), rollout_eos)
 
     def profile(self) -> None:
         """Fit the latency model on both engines (a few seconds, at start-up)."""
@@ -272,7 +308,7 @@ class CoServingExecutor:
         held = [(s.request_id, len(s.block_table))
                 for s in sorted(self._rollout_seqs(), key=lambda s: s.arrival)]
         # Pages only a prefix cache holds are reclaimable: they count as free here.
-        decision = self.burst.observe(self.serving.kv_pages().active, held)
+        decision = self.burst.observe(self._pages(self.serving.kv_pages().active), held)
         self.pool.set_budget(ROLLOUT, decision.rollout_budget)
         if decision.state is not before:
             self.metrics.transitions.labels(before.name.lower(), decision.state.name.lower()).inc()
@@ -317,14 +353,22 @@ class CoServingExecutor:
         running, waiting = self.serving.queue_lengths()
         m.running.labels(m.model_name).set(running)
         m.waiting.labels(m.model_name).set(waiting)
-        m.kv_usage.labels(m.model_name).set(1.0 - self.pool.num_free / self.pool.num_pages)
+        kv = self.serving.kv_pages()
+        # Serving's pages, its prefix cache's included: the pool's count, or its own cache's.
+        serving = self._pages(kv.active + kv.cached) if self.own_pages else self.pool.used(SERVING)
+        free = self.pool.num_free + max(0, self.own_pages - serving)
+        m.kv_usage.labels(m.model_name).set(1.0 - free / self.device_pages)
         m.turns_running.set(len(self._turns))
-        for owner in (SERVING, ROLLOUT):
-            m.pool_pages.labels(owner).set(self.pool.used(owner))
-        m.cached_pages.labels(SERVING).set(self.serving.kv_pages().cached)
+        m.pool_pages.labels(SERVING).set(serving)
+        m.pool_pages.labels(ROLLOUT).set(self.pool.used(ROLLOUT))
+        m.cached_pages.labels(SERVING).set(self._pages(kv.cached))
         if self.rollout is not None:
             m.cached_pages.labels(ROLLOUT).set(self.rollout.blocks.num_cached_pages)
-        m.pool_pages.labels("free").set(self.pool.num_free)
+        m.pool_pages.labels("free").set(free)
+
+    def _pages(self, serving_pages: int) -> int:
+        """The serving engine's pages in the pool's (the same where it draws from the pool)."""
+        return -(-serving_pages * self.serving_page_bytes // self.pool.page_bytes)
 
     def _rollout(self) -> LLMEngine:
         if self.rollout is None:

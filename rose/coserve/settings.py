@@ -41,6 +41,13 @@ class Policy(str, enum.Enum):  # a str: a config dumped as JSON (a report) holds
     STATIC = "static"  # a fixed page split and a fixed rollout token budget
 
 
+class Engine(str, enum.Enum):
+    """What serves the serving model (the rollout model runs on the native engine either way)."""
+
+    NATIVE = "native"  # ROSE's engine, from the KV pool both models share
+    VLLM = "vllm"  # vLLM's, in this process, its KV cache its own (rose.coserve.vllm_serving)
+
+
 def _setting(default: Any, text: str) -> Any:
     """A field with the one-line help `rose serve --help` shows for its flag."""
     return dataclasses.field(default=default, metadata={"help": text})
@@ -54,6 +61,8 @@ class ExecutorConfig:
 
     pool_mb: float = _setting(256.0, "KV page pool shared by both models, MiB")
     headroom: float = _setting(HEADROOM, "share of the pool reserved for serving")
+    serving_pool_share: float = _setting(0.5, "with --engine vllm: the share of the pool that is vLLM's "
+                                         "KV cache (its own; the rollout model's pool is the rest)")
     high_watermark: float = _setting(HIGH_WATERMARK, "burst when serving has used this share of the headroom")
     slo_ttft_ms: float = _setting(1000.0, "serving's time-to-first-token objective (SLO), ms")
     slo_tpot_ms: float = _setting(200.0, "serving's time-per-output-token objective (SLO), ms")
@@ -101,6 +110,7 @@ class ExecutorConfig:
         for name in ("arrival_reserve_tokens", "idle_min_rollout_tokens", "typical_rollout_context"):
             need(getattr(self, name) >= 0, name, ">= 0")
         need(0 < self.headroom < 1, "headroom", "in (0, 1)")
+        need(0 < self.serving_pool_share < 1, "serving_pool_share", "in (0, 1)")
         need(0 < self.high_watermark <= 1, "high_watermark", "in (0, 1]")
         need(0 < self.static_rollout_pages < 1, "static_rollout_pages", "in (0, 1)")
         need(0 < self.admission_quantile <= 1, "admission_quantile", "in (0, 1]")

@@ -142,6 +142,7 @@ class _Request:
     num_prompt_tokens: int
     top_logprobs: int
     arrival_time: float
+    engine_id: str  # vLLM's own id of it (the caller's with a random suffix): its scheduler's key
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens vLLM's prefix cache served
     first_token_time: float | None = None
@@ -202,11 +203,13 @@ class VllmEngine:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: a request with this id is already running")
         try:
-            self.llm.add_request(request_id, vllm.TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                 to_vllm(params, self.vocab_size), priority=priority)
+            engine_id = self.llm.add_request(
+                request_id, vllm.TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                to_vllm(params, self.vocab_size), priority=priority)
         except (ValueError, vllm.exceptions.VLLMClientError) as exc:  # the request's fault, not the engine's
             raise ValueError(f"request {request_id!r}: {exc}") from None
-        self._requests[request_id] = _Request(len(prompt_token_ids), params.top_logprobs, time.monotonic())
+        self._requests[request_id] = _Request(len(prompt_token_ids), params.top_logprobs, time.monotonic(),
+                                              engine_id)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -219,6 +222,9 @@ class VllmEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -294,6 +300,10 @@ class VllmEngine:
             self.llm.collective_rpc(_repack_lm_head)
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self.policy_version = version
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the blocks only vLLM's prefix cache holds."""
+        self.llm.reset_prefix_cache()
 
     def check_health(self) -> None:
         """Raise RuntimeError once an iteration has failed."""

@@ -1,0 +1,91 @@
+"""vLLM's engine as the co-serving executor's serving engine (`ServingEngine`): production
+requests on vLLM, the rollout model on ROSE's native engine beside it
+(`CoServingExecutor.from_pretrained(..., engine="vllm")`).
+
+vLLM runs in this process (`VllmEngine`), so its scheduler is the very object its engine core
+steps: what admission and the burst state machine need is read from it between two iterations,
+as `rose.coserve.vllm_admission` does. Each request's timing comes from `VllmEngine`'s own
+accounts (the monotonic clock, like the native engine's); how far each has computed, and the
+KV blocks in use, from vLLM's scheduler and block pool; the load of an iteration from how far
+each request advanced in it.
+
+vLLM's KV cache is its own allocation, fixed when the engine starts: it cannot be one pool with
+the rollout engine's. The executor bounds each (`ExecutorConfig.serving_pool_share`) and counts
+both as the device's KV, so that the burst state machine follows vLLM's usage as it follows the
+native engine's in a shared pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rose.contracts import RequestOutput, TokenLoad
+from rose.coserve.admission import RolloutWait, ServingRequest
+from rose.coserve.serving_engine import KVPages
+from rose.engine.kv_pool import KVSpec
+from rose.engine.llm_engine import EngineStep
+from rose.engine.vllm_engine import BLOCK_SIZE, VllmEngine
+from rose.model import ModelConfig
+
+
+class VllmServing(VllmEngine):
+    """A `VllmEngine` as a `ServingEngine` (rose.coserve.serving_engine)."""
+
+    def __init__(self, llm: Any, config: ModelConfig) -> None:
+        super().__init__(llm, config)
+        self.scheduler = llm.engine_core.engine_core.scheduler  # in process: the same object
+        self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        model_config = llm.vllm_config.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.page_bytes = KVSpec.of(config, model_config.dtype, BLOCK_SIZE).block_bytes
+        self.last_step = EngineStep()
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The model's context or what the KV cache holds (vLLM starts with no more)."""
+        return self.max_model_len
+
+    def step(self) -> list[RequestOutput]:
+        """One vLLM iteration; `last_step` its serving load: a request that advanced by one token
+        it had sampled decoded, any other advance was prefill (a request that finished computed
+        everything it had)."""
+        before = {rid: (r.num_computed_tokens, r.num_tokens) for rid, r in self.scheduler.requests.items()}
+        start = time.perf_counter()
+        outputs = super().step()
+        seconds = time.perf_counter() - start
+        prefill = decodes = context = 0
+        for rid, (computed, tokens) in before.items():
+            after = self.scheduler.requests.get(rid)
+            advanced = (after.num_computed_tokens if after is not None else tokens) - computed
+            if advanced == 1 and computed + 1 == tokens:
+                decodes += 1
+                context += tokens
+            elif advanced > 0:  # a preempted request goes back to 0
+                prefill += advanced
+        load = TokenLoad(prefill, decodes, context)
+        self.last_step = EngineStep(load, seconds) if load != TokenLoad() else EngineStep()
+        return outputs
+
+    def in_flight(self, waited: Mapping[str, RolloutWait]) -> dict[str, ServingRequest]:
+        no_wait, requests = RolloutWait(), self.scheduler.requests
+        in_flight = {}
+        for rid, acct in self._requests.items():  # in the order they were added
+            request = requests.get(acct.engine_id)
+            if request is None:  # finished in vLLM; its output comes with the next step
+                continue
+            in_flight[rid] = ServingRequest(
+                acct.arrival_time, request.num_tokens - request.num_computed_tokens, request.num_tokens,
+                acct.first_token_time, acct.last_token_time, acct.num_output_tokens, waited.get(rid, no_wait))
+        return in_flight
+
+    def queue_lengths(self) -> tuple[int, int]:
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
+    def kv_pages(self) -> KVPages:
+        pool = self.block_pool
+        total = pool.num_gpu_blocks - 1  # vLLM keeps one back (its null block)
+        # Free blocks that still hold a prefix are vLLM's cache (reused, or evicted when needed).
+        cached = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+        return KVPages(total - pool.get_num_free_blocks(), cached, total, self.page_bytes)
