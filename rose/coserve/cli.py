@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import enum
 import functools
 import os
 import socket
@@ -21,7 +22,7 @@ import torch
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.serve_config import ServeConfig, load_serve_config
 from rose.coserve.server import build_app
-from rose.coserve.settings import ExecutorConfig, Policy
+from rose.coserve.settings import Engine, ExecutorConfig, Policy
 from rose.model import load_tokenizer
 from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
 from rose.steploop import StepLoop
@@ -42,12 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         # Not given: absent from the namespace, so the file or the dataclass default holds.
         key = key or name.removeprefix("--").replace("-", "_")
         default = functools.reduce(getattr, key.split("."), defaults)
-        default = default.value if isinstance(default, Policy) else default
+        default = default.value if isinstance(default, enum.Enum) else default
         shown = f" (default: {default})" if default is not None and not isinstance(default, bool) else ""
         group.add_argument(name, dest=key, default=argparse.SUPPRESS, help=f"{text}{shown}".strip(), **kwargs)
 
     flag("--model", "serving model checkpoint (HF format); required, here or in --config")
     flag("--rollout-model", "rollout model checkpoint; leases are refused without one")
+    flag("--engine", "what serves the serving model (vllm: vLLM's engine, which needs --rollout-model)",
+         choices=[engine.value for engine in Engine])
     flag("--served-model-name", "model name clients use (default: the directory name)")
     flag("--host")
     flag("--port", type=int)
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     # and queued, beyond the iteration itself (coserve.md, "Admission").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, serve.executor,
-                                                 serve.device, serve.dtype)
+                                                 serve.device, serve.dtype, serve.engine)
     if not serve.no_profile:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))

@@ -9,17 +9,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from rose.config import load
-from rose.coserve.settings import MB, ExecutorConfig, ServerLimits
+from rose.coserve.settings import MB, Engine, ExecutorConfig, ServerLimits
 
 
 @dataclasses.dataclass
 class ServeConfig:
     model: str | None = None  # serving checkpoint (HF format); required
     rollout_model: str | None = None  # leases are refused without one
+    engine: Engine = Engine.NATIVE  # what serves the serving model
     served_model_name: str | None = None  # None: the model directory's name
     host: str = "127.0.0.1"
     port: int = 8000
@@ -58,4 +60,11 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
     if config.model is None:
         raise ValueError("config: model: a serving checkpoint is required (--model, or model: in --config)")
     resolve(config.device, config.dtype, label="config: ")
+    if config.engine is Engine.VLLM:
+        if find_spec("vllm") is None:
+            raise ValueError("config: engine: vllm is not installed in this Python (`make install-vllm` "
+                             "makes .venv-vllm, which has it)")
+        if config.rollout_model is None:
+            raise ValueError("config: engine: vllm serves beside a rollout model, which it needs "
+                             "(--rollout-model)")
     return config

@@ -14,9 +14,10 @@ import torch
 import transformers
 
 from rose.cli import main
+from rose.coserve import serve_config as serve_config_module
 from rose.coserve.cli import add_arguments, serve_config, serve_process
 from rose.coserve.serve_config import ServeConfig, load_serve_config
-from rose.coserve.settings import ExecutorConfig, Policy, ServerLimits
+from rose.coserve.settings import Engine, ExecutorConfig, Policy, ServerLimits
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -70,10 +71,25 @@ def test_flags_override_the_file_and_the_overrides(tmp_path: Path, monkeypatch: 
     (["model=m", "executor.admission_quantile=0"],
      r"^config: executor\.admission_quantile must be in \(0, 1\], got 0\.0$"),
     (["model=m", "port=http"], r"^config: port: Value 'http' of type 'str' could not be converted"),
+    (["model=m", "engine=sglang"], r"^config: engine: Invalid value 'sglang'"),
 ])
 def test_bad_settings_are_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_serve_config(overrides=overrides)
+
+
+def test_engine_vllm_needs_vllm_installed_and_a_rollout_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm = ["model=m", "engine=vllm", "rollout_model=r"]
+    monkeypatch.setattr(serve_config_module, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"^config: engine: vllm is not installed in this Python"):
+        load_serve_config(overrides=vllm)
+    monkeypatch.setattr(serve_config_module, "find_spec", lambda name: object())
+    with pytest.raises(ValueError, match=r"^config: engine: vllm serves beside a rollout model"):
+        load_serve_config(overrides=vllm[:2])
+    assert load_serve_config(overrides=vllm).engine is Engine.VLLM
+    flags = _parse(["--model", "m", "--engine", "vllm", "--rollout-model", "r"])
+    assert serve_config(flags).engine is Engine.VLLM
+    assert load_serve_config(overrides=["model=m"]).engine is Engine.NATIVE
 
 
 def test_the_command_refuses_before_loading_a_model(capsys: pytest.CaptureFixture[str]) -> None:
