@@ -6,11 +6,14 @@ vLLM is not in the default venv: `make test-vllm` runs this file from `.venv-vll
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -19,7 +22,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
 from rose.contracts import SamplingParams, Turn
+from rose.coserve.cli import serve_process
 from rose.coserve.executor import CoServingExecutor
+from rose.coserve.lease_client import LeaseClient
 from rose.coserve.settings import MB, Engine, ExecutorConfig
 from rose.coserve.vllm_serving import VllmServing
 from rose.engine import RequestOutput
@@ -163,3 +168,32 @@ def test_a_serving_engine_with_its_own_cache_needs_a_rollout_model(executor: CoS
     with pytest.raises(ValueError, match="leaves nothing"):
         CoServingExecutor(executor.serving, executor.rollout.model, ExecutorConfig(pool_mb=0.01))
 
+
+def test_rose_serve_engine_vllm_serves_and_leases_its_device(tmp_path: Path) -> None:
+    """The command: the OpenAI API answered by vLLM, a leased turn, pushed weights, /metrics."""
+    serving = tiny_qwen3_for_vllm(tmp_path / "serving", seed=11)
+    rollout_model = random_model(preset_config("qwen3", "tiny", head_dim=8), seed=3)
+    save_model(rollout_model, tmp_path / "rollout")
+    argv = ["--engine", "vllm", "--model", str(serving), "--rollout-model", str(tmp_path / "rollout"),
+            "--device", "cpu", "--no-profile", "--pool-mb", "4"]
+    turn = Turn("t", "traj", _ids(30, 1), SamplingParams(max_tokens=6, ignore_eos=True))
+
+    async def lease(url: str) -> tuple[list[int], int]:
+        client = LeaseClient(url)
+        try:
+            output = await client.run_turn(turn)
+            await client.load_weights(rollout_model.named_parameters(), version=1)
+            return output.token_ids, (await client.heartbeat()).policy_version
+        finally:
+            await client.close()
+
+    with serve_process(argv, startup_s=300) as (url, _):
+        completion = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "serving", "prompt": _ids(12, 2), "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True}).json()
+        tokens, version = asyncio.run(lease(url))
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert completion["usage"] == {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+    assert completion["choices"][0]["finish_reason"] == "length"
+    assert len(tokens) == 6 and version == 1
+    assert 'vllm:num_requests_running{model_name="serving"} 0.0' in metrics
