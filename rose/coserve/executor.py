@@ -353,15 +353,16 @@ class CoServingExecutor:
         running, waiting = self.serving.queue_lengths()
         m.running.labels(m.model_name).set(running)
         m.waiting.labels(m.model_name).set(waiting)
-        kv = self.serving.kv_pages()
+        cached = self.serving.cached_pages()
         # Serving's pages, its prefix cache's included: the pool's count, or its own cache's.
-        serving = self._pages(kv.active + kv.cached) if self.own_pages else self.pool.used(SERVING)
+        serving = (self._pages(self.serving.kv_pages().active + cached) if self.own_pages
+                   else self.pool.used(SERVING))
         free = self.pool.num_free + max(0, self.own_pages - serving)
         m.kv_usage.labels(m.model_name).set(1.0 - free / self.device_pages)
         m.turns_running.set(len(self._turns))
         m.pool_pages.labels(SERVING).set(serving)
         m.pool_pages.labels(ROLLOUT).set(self.pool.used(ROLLOUT))
-        m.cached_pages.labels(SERVING).set(self._pages(kv.cached))
+        m.cached_pages.labels(SERVING).set(self._pages(cached))
         if self.rollout is not None:
             m.cached_pages.labels(ROLLOUT).set(self.rollout.blocks.num_cached_pages)
         m.pool_pages.labels("free").set(free)

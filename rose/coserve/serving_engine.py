@@ -18,8 +18,7 @@ from rose.engine.llm_engine import EngineStep
 class KVPages(NamedTuple):
     """The serving engine's KV, in its own pages."""
 
-    active: int      # pages its requests hold
-    cached: int      # pages only its prefix cache holds (reclaimable: free to the burst machine)
+    active: int      # pages its requests hold (pages only its prefix cache holds are reclaimable)
     total: int       # pages it may hold at most
     page_bytes: int
 
@@ -49,7 +48,13 @@ class ServingEngine(GenerationEngine, Protocol):
         """Requests running and waiting, as the engine's scheduler counts them (`/metrics`)."""
         ...
 
-    def kv_pages(self) -> KVPages: ...
+    def kv_pages(self) -> KVPages:
+        """Asked every iteration, by the burst state machine: cheap."""
+        ...
+
+    def cached_pages(self) -> int:
+        """Pages only the prefix cache holds (for `/metrics`)."""
+        ...
 
     def reset_prefix_cache(self) -> None:
         """Drop what only the prefix cache holds (after the start-up profile)."""
@@ -70,5 +75,7 @@ class NativeServing(LLMEngine):
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def kv_pages(self) -> KVPages:
-        return KVPages(self.blocks.num_active_pages, self.blocks.num_cached_pages, self.blocks.max_pages,
-                       self.pool.page_bytes)
+        return KVPages(self.blocks.num_active_pages, self.blocks.max_pages, self.pool.page_bytes)
+
+    def cached_pages(self) -> int:
+        return self.blocks.num_cached_pages

@@ -84,8 +84,10 @@ class VllmServing(VllmEngine):
         return len(self.scheduler.running), len(self.scheduler.waiting)
 
     def kv_pages(self) -> KVPages:
-        pool = self.block_pool
-        total = pool.num_gpu_blocks - 1  # vLLM keeps one back (its null block)
-        # Free blocks that still hold a prefix are vLLM's cache (reused, or evicted when needed).
-        cached = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
-        return KVPages(total - pool.get_num_free_blocks(), cached, total, self.page_bytes)
+        total = self.block_pool.num_gpu_blocks - 1  # vLLM keeps one back (its null block)
+        return KVPages(total - self.block_pool.get_num_free_blocks(), total, self.page_bytes)
+
+    def cached_pages(self) -> int:
+        """Free blocks that still hold a prefix: vLLM's cache (reused, or evicted when needed).
+        vLLM keeps no count of them: a pass over its blocks."""
+        return sum(1 for b in self.block_pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)

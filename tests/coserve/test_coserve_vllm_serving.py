@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
-from rose.contracts import SamplingParams, Turn
+from rose.contracts import SamplingParams, TokenLoad, Turn
 from rose.coserve.cli import serve_process
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
@@ -94,10 +94,10 @@ def test_vllm_serves_beside_a_native_rollout_model_in_two_bounded_pools(executor
     finished = {o.request_id: o.finish_reason for outs in steps for o in outs if o.finished}
     assert finished == {"beside": "length", "t0": "length", "t1": "length", "t2": "length"}
     assert ex.served == 2 and not ex._turns
-    kv = ex.serving.kv_pages()
-    assert kv.active == 0 and kv.cached > 0  # all done; vLLM's prefix cache keeps their blocks
+    cached = ex.serving.cached_pages()
+    assert ex.serving.kv_pages().active == 0 and cached > 0  # all done; vLLM's prefix cache keeps theirs
     # vLLM's blocks in the gauges, in the rollout pool's pages.
-    assert ex.metrics.pool_pages.labels("serving")._value.get() == ex._pages(kv.cached) > 0
+    assert ex.metrics.pool_pages.labels("serving")._value.get() == ex._pages(cached) > 0
     assert ex.metrics.running.labels(ex.metrics.model_name)._value.get() == 0
 
 
@@ -108,12 +108,17 @@ def test_a_tight_tpot_slo_holds_rollouts_while_vllm_decodes(executor: CoServingE
         ex.add_serving(_ids(20, 50), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), "s")
         for i in range(3):
             ex.submit_turn(Turn(f"u{i}", f"traj{i}", _ids(30, i + 5), SamplingParams(max_tokens=6)))
-        steps = _until_done(ex)
+        steps, loads = [], []
+        while ex.has_unfinished():
+            steps.append(ex.step())
+            loads.append(ex.serving.last_step.load)
     finally:
         ex.slo = loose
     serving = [i for i, outs in enumerate(steps) if any(o.request_id == "s" and o.token_ids for o in outs)]
     first, last = serving[0], serving[-1]
     assert last - first == 7  # vLLM decodes it every iteration
+    # What the latency model learns: vLLM's iterations' serving load.
+    assert loads[first] == TokenLoad(20) and loads[first + 1] == TokenLoad(0, 1, 21)
     # Once it decodes, no rollout token fits its TPOT budget until it is done.
     assert not [o for outs in steps[first + 1:last + 1] for o in outs if o.request_id.startswith("u")]
     for i in range(3):  # then the rollouts run on the idle device
