@@ -19,6 +19,7 @@ tokens they like, no priority), `static` (a fixed page split and a fixed rollout
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -118,6 +119,7 @@ class CoServingExecutor:
         # whole rollout iteration.
         self.serving_arrived: Callable[[], bool] = lambda: False
         self.served = self.served_within_slo = 0
+        self._serving_ids = itertools.count()
         if cfg.policy is Policy.STATIC:
             rollout_pages = int(cfg.static_rollout_pages * self.device_pages)
             self.pool.set_budget(ROLLOUT, rollout_pages)
@@ -158,6 +160,8 @@ class CoServingExecutor:
 
     def add_serving(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        """Queue a serving request (None: an id is made here; a serving engine needs one)."""
+        request_id = f"serving-{next(self._serving_ids)}" if request_id is None else request_id
         self._check_free(request_id)
         return self.serving.add_request(prompt_token_ids, params, request_id)
 
@@ -376,9 +380,7 @@ class CoServingExecutor:
             raise ValueError("this executor has no rollout model (start it with --rollout-model)")
         return self.rollout
 
-    def _check_free(self, request_id: str | None) -> None:
-        if request_id is None:
-            return
+    def _check_free(self, request_id: str) -> None:
         engines = [self.serving, *([self.rollout] if self.rollout else [])]
         if any(e.has_request(request_id) for e in engines):
             raise ValueError(f"request {request_id!r}: the id is already in use on this executor")
