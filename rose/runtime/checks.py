@@ -81,6 +81,9 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
     _check("max_rollout_turns" not in s.executor.changed(),
            "serving.executor.max_rollout_turns: a serving device's lease slots are "
            "rollout.serving_concurrency, the turns the run keeps on each; set that instead")
+    _check("serving_pool_share" not in s.executor.changed(),
+           "serving.executor.serving_pool_share: rose train's serving devices run the native engine, "
+           "with one pool for both models (vLLM's share applies to rose serve --engine vllm)")
     _check_fits(config)
     # Core ids and CUDA devices are this machine's: checked here in local mode; on a cluster
     # core lists count CPUs and Ray finds the GPUs (`rose.runtime.placement`).

@@ -49,6 +49,8 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["serving.slo_ttft_ms=500"],
      r"^config: serving\.slo_ttft_ms: Key 'slo_ttft_ms' not in 'ServingDeviceConfig' \(did you mean "
      r"serving\.executor\.slo_ttft_ms\?\)$"),
+    (["serving.executor.serving_pool_share=0.3"],
+     r"serving\.executor\.serving_pool_share: rose train's serving devices run the native engine"),
     (["serving.executor.max_rollout_turns=4"],
      r"serving\.executor\.max_rollout_turns: a serving device's lease slots are rollout\.serving_conc"),
     (["rollout.max_context_tokens=4096"],
