@@ -41,6 +41,8 @@ class _Delta:
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # per token, its likeliest (id, logprob) (if asked)
     finish_reason: str | None
+    # vLLM's extension: the stop string or stop token id that ended the choice (None otherwise)
+    stop_reason: str | int | None = None
 
     def extend(self, later: _Delta) -> None:
         self.text += later.text
@@ -48,6 +50,7 @@ class _Delta:
         self.logprobs += later.logprobs
         self.top += later.top
         self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -75,9 +78,14 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     try:
         stream = state.loop.stream(rid, add)
         async for out in stream:
-            delta = text.push(out.token_ids, out.finished, out.num_output_tokens > params.min_tokens)
+            last = out.token_ids[-1] if out.token_ids else None
+            # A stop token's text is left out, as vLLM leaves it (the token and its logprob stay).
+            stop_token = last if out.finish_reason == "stop" and last in params.stop_token_ids else None
+            shown = out.token_ids[:-1] if stop_token is not None else out.token_ids
+            delta = text.push(shown, out.finished, out.num_output_tokens > params.min_tokens)
             finish = "stop" if text.stopped else out.finish_reason if out.finished else None
-            yield _Delta(delta, out.token_ids, out.logprobs, out.top_logprobs, finish)
+            reason = text.stopped_at if text.stopped else stop_token
+            yield _Delta(delta, out.token_ids, out.logprobs, out.top_logprobs, finish, reason)
             if text.stopped:
                 await stream.aclose()  # aborts the request in the engine
                 return
@@ -213,6 +221,8 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
 
     def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
+        if delta.finish_reason is not None:
+            c["stop_reason"] = delta.stop_reason
         if chat:  # streamed, the role comes once, in a chunk of its own (`events`)
             c["delta" if stream else "message"] = {"content": delta.text} if stream else {
                 "role": "assistant", "content": delta.text}

@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self._read_chars = 0  # characters of the window's text already read
         self._pending = ""  # text read but not yet sent: a stop string may start in it
         self.stopped = False  # a stop string was found: the text ends before it
+        self.stopped_at: str | None = None  # that stop string
 
     def push(self, token_ids: list[int], finished: bool, check_stop: bool = True) -> str:
         """Take a step's new tokens; the text that may be sent now (once finished, all of it but
@@ -46,8 +47,9 @@ class IncrementalDetokenizer:
 
     def _emit(self, finished: bool, check_stop: bool) -> str:
         stops = self._stop if check_stop else []
-        cut = min((i for s in stops if (i := self._pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in stops if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, self.stopped_at = min(found, key=lambda f: f[0])
             self.stopped = True
             text, self._pending = self._pending[:cut], ""
             return text
