@@ -237,3 +237,22 @@ def test_a_seeded_sample_at_temperature_one_is_vllms(clients: tuple[Any, Any]) -
         vllm, rose = _both(clients, False, prompt="hello world, the", max_tokens=12, temperature=1.0,
                            seed=seed, logprobs=1)
         assert_same(vllm, rose)
+
+
+def test_n_seeded_samples_are_vllms(clients: tuple[Any, Any]) -> None:
+    """`n` samples of one seed: sample i draws with seed + i on both."""
+    vllm, rose = _both(clients, False, prompt="hello world, the", max_tokens=8, temperature=1.0, seed=7, n=2,
+                       logprobs=0)
+    assert vllm["choices"][0]["text"] != vllm["choices"][1]["text"]
+    assert_same(vllm, rose)
+
+
+@pytest.mark.xfail(strict=True, raises=openai.BadRequestError, reason=(
+    "known difference: the vLLM engine behind rose serve refuses sampling whose logprobs differ from "
+    "ROSE's recorded policy (a temperature other than 0 or 1, top-p, top-k, min-p, penalties, logit bias, "
+    "min_tokens: rose.engine.vllm_engine.to_vllm), which vLLM's server samples"))
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9)],
+                         ids=["temperature", "top-p"])
+def test_shaped_sampling_is_vllms(clients: tuple[Any, Any], sampling: dict[str, float]) -> None:
+    vllm, rose = _both(clients, False, prompt="hello world, the", max_tokens=8, seed=3, **sampling)
+    assert_same(vllm, rose)
