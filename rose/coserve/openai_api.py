@@ -41,6 +41,8 @@ class _Delta:
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # per token, its likeliest (id, logprob) (if asked)
     finish_reason: str | None
+    # vLLM's extension: the stop string or stop token id that ended the choice (None otherwise)
+    stop_reason: str | int | None = None
 
     def extend(self, later: _Delta) -> None:
         self.text += later.text
@@ -48,6 +50,7 @@ class _Delta:
         self.logprobs += later.logprobs
         self.top += later.top
         self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -75,9 +78,14 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     try:
         stream = state.loop.stream(rid, add)
         async for out in stream:
-            delta = text.push(out.token_ids, out.finished, out.num_output_tokens > params.min_tokens)
+            last = out.token_ids[-1] if out.token_ids else None
+            # A stop token's text is left out, as vLLM leaves it (the token and its logprob stay).
+            stop_token = last if out.finish_reason == "stop" and last in params.stop_token_ids else None
+            shown = out.token_ids[:-1] if stop_token is not None else out.token_ids
+            delta = text.push(shown, out.finished, out.num_output_tokens > params.min_tokens)
             finish = "stop" if text.stopped else out.finish_reason if out.finished else None
-            yield _Delta(delta, out.token_ids, out.logprobs, out.top_logprobs, finish)
+            reason = text.stopped_at if text.stopped else stop_token
+            yield _Delta(delta, out.token_ids, out.logprobs, out.top_logprobs, finish, reason)
             if text.stopped:
                 await stream.aclose()  # aborts the request in the engine
                 return
@@ -130,22 +138,65 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _logprobs(state: ServerState, chat: bool, delta: _Delta) -> dict[str, Any]:
-    """A choice's `logprobs`: chat's `content` entries, or completions' parallel lists, whose
-    `top_logprobs` maps each top token's text to its logprob, the sampled token's included (as
-    vLLM answers)."""
-    def text(token: int) -> str:
-        return state.tokenizer.decode([token], skip_special_tokens=False)
+MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) answer for a logprob of -inf
 
-    tops = delta.top or [[] for _ in delta.token_ids]
+
+def _token_text(decode: Callable[[list[int]], str], token: int, before: list[int]) -> str:
+    """A token's text in logprobs, as vLLM gives it: its own decoding, unless that ends in an
+    incomplete UTF-8 character (byte-fallback tokens); then the text it completes after the
+    sampled tokens `before` it (up to 4), or "" while the character is still incomplete."""
+    alone = decode([token])
+    if not alone.endswith("\ufffd"):
+        return alone
+    context = before[-4:]
+    for k in range(1, len(context) + 1):
+        ctx = context[-k:]
+        full = decode([*ctx, token])
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(ctx)  # the context's byte-fallback tail belongs to this token's text
+        while clean > 0 and decode([ctx[clean - 1]]).endswith("\ufffd"):
+            clean -= 1
+        prefix = decode(ctx[:clean]) if clean else ""
+        common = 0  # the prefix as the whole decodes it (normalisation may change it)
+        while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+            common += 1
+        return full[common:]
+    return ""
+
+
+def _logprobs(state: ServerState, chat: bool, delta: _Delta, before: list[int], offset: int
+              ) -> dict[str, Any]:
+    """A choice's `logprobs` for `delta`'s tokens, after the sampled tokens `before` them, whose
+    texts end at character `offset`: chat's `content` entries (each with its text's UTF-8
+    bytes), or completions' parallel lists, whose `top_logprobs` maps each top token's text to
+    its logprob, the sampled token's included, and `text_offset` each token's start: as vLLM
+    answers."""
+    def decode(ids: list[int]) -> str:
+        return state.tokenizer.decode(ids, skip_special_tokens=False)
+
+    history = list(before)
+    tokens: list[tuple[str, float]] = []
+    tops: list[list[tuple[str, float]]] = []  # per token, its likeliest ones' (text, logprob)
+    no_tops: list[list[tuple[int, float]]] = [[] for _ in delta.token_ids]
+    for t, lp, top in zip(delta.token_ids, delta.logprobs, delta.top or no_tops, strict=True):
+        tokens.append((_token_text(decode, t, history), max(lp, MIN_LOGPROB)))
+        tops.append([(_token_text(decode, i, history), max(v, MIN_LOGPROB)) for i, v in top])
+        history.append(t)
     if chat:
-        return {"content": [{"token": text(t), "logprob": lp, "bytes": None, "top_logprobs": [
-            {"token": text(i), "logprob": v, "bytes": None} for i, v in top]}
-            for t, lp, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)]}
-    return {"tokens": [text(t) for t in delta.token_ids], "token_logprobs": delta.logprobs,
-            "top_logprobs": [{text(i): v for i, v in [*top, (t, lp)]}
-                             for t, lp, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)],
-            "text_offset": None}
+        def entry(text: str, lp: float) -> dict[str, Any]:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", errors="replace"))}
+        return {"content": [{**entry(*token), "top_logprobs": [entry(*t) for t in top]}
+                            for token, top in zip(tokens, tops, strict=True)]}
+    offsets = []
+    for text, _ in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    # The sampled token first, then the likeliest (vLLM's order: of two tokens with one text,
+    # the map keeps the later).
+    return {"tokens": [text for text, _ in tokens], "token_logprobs": [lp for _, lp in tokens],
+            "top_logprobs": [dict([token, *top]) for token, top in zip(tokens, tops, strict=True)],
+            "text_offset": offsets}
 
 
 async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
@@ -163,13 +214,26 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
     # Bad input surfaces here, as a 4xx, before any byte is sent.
     first = await state.first(request, deltas, SERVING)
 
+    # Per choice, the tokens answered so far and their texts' length in logprobs: what the next
+    # chunk's logprobs follow.
+    sent: list[list[int]] = [[] for _ in range(body.n)]
+    offsets = [0] * body.n
+
     def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
-        if chat:
-            c["delta" if stream else "message"] = {"role": "assistant", "content": delta.text}
+        if delta.finish_reason is not None:
+            c["stop_reason"] = delta.stop_reason
+        if chat:  # streamed, the role comes once, in a chunk of its own (`events`)
+            c["delta" if stream else "message"] = {"content": delta.text} if stream else {
+                "role": "assistant", "content": delta.text}
         else:
             c["text"] = delta.text
-        c["logprobs"] = _logprobs(state, chat, delta) if body.returns_logprobs else None
+        c["logprobs"] = None
+        if body.returns_logprobs:
+            c["logprobs"] = _logprobs(state, chat, delta, sent[index], offsets[index])
+            if not chat and delta.token_ids:
+                offsets[index] = c["logprobs"]["text_offset"][-1] + len(c["logprobs"]["tokens"][-1])
+        sent[index] += delta.token_ids
         return c
 
     async def collect() -> list[_Delta]:
@@ -190,6 +254,11 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
                  "model": state.model_name}
         completion = len(first[1].token_ids)
         try:
+            if chat:  # as vLLM opens a chat stream: each choice's role, no content yet
+                role = {"role": "assistant", "content": ""}
+                for i in range(body.n):
+                    yield sse({**chunk, "choices": [{"index": i, "delta": role, "logprobs": None,
+                                                     "finish_reason": None}]})
             yield sse({**chunk, "choices": [choice(*first, True)]})
             async for i, delta in deltas:
                 completion += len(delta.token_ids)

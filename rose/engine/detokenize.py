@@ -2,9 +2,9 @@
 
 Only a window of the latest tokens is decoded each step: the tokens read last step (context, so
 that a tokenizer that drops leading spaces decodes the same) and the unread ones. Text is held
-back while it may still change (it ends in an incomplete UTF-8 character, decoded as U+FFFD) or
-may be the start of a stop string; a stop string is found across token boundaries, only in the
-text not yet sent.
+back while it may still change (it ends in an incomplete UTF-8 character, decoded as U+FFFD: never
+sent if the stream ends so, as in vLLM) or may be the start of a stop string; a stop string is
+found across token boundaries, only in the text not yet sent.
 """
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ class IncrementalDetokenizer:
         self._read_chars = 0  # characters of the window's text already read
         self._pending = ""  # text read but not yet sent: a stop string may start in it
         self.stopped = False  # a stop string was found: the text ends before it
+        self.stopped_at: str | None = None  # that stop string
 
     def push(self, token_ids: list[int], finished: bool, check_stop: bool = True) -> str:
-        """Take a step's new tokens; the text that may be sent now (all of it once finished).
+        """Take a step's new tokens; the text that may be sent now (once finished, all of it but
+        an incomplete UTF-8 character at its end, which vLLM's detokenizer never sends either).
         Without `check_stop` (before min_tokens, as vLLM) stop strings are not looked for; the
         text that may begin one is still held back."""
         self._window += token_ids
         text = self._decode(self._window) if self._window else ""
-        complete = finished or not text.endswith(INCOMPLETE)
+        complete = not text.endswith(INCOMPLETE)
         readable = text if complete else text.rstrip(INCOMPLETE)
         if len(readable) > self._read_chars:
             self._pending += readable[self._read_chars:]
@@ -45,8 +47,9 @@ class IncrementalDetokenizer:
 
     def _emit(self, finished: bool, check_stop: bool) -> str:
         stops = self._stop if check_stop else []
-        cut = min((i for s in stops if (i := self._pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in stops if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, self.stopped_at = min(found, key=lambda f: f[0])
             self.stopped = True
             text, self._pending = self._pending[:cut], ""
             return text

@@ -212,7 +212,7 @@ def test_incremental_detokenization_matches_a_full_decode(tiny_qwen3: Path) -> N
             n = rng.randint(1, 3)
             out += text.push(ids[pushed:pushed + n], pushed + n >= len(ids))
             pushed += n
-        assert out == full
+        assert out == full.rstrip("\ufffd")  # an incomplete character at the end is never sent
         if len(full.rstrip("\ufffd")) < 6:
             continue
         start = rng.randrange(len(full) - 4)
