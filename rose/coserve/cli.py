@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -122,26 +122,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def serve_process(argv: Sequence[str], startup_s: float = 600.0, env: Mapping[str, str] | None = None
-                  ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`rose serve ARGV` in a process of its own on a free local port: its URL and the process once
-    `/health` answers; the process is terminated on exit. `startup_s` allows for the latency
-    profile, which takes far longer on a real model than on the presets."""
+def http_process(command: Callable[[int], list[str]], name: str, startup_s: float,
+                 env: Mapping[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A server process, `command(port)`, on a free local port: its URL and the process once
+    `/health` answers; on exit it is terminated (killed if it has not stopped within 15 s)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "rose.cli", "serve", *argv, "--port", str(port)], env=env)
+    proc = subprocess.Popen(command(port), env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"rose serve exited with {proc.returncode}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rose serve did not come up within {startup_s:g} s")
+                raise RuntimeError(f"{name} did not come up within {startup_s:g} s")
             time.sleep(0.1)
         yield url, proc
     finally:
@@ -151,3 +150,11 @@ def serve_process(argv: Sequence[str], startup_s: float = 600.0, env: Mapping[st
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def serve_process(argv: Sequence[str], startup_s: float = 600.0, env: Mapping[str, str] | None = None
+                  ) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
+    """`rose serve ARGV` in a process of its own (`http_process`). `startup_s` allows for the
+    latency profile, which takes far longer on a real model than on the presets."""
+    return http_process(lambda port: [sys.executable, "-m", "rose.cli", "serve", *argv, "--port", str(port)],
+                        "rose serve", startup_s, env)

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 import openai  # vLLM's dependency
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
-from rose.coserve.cli import serve_process
+from rose.coserve.cli import http_process, serve_process
 from rose.model import preset_config, random_model, save_model
 
 pytestmark = pytest.mark.vllm
@@ -41,38 +38,15 @@ CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "hi there, what is 2+2?"}]
 
 
-@contextlib.contextmanager
-def vllm_server(model: Path, startup_s: float = 300.0) -> Iterator[str]:
+def vllm_server(model: Path, startup_s: float = 300.0) -> contextlib.AbstractContextManager[tuple[str, Any]]:
     """vLLM's own OpenAI server on a free local port, on the CPU with a small KV cache, the
     engine settings `rose serve --engine vllm` gives vLLM (fp32, eager, seed 0); stopped on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory-bytes", str(64 << 20)]
-    proc = subprocess.Popen(argv, env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM's server did not come up within {startup_s:g} s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", str(MAX_MODEL_LEN),
+                "--kv-cache-memory-bytes", str(64 << 20)]
+    return http_process(command, "vLLM's server", startup_s, dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +64,7 @@ def clients(checkpoints: tuple[Path, Path]) -> Iterator[tuple[Any, Any]]:
     serving, rollout = checkpoints
     argv = ["--engine", "vllm", "--model", str(serving), "--rollout-model", str(rollout),
             "--served-model-name", MODEL, "--device", "cpu", "--no-profile", "--pool-mb", "4"]
-    with vllm_server(serving) as vllm_url, serve_process(argv, startup_s=300) as (rose_url, _):
+    with vllm_server(serving) as (vllm_url, _), serve_process(argv, startup_s=300) as (rose_url, _):
         yield (openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="-", max_retries=0),
                openai.OpenAI(base_url=f"{rose_url}/v1", api_key="-", max_retries=0))
 
