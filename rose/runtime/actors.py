@@ -31,7 +31,7 @@ from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import RequestResult, build_trace, replay
 from rose.coserve.server import build_app
-from rose.coserve.settings import ExecutorConfig, ServerLimits
+from rose.coserve.settings import Engine, ExecutorConfig, ServerLimits
 from rose.engine import LLMEngine, RequestOutput
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.vllm_engine import VllmEngine
@@ -233,16 +233,20 @@ class _HttpReplica(_Replica):
 class ServingDeviceActor(_HttpReplica):
     """A co-serving executor (serving model + rollout model) behind its HTTP server, with a trace
     replay driving its serving side from this process. Synced weights reach the executor in
-    process, through the engine loop the server runs on."""
+    process, through the engine loop the server runs on; they are the rollout model's, which
+    runs on ROSE's engine whatever `engine` serves the serving model (`serving.engine`: vLLM's
+    in this process, its KV cache `config.serving_pool_share` of the pool, as `rose serve
+    --engine vllm`)."""
 
     def __init__(self, worker_id: str, cores: list[int], local: bool, serving: Checkpoint, policy: Checkpoint,
                  config: ExecutorConfig, device: str, replay_spec: ServingDeviceConfig, relay: str,
-                 group: str, limits: ServerLimits) -> None:
+                 group: str, limits: ServerLimits, engine: Engine = Engine.NATIVE) -> None:
         self._start_as(worker_id, cores, local)
         serving_path, rollout_path = open_checkpoint(serving), open_checkpoint(policy)
         import uvicorn
 
-        executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config, device)
+        executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config, device,
+                                                     engine=engine)
         executor.profile()
         self.limits = limits
         loop = StepLoop(executor, name="rose-executor")
@@ -255,7 +259,7 @@ class ServingDeviceActor(_HttpReplica):
         threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()
         while not self.server.started:
             time.sleep(0.05)
-        log.info("serving %s at %s", Path(serving_path).name, self.url)
+        log.info("serving %s (%s engine) at %s", Path(serving_path).name, engine.value, self.url)
         self.spec = replay_spec
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
         self._stop = threading.Event()

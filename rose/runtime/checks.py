@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from rose.coserve.settings import Engine
 from rose.engine.kv_pool import KVSpec
-from rose.engine.vllm_engine import check_model
+from rose.engine.vllm_engine import BLOCK_SIZE, check_model
 from rose.model.config import CheckpointError, ModelConfig
 from rose.model.device import resolve
 from rose.model.presets import ARCHS, PRESETS, preset_config
@@ -62,6 +63,7 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
     _check_env(config)
     load_rollout_function(config.rollout.function)
     _check_backend(config)
+    _check_serving_engine(config)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
                                       f"got {t.objective!r}")
     try:
@@ -81,9 +83,6 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
     _check("max_rollout_turns" not in s.executor.changed(),
            "serving.executor.max_rollout_turns: a serving device's lease slots are "
            "rollout.serving_concurrency, the turns the run keeps on each; set that instead")
-    _check("serving_pool_share" not in s.executor.changed(),
-           "serving.executor.serving_pool_share: rose train's serving devices run the native engine, "
-           "with one pool for both models (vLLM's share applies to rose serve --engine vllm)")
     _check_fits(config)
     # Core ids and CUDA devices are this machine's: checked here in local mode; on a cluster
     # core lists count CPUs and Ray finds the GPUs (`rose.runtime.placement`).
@@ -187,6 +186,24 @@ def _check_backend(config: Config) -> None:
         raise ValueError(f"config: rollout.backend=vllm: {exc} (model, rollout.device)") from None
 
 
+def _check_serving_engine(config: Config) -> None:
+    """serving.engine: vLLM importable here and able to run the serving model on its device; the
+    pool split between vLLM and the rollout model only where vLLM serves."""
+    s = config.serving
+    if s.engine is not Engine.VLLM:
+        _check("serving_pool_share" not in s.executor.changed(),
+               "serving.executor.serving_pool_share: with serving.engine=native the serving devices keep "
+               "one pool for both models; the share is vLLM's KV cache, with serving.engine=vllm")
+        return
+    _check(importlib.util.find_spec("vllm") is not None,
+           "serving.engine=vllm needs the vllm package, which is not installed in this Python: run "
+           "`make install-vllm` and start the run from .venv-vllm (.venv-vllm/bin/rose train ...)")
+    try:
+        check_model(_context("serving.model", s.model), str(resolve(s.device)[0]))
+    except ValueError as exc:
+        raise ValueError(f"config: serving.engine=vllm: {exc} (serving.model, serving.device)") from None
+
+
 def _check_env(config: Config) -> None:
     """The options against the environment's constructor, then one environment built with them
     (and, with evaluation on, a layout drawn from each split)."""
@@ -224,8 +241,8 @@ def _context(key: str, model: ModelSource) -> ModelConfig:
         raise ValueError(f"config: {key}.{'path' if model.path else 'pretrained'}: {exc}") from None
 
 
-def _pages(config: ModelConfig, tokens: int, device: str | None) -> int:
-    spec = KVSpec.of(config, resolve(device)[1])  # the device's default dtype
+def _pages(config: ModelConfig, tokens: int, device: str | None, block_size: int = KVSpec.block_size) -> int:
+    spec = KVSpec.of(config, resolve(device)[1], block_size)  # the device's default dtype
     return -(-tokens // spec.block_size) * spec.block_bytes
 
 
@@ -247,6 +264,20 @@ def _check_fits(config: Config) -> None:
     _check(r.kv_cache_mb << 20 >= need,
            f"rollout.kv_cache_mb ({r.kv_cache_mb}) cannot hold one sequence of rollout.max_context_tokens "
            f"({r.max_context_tokens}); it needs at least {-(-need // (1 << 20))} MB")
+    if s.engine is Engine.VLLM:  # two caches: vLLM's share of the pool (its blocks, one kept back), the rest
+        x, share = s.executor, s.executor.serving_pool_share
+        need = _pages(serving, s.max_context + BLOCK_SIZE, s.device, BLOCK_SIZE)
+        _check(x.pool_bytes * share >= need,
+               f"serving.executor.pool_mb ({x.pool_mb:g}) x serving_pool_share ({share:g}), vLLM's KV cache, "
+               f"cannot hold one serving request of serving.max_context ({s.max_context}); it needs at least "
+               f"{-(-need // (1 << 20))} MB")
+        need = _pages(policy, r.max_context_tokens, s.device)
+        _check(x.pool_bytes * (1 - share) >= need,
+               f"serving.executor.pool_mb ({x.pool_mb:g}) x (1 - serving_pool_share ({share:g})), the "
+               f"rollout model's pool beside vLLM, cannot hold one rollout turn of "
+               f"rollout.max_context_tokens ({r.max_context_tokens}); it needs at least "
+               f"{-(-need // (1 << 20))} MB")
+        return
     need = _pages(policy, r.max_context_tokens, s.device) + _pages(serving, s.max_context, s.device)
     _check(s.executor.pool_bytes >= need,
            f"serving.executor.pool_mb ({s.executor.pool_mb:g}) cannot hold one serving request of "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.config import load
-from rose.coserve.settings import ExecutorConfig
+from rose.coserve.settings import Engine, ExecutorConfig
 
 BACKENDS = ("native", "vllm")  # rollout.backend: the dedicated workers' engines
 
@@ -85,7 +85,7 @@ class RolloutConfig:
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
-    # The dedicated workers' engine (serving devices keep the native one): "native" (rose.engine)
+    # The dedicated workers' engine (the serving devices': serving.engine): "native" (rose.engine)
     # or "vllm" (vLLM's, from the venv `make install-vllm` makes: docs/vllm.md).
     backend: str = "native"
 
@@ -172,6 +172,10 @@ class ServingDeviceConfig:
     # The executor's settings, as `rose serve`'s (SLOs, pool, admission: docs/coserve.md); its
     # lease slots are rollout.serving_concurrency, the turns the run keeps on each device.
     executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
+    # What serves the serving model: native (ROSE's engine, one KV pool for both models) or vllm
+    # (vLLM's, from .venv-vllm, its KV cache `executor.serving_pool_share` of the pool, the rollout
+    # model's the rest), as `rose serve --engine`; the rollout model runs on ROSE's engine either way.
+    engine: Engine = Engine.NATIVE
     device: str | None = None  # both models (None: cuda if there is one, else cpu; bfloat16 on cuda)
     # `rose serve` processes started on their own (a serving team's replicas), attached by URL
     # beside or instead of `devices.serving`: turns are leased there and the policy's weights

@@ -91,7 +91,7 @@ class Replicas:
         self.cores[wid] = cores
         self.serving[wid] = ray.remote(ServingDeviceActor).options(**options).remote(
             wid, cores, self.placement.local, self.serving_model, self.policy, executor, device, s,
-            self.relay, self.group, self.server_limits)
+            self.relay, self.group, self.server_limits, s.engine)
         return self.serving[wid]
 
     def _options(self, role: str, cores: list[int], device: str) -> dict[str, Any]:

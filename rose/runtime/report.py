@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rose.contracts import WorkerKind
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
+from rose.coserve.settings import Engine
 from rose.rollout.manager import RolloutReport
 from rose.runtime.config import Config, Mode, ModelSource, ServingDeviceConfig, actor_device
 from rose.runtime.devices import cluster_address
@@ -208,8 +209,9 @@ def describe(config: Config, mode: Mode) -> list[str]:
              for i, cores in enumerate(d.dedicated)]
     if mode is Mode.ROSE:
         serving = actor_device(s.device)
+        served = _model(s.model) + (" on vLLM" if s.engine is Engine.VLLM else "")
         where += [f"serving device serving-{i} on {_cores(cores, local)} ({serving}) when it has room: it "
-                  f"serves {_model(s.model)} to a replay of the {s.trace} trace within SLOs of "
+                  f"serves {served} to a replay of the {s.trace} trace within SLOs of "
                   f"{s.executor.slo_ttft_ms:g} ms TTFT and {s.executor.slo_tpot_ms:g} ms TPOT"
                   for i, cores in enumerate(d.serving)]
         where += [f"the serving endpoint {url} when it has room" for url in s.endpoints]

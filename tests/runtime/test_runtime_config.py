@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rose.cli import main
+from rose.coserve.settings import Engine
 from rose.runtime.config import (
     Config,
     Mode,
@@ -50,7 +51,9 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
      r"^config: serving\.slo_ttft_ms: Key 'slo_ttft_ms' not in 'ServingDeviceConfig' \(did you mean "
      r"serving\.executor\.slo_ttft_ms\?\)$"),
     (["serving.executor.serving_pool_share=0.3"],
-     r"serving\.executor\.serving_pool_share: rose train's serving devices run the native engine"),
+     r"^config: serving\.executor\.serving_pool_share: with serving\.engine=native the serving devices keep "
+     r"one pool for both models; the share is vLLM's KV cache, with serving\.engine=vllm$"),
+    (["serving.engine=sglang"], r"^config: serving\.engine: Invalid value 'sglang'"),
     (["serving.executor.max_rollout_turns=4"],
      r"serving\.executor\.max_rollout_turns: a serving device's lease slots are rollout\.serving_conc"),
     (["rollout.max_context_tokens=4096"],
@@ -247,6 +250,85 @@ def test_the_vllm_backend_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch, 
     # `rose bench rollout` runs both backends: it says so before either starts.
     assert main(["bench", "rollout", "--quick", "--out-dir", str(tmp_path)]) != 0
     assert "rollout.backend=vllm needs the vllm package" in capsys.readouterr().err
+
+
+def _without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rose.runtime.checks
+
+    real = rose.runtime.checks.importlib.util.find_spec
+    monkeypatch.setattr(rose.runtime.checks.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+
+
+def test_serving_on_vllm_needs_vllm_installed(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`serving.engine=vllm` from a Python without vLLM: one line before anything starts, as
+    rollout.backend=vllm is refused."""
+    import rose.runtime.driver
+
+    _without_vllm(monkeypatch)
+    message = (r"^config: serving\.engine=vllm needs the vllm package, which is not installed in this "
+               r"Python: run `make install-vllm` and start the run from \.venv-vllm")
+    with pytest.raises(ValueError, match=message):
+        load_config(None, ["serving.engine=vllm"])
+    assert load_config(None, ["serving.engine=native"]).serving.engine is Engine.NATIVE
+    assert load_config(None).serving.engine is Engine.NATIVE  # the default
+
+    def never(*_: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(rose.runtime.driver, "train", never)
+    assert main(["train", "serving.engine=vllm", "train.steps=1"]) != 0
+    assert "config: serving.engine=vllm needs the vllm package" in capsys.readouterr().err
+
+
+@pytest.fixture
+def vllm_checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """The checks as where vLLM is installed (its kernels' check recorded, not run): the head_dim
+    and device of each model checked."""
+    import rose.runtime.checks
+
+    checked: list[tuple[int, str]] = []
+    real = rose.runtime.checks.importlib.util.find_spec
+    monkeypatch.setattr(rose.runtime.checks.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(rose.runtime.checks, "check_model",
+                        lambda config, device: checked.append((config.head_dim, device)))
+    return checked
+
+
+def test_serving_on_vllm_checks_the_serving_model_and_splits_the_pool(vllm_checks: list[tuple[int, str]]
+                                                                      ) -> None:
+    """With vLLM serving, the serving model (not the policy) goes through vLLM's kernel check on
+    the serving device, and the pool is two caches: vLLM's share must hold one serving request,
+    the rest one rollout turn; serving_pool_share is taken."""
+    config = load_config(None, ["serving.engine=vllm", "serving.model.preset=small",
+                                "serving.executor.serving_pool_share=0.25"])
+    assert (config.serving.engine, config.serving.executor.serving_pool_share) == (Engine.VLLM, 0.25)
+    assert vllm_checks[-1] == (64, "cpu")  # the small preset's head_dim, on serving.device
+    with pytest.raises(ValueError, match=r"^config: serving\.executor\.pool_mb \(4\) x serving_pool_share "
+                                         r"\(0\.1\), vLLM's KV cache, cannot hold one serving request of "
+                                         r"serving\.max_context \(512\); it needs at least 9 MB$"):
+        load_config(None, ["serving.engine=vllm", "serving.model.preset=small", "serving.executor.pool_mb=4",
+                           "serving.executor.serving_pool_share=0.1"])
+    rest = (r"^config: serving\.executor\.pool_mb \(1\) x \(1 - serving_pool_share \(0\.9\)\), the rollout "
+            r"model's pool beside vLLM, cannot hold one rollout turn of rollout\.max_context_tokens \(1536\)")
+    with pytest.raises(ValueError, match=rest):
+        load_config(None, ["serving.engine=vllm", "serving.executor.pool_mb=1",
+                           "serving.executor.serving_pool_share=0.9", "model.preset=small"])
+
+
+def test_serving_on_vllm_names_the_keys_of_a_model_it_cannot_run(monkeypatch: pytest.MonkeyPatch,
+                                                                  vllm_checks: list[tuple[int, str]]) -> None:
+    import rose.runtime.checks
+
+    def refuse(config: object, device: str) -> None:
+        raise ValueError("the model's head_dim is 16; vLLM's CPU attention takes 32, 64")
+
+    monkeypatch.setattr(rose.runtime.checks, "check_model", refuse)
+    with pytest.raises(ValueError, match=r"^config: serving\.engine=vllm: the model's head_dim is 16; vLLM's "
+                                         r"CPU attention takes 32, 64 \(serving\.model, serving\.device\)$"):
+        load_config(None, ["serving.engine=vllm"])
 
 
 def test_missing_config_file_and_checkpoint(tmp_path: Path) -> None:
