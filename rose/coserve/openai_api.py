@@ -175,11 +175,16 @@ def _logprobs(state: ServerState, chat: bool, delta: _Delta, before: list[int], 
     def decode(ids: list[int]) -> str:
         return state.tokenizer.decode(ids, skip_special_tokens=False)
 
+    # vLLM's server lists chat's top k from its engine's map of a token's logprobs, where the
+    # sampled token comes first, so a token drawn outside the k likeliest displaces the k-th.
+    sampled_first = chat and state.executor.serving.chat_top_logprobs_sampled_first
     history = list(before)
     tokens: list[tuple[str, float]] = []
     tops: list[list[tuple[str, float]]] = []  # per token, its likeliest ones' (text, logprob)
     no_tops: list[list[tuple[int, float]]] = [[] for _ in delta.token_ids]
     for t, lp, top in zip(delta.token_ids, delta.logprobs, delta.top or no_tops, strict=True):
+        if sampled_first:
+            top = [(t, lp), *(pair for pair in top if pair[0] != t)][:len(top)]
         tokens.append((_token_text(decode, t, history), max(lp, MIN_LOGPROB)))
         tops.append([(_token_text(decode, i, history), max(v, MIN_LOGPROB)) for i, v in top])
         history.append(t)

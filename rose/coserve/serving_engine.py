@@ -29,6 +29,9 @@ class ServingEngine(GenerationEngine, Protocol):
     vocab_size: int
     max_model_len: int
     last_step: EngineStep  # the last `step()`: its serving load and seconds
+    # Chat's top logprobs as vLLM's server lists them, the sampled token first and then the
+    # likeliest (k in all), rather than the k likeliest: the vLLM engine answers as that server.
+    chat_top_logprobs_sampled_first: bool
 
     @property
     def max_request_tokens(self) -> int:
@@ -63,6 +66,8 @@ class ServingEngine(GenerationEngine, Protocol):
 
 class NativeServing(LLMEngine):
     """ROSE's engine as a `ServingEngine`: its scheduler's sequences and its block manager."""
+
+    chat_top_logprobs_sampled_first = False
 
     def in_flight(self, waited: Mapping[str, RolloutWait]) -> dict[str, ServingRequest]:
         sched, no_wait = self.scheduler, RolloutWait()

@@ -13,25 +13,38 @@ vLLM's KV cache is its own allocation, fixed when the engine starts: it cannot b
 the rollout engine's. The executor bounds each (`ExecutorConfig.serving_pool_share`) and counts
 both as the device's KV, so that the burst state machine follows vLLM's usage as it follows the
 native engine's in a shared pool.
+
+Requests sample as on vLLM's own OpenAI server: every sampling field is handed to vLLM as its
+server hands it (`vllm_sampling`), and logprobs are vLLM's default, the model's raw log-softmax,
+where the rollout backend records the processed ones and refuses what would make them differ
+from ROSE's recorded policy.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from rose.contracts import RequestOutput, TokenLoad
+from rose.contracts import RequestOutput, SamplingParams, TokenLoad
 from rose.coserve.admission import RolloutWait, ServingRequest
 from rose.coserve.serving_engine import KVPages
 from rose.engine.kv_pool import KVSpec
 from rose.engine.llm_engine import EngineStep
-from rose.engine.vllm_engine import BLOCK_SIZE, VllmEngine
+from rose.engine.vllm_engine import BLOCK_SIZE, VllmEngine, vllm_sampling
 from rose.model import ModelConfig
+
+if TYPE_CHECKING:
+    import vllm
 
 
 class VllmServing(VllmEngine):
     """A `VllmEngine` as a `ServingEngine` (rose.coserve.serving_engine)."""
+
+    # vLLM's default, what its server returns: logprobs before any bias, penalty, temperature or
+    # filter (the native serving engine's too, without `logprobs_at_temperature`).
+    logprobs_mode: ClassVar[str] = "raw_logprobs"
+    chat_top_logprobs_sampled_first = True
 
     def __init__(self, llm: Any, config: ModelConfig) -> None:
         super().__init__(llm, config)
@@ -41,6 +54,15 @@ class VllmServing(VllmEngine):
         self.max_model_len: int = model_config.max_model_len
         self.page_bytes = KVSpec.of(config, model_config.dtype, BLOCK_SIZE).block_bytes
         self.last_step = EngineStep()
+
+    def sampling_params(self, params: SamplingParams) -> vllm.SamplingParams:
+        """Every field, as vLLM's server takes it (a temperature under ROSE's MIN_TEMPERATURE
+        too: vLLM samples it at 0.01). ValueError for tempered logprobs, which raw logprobs are
+        not (the OpenAI API never asks for them)."""
+        if params.logprobs_at_temperature and not params.greedy and params.temperature != 1:
+            raise ValueError("the vLLM serving engine returns raw logprobs (vLLM's default), not "
+                             f"logprobs at the temperature ({params.temperature})")
+        return vllm_sampling(params, self.vocab_size)
 
     @property
     def max_request_tokens(self) -> int:

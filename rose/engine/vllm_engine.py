@@ -15,7 +15,8 @@ What is kept from ROSE's contract, and how:
 - prompts are token ids (`TokensPrompt`), outputs token ids; nothing is re-tokenised;
 - each sampled token's logprob, fp32: vLLM's "processed_logprobs" (after temperature), which is
   ROSE's recorded policy only where no bias, penalty or filter shapes the draw; requests whose
-  logprobs would differ are refused (`to_vllm`);
+  logprobs would differ are refused (`to_vllm`). Serving (`rose.coserve.vllm_serving`) overrides
+  both seams, `logprobs_mode` and `sampling_params`, to answer as vLLM's own server does;
 - a policy version per token: the version of the weights that sampled it (loads run between
   iterations; running requests are recomputed under the new weights: `load_weights`);
 - abort: the request's last output (no new tokens), so the caller keeps what it streamed;
@@ -31,7 +32,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -42,10 +43,6 @@ from rose.model import CausalLM, ModelConfig
 if TYPE_CHECKING:
     import vllm
 
-# Recorded logprobs are those after temperature ("processed"): the policy RL's tokens were drawn
-# from, ROSE's `logprobs_at_temperature`; the native engine's default (raw logits) is what they
-# are where the temperature is 1 or the request greedy.
-LOGPROBS_MODE = "processed_logprobs"
 # Tokens per KV block: the least vLLM's CPU attention takes (its default is 128). The prefix
 # cache shares whole blocks, and a multi-turn prompt grows by a few dozen tokens a turn.
 BLOCK_SIZE = 32
@@ -94,14 +91,31 @@ def check_model(config: ModelConfig, device: str) -> None:
                          f"{', '.join(map(str, sizes))}")
 
 
-def to_vllm(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:
-    """ROSE's sampling as vLLM's, each token's logprob (and top logprobs) as ROSE records it.
-    ValueError for what vLLM cannot do the same way: its processed logprobs include the logit
-    bias, penalties, min_tokens' mask and the min-p/top-k/top-p filters, which ROSE's recorded
-    policy leaves out; at a temperature other than 1 they are the tempered policy's, which ROSE
-    records only with `logprobs_at_temperature`."""
+def vllm_sampling(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:
+    """ROSE's sampling as vLLM's, every field as given (checked first), built as vLLM's OpenAI
+    server builds it (`from_optional`: the logit bias clamped alike): token ids in and out, each
+    iteration's new tokens, each token's logprob with its `top_logprobs` likeliest. A top-k of -1
+    or of the whole vocabulary or more is vLLM's 0 (off): its batch holds top-k as int32, and
+    ROSE lets it reach 2**63."""
     import vllm
 
+    params.validate()
+    return vllm.SamplingParams.from_optional(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+        top_k=params.top_k if 0 < params.top_k < vocab_size else 0, min_p=params.min_p, seed=params.seed,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias) or None, stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, logprobs=params.top_logprobs, detokenize=False,
+        output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
+
+
+def to_vllm(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:
+    """ROSE's sampling as vLLM's for a rollout turn, each token's logprob (and top logprobs) as
+    ROSE records it. ValueError for what vLLM cannot do the same way: its processed logprobs
+    include the logit bias, penalties, min_tokens' mask and the min-p/top-k/top-p filters, which
+    ROSE's recorded policy leaves out; at a temperature other than 1 they are the tempered
+    policy's, which ROSE records only with `logprobs_at_temperature`."""
     params.validate()
     shaped = [name for name, on in (
         ("logit_bias", bool(params.logit_bias)), ("presence_penalty", params.presence_penalty != 0),
@@ -115,11 +129,9 @@ def to_vllm(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:
     if not params.greedy and params.temperature != 1 and not params.logprobs_at_temperature:
         raise ValueError(f"the vLLM backend records logprobs at the temperature ({params.temperature}); "
                          "ask for logprobs_at_temperature, or use the native backend")
-    return vllm.SamplingParams(
-        max_tokens=params.max_tokens, temperature=0.0 if params.greedy else params.temperature,
-        seed=params.seed, stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        logprobs=params.top_logprobs, detokenize=False,  # token ids in, token ids out
-        output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
+    # Under ROSE's MIN_TEMPERATURE a turn is greedy; vLLM would sample it at 0.01 instead.
+    return vllm_sampling(dataclasses.replace(params, temperature=0.0) if params.greedy else params,
+                         vocab_size)
 
 
 @contextlib.contextmanager
@@ -159,6 +171,12 @@ class _Request:
 class VllmEngine:
     """A vLLM `LLMEngine` in this process as a `GenerationEngine` (rose.contracts)."""
 
+    # Recorded logprobs are those after temperature ("processed"): the policy RL's tokens were
+    # drawn from, ROSE's `logprobs_at_temperature`; the native engine's default (raw logits) is
+    # what they are where the temperature is 1 or the request greedy. One mode per engine: vLLM
+    # has no per-request one.
+    logprobs_mode: ClassVar[str] = "processed_logprobs"
+
     def __init__(self, llm: Any, config: ModelConfig) -> None:
         self.llm, self.vocab_size, self.tied = llm, config.vocab_size, config.tie_word_embeddings
         with torch.device("meta"):  # the checkpoint's weight names (a tied lm_head once)
@@ -181,7 +199,7 @@ class VllmEngine:
         import vllm
 
         args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed), enable_prefix_caching=True,
-                               block_size=BLOCK_SIZE, logprobs_mode=LOGPROBS_MODE,
+                               block_size=BLOCK_SIZE, logprobs_mode=cls.logprobs_mode,
                                max_model_len=max_model_len(config, dtype, kv_cache_bytes), **engine_overrides)
         with _hidden("llvmlite.binding.ffi"):
             llm = vllm.LLMEngine.from_engine_args(args)
@@ -200,10 +218,15 @@ class VllmEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
+    def sampling_params(self, params: SamplingParams) -> vllm.SamplingParams:
+        """A request's sampling as vLLM's: a rollout turn's (`to_vllm`, which refuses what would
+        not record ROSE's policy)."""
+        return to_vllm(params, self.vocab_size)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str, priority: int = 0) -> str:
-        """Queue a request; bad input (vLLM's checks of the prompt, `to_vllm`'s of the sampling)
-        raises ValueError naming it."""
+        """Queue a request; bad input (vLLM's checks of the prompt, `sampling_params`' of the
+        sampling) raises ValueError naming it."""
         import vllm
 
         self.check_health()
@@ -212,7 +235,7 @@ class VllmEngine:
         try:
             engine_id = self.llm.add_request(
                 request_id, vllm.TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                to_vllm(params, self.vocab_size), priority=priority)
+                self.sampling_params(params), priority=priority)
         except (ValueError, vllm.exceptions.VLLMClientError) as exc:  # the request's fault, not the engine's
             raise ValueError(f"request {request_id!r}: {exc}") from None
         self._requests[request_id] = _Request(len(prompt_token_ids), params.top_logprobs, time.monotonic(),

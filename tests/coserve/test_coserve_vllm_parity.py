@@ -248,12 +248,70 @@ def test_n_seeded_samples_are_vllms(clients: tuple[Any, Any]) -> None:
     assert_same(vllm, rose)
 
 
-@pytest.mark.xfail(strict=True, raises=openai.BadRequestError, reason=(
-    "known difference: the vLLM engine behind rose serve refuses sampling whose logprobs differ from "
-    "ROSE's recorded policy (a temperature other than 0 or 1, top-p, top-k, min-p, penalties, logit bias, "
-    "min_tokens: rose.engine.vllm_engine.to_vllm), which vLLM's server samples"))
-@pytest.mark.parametrize("sampling", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9)],
-                         ids=["temperature", "top-p"])
-def test_shaped_sampling_is_vllms(clients: tuple[Any, Any], sampling: dict[str, float]) -> None:
-    vllm, rose = _both(clients, False, prompt="hello world, the", max_tokens=8, seed=3, **sampling)
+# vLLM's extensions to OpenAI's API, which the `openai` client sends as `extra_body`.
+EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "min_tokens"}
+SAMPLED = dict(prompt="hello world, the", max_tokens=12, logprobs=2, temperature=1.0, seed=3)
+PENALISED = {**SAMPLED, "temperature": 0}  # greedy repeats itself here: what penalties change
+# Each field vLLM's server takes that shapes the draw, at a value that changes this model's answer
+# to the request beside it (checked, or the comparison would show nothing).
+SHAPED: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "temperature": (SAMPLED, dict(temperature=0.7)),
+    "top-p": (SAMPLED, dict(top_p=0.8)),
+    "top-k": (SAMPLED, dict(top_k=3)),
+    "min-p": (SAMPLED, dict(min_p=0.3)),
+    "presence-penalty": (PENALISED, dict(presence_penalty=1.0)),
+    "frequency-penalty": (PENALISED, dict(frequency_penalty=1.0)),
+    "repetition-penalty": (PENALISED, dict(repetition_penalty=1.2)),
+    "logit-bias": (SAMPLED, dict(logit_bias={"42": 6.0})),
+    # the greedy path samples the end-of-sequence token at its 11th
+    "min-tokens": ({**PENALISED, "prompt": IDS, "max_tokens": 16}, dict(min_tokens=14)),
+}
+# Every field at once, seeded.
+ALL = dict(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
+           repetition_penalty=1.1, logit_bias={"42": 3.0}, min_tokens=4, seed=3)
+
+
+def _body(request: dict[str, Any]) -> dict[str, Any]:
+    """The request as the `openai` client takes it: vLLM's extensions in `extra_body`."""
+    body = {k: v for k, v in request.items() if k not in EXTENSIONS}
+    extra = {k: v for k, v in request.items() if k in EXTENSIONS}
+    return {**body, "extra_body": extra} if extra else body
+
+
+def _tokens(answer: dict[str, Any]) -> list[Any]:
+    return [(c["text"], c["logprobs"]["tokens"]) for c in answer["choices"]]
+
+
+@pytest.mark.parametrize(("base", "shaping"), SHAPED.values(), ids=list(SHAPED))
+def test_shaped_sampling_is_vllms(clients: tuple[Any, Any], base: dict[str, Any],
+                                  shaping: dict[str, Any]) -> None:
+    """vLLM's sampler shapes the draw on both (each field handed to it as its server hands it),
+    and both return raw logprobs, vLLM's default."""
+    unshaped = _both(clients, False, **_body(base))[0]
+    vllm, rose = _both(clients, False, **_body({**base, **shaping}))
+    assert _tokens(vllm) != _tokens(unshaped)
     assert_same(vllm, rose)
+
+
+def test_every_shaping_field_at_once_is_vllms(clients: tuple[Any, Any]) -> None:
+    """Completion and chat, whole and streamed, and `n` samples (sample i seeded seed + i)."""
+    completion = dict(prompt="hello world, the", max_tokens=12, logprobs=3, **ALL)
+    chat = dict(messages=CHAT, max_tokens=12, logprobs=True, top_logprobs=3, **ALL)
+    vllm, rose = _both(clients, False, **_body(completion))
+    assert _tokens(vllm) != _tokens(_both(clients, False, **_body({**completion, "seed": 4}))[0])
+    assert_same(vllm, rose)
+    assert_same(*_both(clients, True, **_body(chat)))
+    assert_same(*_both(clients, False, **_body({**completion, "n": 3})))
+    for is_chat, request in ((False, completion), (True, chat)):
+        vllm, rose = _both(clients, is_chat, stream=True, stream_options={"include_usage": True},
+                           **_body(request))
+        assert_same(_folded(vllm), _folded(rose))
+
+
+@pytest.mark.parametrize("request_", [dict(temperature=2.5), dict(logit_bias={"100000": 1.0}),
+                                      dict(max_tokens=4, min_tokens=5)],
+                         ids=["temperature-above-2", "bias-outside-the-vocabulary", "min-tokens-above-max"])
+def test_what_vllm_refuses_both_refuse(clients: tuple[Any, Any], request_: dict[str, Any]) -> None:
+    for client in clients:
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=MODEL, **_body({"prompt": "hello", "seed": 3, **request_}))

@@ -73,6 +73,30 @@ def _tokens(steps: list[list[RequestOutput]], request_id: str) -> list[int]:
     return [t for outs in steps for o in outs if o.request_id == request_id for t in o.token_ids]
 
 
+def test_serving_hands_vllm_every_sampling_field_with_raw_logprobs(executor: CoServingExecutor) -> None:
+    """As vLLM's server: every field (a field added to SamplingParams must reach vLLM too), vLLM's
+    default raw logprobs; only tempered logprobs are refused, which raw ones are not."""
+    serving = executor.serving
+    assert serving.llm.vllm_config.model_config.logprobs_mode == "raw_logprobs"
+    params = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.8, top_k=5, seed=7, stop_token_ids=(3,),
+                            ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
+                            repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias=((4, 2.0),),
+                            top_logprobs=3)
+    got = serving.sampling_params(params)
+    carried = {"max_tokens": got.max_tokens, "temperature": got.temperature, "top_p": got.top_p,
+               "top_k": got.top_k, "seed": got.seed, "stop_token_ids": tuple(got.stop_token_ids),
+               "ignore_eos": got.ignore_eos, "presence_penalty": got.presence_penalty,
+               "frequency_penalty": got.frequency_penalty, "repetition_penalty": got.repetition_penalty,
+               "min_p": got.min_p, "min_tokens": got.min_tokens, "logit_bias": tuple(got.logit_bias.items()),
+               "top_logprobs": got.logprobs}
+    assert carried == {k: getattr(params, k) for k in carried}
+    assert set(carried) | {"logprobs_at_temperature"} == {f.name for f in dataclasses.fields(SamplingParams)}
+    whole_vocabulary = dataclasses.replace(params, top_k=10**12)
+    assert serving.sampling_params(whole_vocabulary).top_k == 0
+    with pytest.raises(ValueError, match="raw logprobs"):
+        serving.sampling_params(dataclasses.replace(params, logprobs_at_temperature=True))
+
+
 def test_vllm_serves_beside_a_native_rollout_model_in_two_bounded_pools(executor: CoServingExecutor) -> None:
     ex = executor
     assert isinstance(ex.serving, VllmServing)
