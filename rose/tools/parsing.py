@@ -10,6 +10,7 @@ as `<tool_call>` blocks and tool results as `<tool_response>` blocks in a user t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -79,10 +80,9 @@ def parse_tool_calls(text: str, tools: Collection[str] | None = None) -> ParsedC
 def format_tool_call(name: str, arguments: dict[str, Any] | str) -> str:
     """A call as the model writes it (and as a past assistant turn is rendered)."""
     if isinstance(arguments, str):
-        try:
+        # Not JSON: rendered as sent, the model sees what it (or the client) wrote.
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass  # rendered as sent: the model sees what it (or the client) wrote
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
@@ -104,7 +104,8 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     for m in messages:
         role, content = m["role"], m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            blocks = [format_tool_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            blocks = [format_tool_call(c["function"]["name"], c["function"]["arguments"])
+                      for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join(([content] if content else []) + blocks)})
         elif role == "tool":
             # Consecutive results share one user turn, as Qwen3's template groups them.

@@ -13,6 +13,7 @@ A failing, malformed or runaway program is a `SandboxResult` (an observation), n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -122,10 +123,8 @@ def _limit(limits: SandboxLimits) -> None:  # in the child, before exec
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_python(program: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -200,7 +199,8 @@ PYTHON_TOOL: dict[str, Any] = {"type": "function", "function": {
                    "required": ["code"]}}}
 CALCULATOR_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "calculator",
-    "description": "Evaluate an arithmetic expression in Python syntax, e.g. (3 + 4) ** 2 / 7 or math.sqrt(2).",
+    "description": ("Evaluate an arithmetic expression in Python syntax, e.g. (3 + 4) ** 2 / 7 "
+                    "or math.sqrt(2)."),
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}
 TOOLS = {"python": PYTHON_TOOL, "calculator": CALCULATOR_TOOL}
