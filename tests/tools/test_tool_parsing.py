@@ -33,10 +33,11 @@ def test_several_calls_and_a_call_left_open_at_the_end() -> None:
 
 
 def test_malformed_calls_say_what_is_wrong() -> None:
-    bad = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>', TOOLS)
+    bad = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"x": </tool_call>', TOOLS)
     assert not bad.ok and not bad.calls and "not valid JSON" in bad.errors[0]
     assert "JSON object" in parse_tool_calls("<tool_call>[1, 2]</tool_call>", TOOLS).errors[0]
-    assert "arguments" in parse_tool_calls('<tool_call>{"name": "python", "arguments": 3}</tool_call>').errors[0]
+    not_object = parse_tool_calls('<tool_call>{"name": "python", "arguments": 3}</tool_call>')
+    assert "arguments" in not_object.errors[0]
     unknown = parse_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', TOOLS)
     assert "unknown tool 'rm'" in unknown.errors[0]
     # A good call beside a bad one: both reported.
