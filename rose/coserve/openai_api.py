@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from rose.contracts import SamplingParams
 from rose.coserve.api_errors import APIError
@@ -25,10 +26,12 @@ from rose.coserve.protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     TokenizeRequest,
 )
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.steploop import LoopDeadError, RequestFailed
+from rose.tools.parsing import parse_tool_calls, with_tools
 
 router = APIRouter()
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -199,8 +202,21 @@ def _logprobs(state: ServerState, chat: bool, delta: _Delta, before: list[int], 
             "text_offset": offsets}
 
 
+def tool_reply(text: str, finish_reason: str | None,
+               tools: frozenset[str]) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish reason, as vLLM's tool parser answers them: the calls in
+    `tool_calls` and the text around them as content, finish_reason "tool_calls"; a reply with a
+    malformed call, or a call of a tool not offered, comes back whole as content."""
+    parsed = parse_tool_calls(text, tools)
+    if not parsed.calls or not parsed.ok:
+        return {"role": "assistant", "content": text}, finish_reason
+    return ({"role": "assistant", "content": parsed.content or None,
+             "tool_calls": [c.openai() for c in parsed.calls]}, "tool_calls")
+
+
 async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
-                   body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> Response:
+                   body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                   tools: frozenset[str] | None = None) -> Response:
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
@@ -223,7 +239,9 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None:
             c["stop_reason"] = delta.stop_reason
-        if chat:  # streamed, the role comes once, in a chunk of its own (`events`)
+        if chat and tools is not None and not stream:  # (streaming with tools is refused)
+            c["message"], c["finish_reason"] = tool_reply(delta.text, delta.finish_reason, tools)
+        elif chat:  # streamed, the role comes once, in a chunk of its own (`events`)
             c["delta" if stream else "message"] = {"content": delta.text} if stream else {
                 "role": "assistant", "content": delta.text}
         else:
@@ -311,12 +329,28 @@ async def completions(body: CompletionRequest, request: Request, state: Served) 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: Served) -> Response:
     _check_model(state, body.model)
-    ids = await _encode(state, _render(state, body.messages, True), "messages")
-    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens)
+    if body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice):
+        raise APIError(400, "tool_choice: only 'none' and 'auto' are implemented (forcing a call needs "
+                            "constrained decoding, which this server does not have)", "tool_choice")
+    if body.stream and body.parses_tool_calls:
+        raise APIError(400, "stream: streaming with tools is not implemented; send stream: false, or "
+                            "tool_choice: 'none'", "stream")
+    ids = await _encode(state, _render(state, body.messages, True, body.tool_dicts), "messages")
+    names = frozenset(t.function.name for t in body.tools or []) if body.parses_tool_calls else None
+    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens, names)
 
 
-def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    return state.tokenizer.apply_chat_template([m.rendered() for m in messages], add_generation_prompt)
+def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt, with the tools (and past calls and results) as the model's template writes them;
+    a template that knows no tools gets them in Qwen's (Hermes) format, in the system message."""
+    tokenizer, rendered = state.tokenizer, [m.rendered() for m in messages]
+    try:
+        if tokenizer.supports_tools:
+            return tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tools)
+        return tokenizer.apply_chat_template(with_tools(rendered, tools), add_generation_prompt)
+    except (TemplateError, TypeError, ValueError) as e:  # the template's own refusal, or its bad input
+        raise APIError(400, f"messages: the model's chat template cannot render them: {e}", "messages") from e
 
 
 @router.post("/tokenize")
@@ -325,7 +359,8 @@ async def tokenize(body: TokenizeRequest, state: Served) -> dict[str, Any]:
     if body.messages is None:
         ids = await _encode(state, body.prompt or "", "prompt")
     else:
-        ids = await _encode(state, _render(state, body.messages, body.add_generation_prompt), "messages")
+        ids = await _encode(state, _render(state, body.messages, body.add_generation_prompt, body.tool_dicts),
+                            "messages")
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.executor.serving.max_model_len,
                              "tokens": ids}
     if body.return_token_strs:
