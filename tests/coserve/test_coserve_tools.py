@@ -70,7 +70,8 @@ def _prompt(url: str, messages: list[Any]) -> str:
     """The prompt the server renders for `messages` with TOOLS, via /tokenize and /detokenize."""
     r = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": messages, "tools": TOOLS})
     assert r.status_code == 200, r.text
-    return httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": r.json()["tokens"]}).json()["prompt"]
+    tokens = r.json()["tokens"]
+    return httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
 
 
 def test_a_reply_with_calls_becomes_tool_calls() -> None:
