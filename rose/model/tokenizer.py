@@ -8,6 +8,7 @@ Qwen's ChatML special tokens. Byte-level means any text round-trips, whatever th
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from pathlib import Path
@@ -95,9 +96,11 @@ class Tokenizer:
         self.bos_token_id = None if bos_token is None else self._id(bos_token)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         # As transformers renders templates: `tojson` without HTML escaping (Qwen's templates
-        # write tool schemas with it), `raise_exception` for a template's own refusals.
+        # write tool schemas with it), `raise_exception` for a template's own refusals,
+        # `strftime_now` for templates that date their system prompt.
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self._template = env.from_string(chat_template)
 
     def _id(self, token: str) -> int:
