@@ -165,8 +165,9 @@ def test_a_template_with_tools_renders_them_itself(checkpoint: tuple[Path, Path]
 @pytest.mark.parametrize("depth", [100, 5000])
 def test_a_deeply_nested_schema_is_not_a_server_error(url: str, depth: int) -> None:
     schema = "[" * depth + "]" * depth
-    body = ('{"model": "%s", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "tools": '
-            '[{"type": "function", "function": {"name": "f", "parameters": {"p": %s}}}]}' % (MODEL, schema))
+    tool = '{"type": "function", "function": {"name": "f", "parameters": {"p": ' + schema + "}}}"
+    body = '{"model": "' + MODEL + '", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}], ' \
+        '"tools": [' + tool + "]}"
     r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
                    timeout=30)
     assert r.status_code < 500, r.text
