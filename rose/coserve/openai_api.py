@@ -31,7 +31,7 @@ from rose.coserve.protocol import (
 )
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.steploop import LoopDeadError, RequestFailed
-from rose.tools.parsing import parse_tool_calls, with_tools
+from rose.tools.parsing import ToolCallStream, parse_tool_calls, with_tools
 
 router = APIRouter()
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -214,6 +214,22 @@ def tool_reply(text: str, finish_reason: str | None,
              "tool_calls": [c.openai() for c in parsed.calls]}, "tool_calls")
 
 
+def _tool_delta(stream: ToolCallStream, delta: _Delta) -> tuple[dict[str, Any], str | None]:
+    """A streamed chunk's delta with tools, as vLLM streams them: text before a call as content
+    while it comes; the calls, whole, in the choice's last chunk (finish_reason "tool_calls")."""
+    content = stream.feed(delta.text)
+    if delta.finish_reason is None:
+        return {"content": content}, None
+    rest, parsed = stream.finish()
+    out: dict[str, Any] = {"content": content + rest}
+    if parsed is None:
+        return out, delta.finish_reason
+    if not out["content"]:
+        del out["content"]
+    out["tool_calls"] = [{"index": k, **call.openai()} for k, call in enumerate(parsed.calls)]
+    return out, "tool_calls"
+
+
 async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
                    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                    tools: frozenset[str] | None = None) -> Response:
@@ -234,13 +250,17 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
     # chunk's logprobs follow.
     sent: list[list[int]] = [[] for _ in range(body.n)]
     offsets = [0] * body.n
+    # Streamed with tools: per choice, the text held back from the first call on.
+    streams = [ToolCallStream(tools) for _ in range(body.n)]
 
     def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None:
             c["stop_reason"] = delta.stop_reason
-        if chat and tools is not None and not stream:  # (streaming with tools is refused)
+        if chat and tools is not None and not stream:
             c["message"], c["finish_reason"] = tool_reply(delta.text, delta.finish_reason, tools)
+        elif chat and tools is not None:
+            c["delta"], c["finish_reason"] = _tool_delta(streams[index], delta)
         elif chat:  # streamed, the role comes once, in a chunk of its own (`events`)
             c["delta" if stream else "message"] = {"content": delta.text} if stream else {
                 "role": "assistant", "content": delta.text}
@@ -332,9 +352,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice):
         raise APIError(400, "tool_choice: only 'none' and 'auto' are implemented (forcing a call needs "
                             "constrained decoding, which this server does not have)", "tool_choice")
-    if body.stream and body.parses_tool_calls:
-        raise APIError(400, "stream: streaming with tools is not implemented; send stream: false, or "
-                            "tool_choice: 'none'", "stream")
+    if body.stream and body.parses_tool_calls and body.logprobs:
+        raise APIError(400, "logprobs: streaming with tools does not return logprobs (a call's text is "
+                            "held back); send stream: false, or tool_choice: 'none'", "logprobs")
     ids = await _encode(state, _render(state, body.messages, True, body.tool_dicts), "messages")
     names = frozenset(t.function.name for t in body.tools or []) if body.parses_tool_calls else None
     return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens, names)

@@ -124,3 +124,38 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
         else:
             out.insert(0, {"role": "system", "content": tools_prompt(tools)})
     return out
+
+
+class ToolCallStream:
+    """Text arriving in pieces (a streamed reply): `feed` answers the content that can go out now,
+    holding back from the first `<tool_call>` on (and any tail that may begin one); `finish`
+    parses what was held back."""
+
+    def __init__(self, tools: Collection[str] | None = None) -> None:
+        self.tools, self.text, self.sent, self.in_call = tools, "", 0, False
+
+    def feed(self, text: str) -> str:
+        self.text += text
+        if self.in_call:
+            return ""
+        start = self.text.find(OPEN, self.sent)
+        if start >= 0:
+            self.in_call = True
+            end = start
+        else:
+            hold = next((k for k in range(len(OPEN) - 1, 0, -1) if self.text.endswith(OPEN[:k])), 0)
+            end = len(self.text) - hold
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def finish(self) -> tuple[str, ParsedCalls | None]:
+        """The rest of the content, and the calls (None: no call, or a malformed one, whose text
+        is then the content)."""
+        rest = self.text[self.sent:]
+        self.sent = len(self.text)
+        if not self.in_call:
+            return rest, None
+        parsed = parse_tool_calls(rest, self.tools)
+        if not parsed.calls or not parsed.ok:
+            return rest, None
+        return parsed.content, parsed

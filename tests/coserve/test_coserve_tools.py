@@ -18,12 +18,12 @@ import pytest
 import uvicorn
 
 from rose.coserve.executor import CoServingExecutor
-from rose.coserve.openai_api import tool_reply
+from rose.coserve.openai_api import _Delta, _tool_delta, tool_reply
 from rose.coserve.server import build_app
 from rose.coserve.settings import ExecutorConfig
 from rose.model import Tokenizer, init_model, load_tokenizer
 from rose.steploop import StepLoop
-from rose.tools.parsing import format_tool_call
+from rose.tools.parsing import ToolCallStream, format_tool_call
 from rose.tools.sandbox import CALCULATOR_TOOL, PYTHON_TOOL
 
 TOOLS = [CALCULATOR_TOOL, PYTHON_TOOL]
@@ -120,7 +120,7 @@ def test_a_tool_call_conversation_round_trips(client: openai.OpenAI, url: str) -
 @pytest.mark.parametrize(("extra", "param", "message"), [
     ({"tool_choice": "required"}, "tool_choice", "only 'none' and 'auto'"),
     ({"tool_choice": {"type": "function", "function": {"name": "calculator"}}}, "tool_choice", "only 'none'"),
-    ({"stream": True}, "stream", "streaming with tools"),
+    ({"stream": True, "logprobs": True}, "logprobs", "streaming with tools"),
     ({"tools": [CALCULATOR_TOOL] * 2}, "tools", "two tools have one name"),
     ({"tools": [PYTHON_TOOL] * 129}, "tools", "at most 128"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "should match pattern"),
@@ -140,10 +140,32 @@ def test_bad_tool_requests_are_refused_by_name(url: str, extra: dict, param: str
     assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"], r.text
 
 
-def test_streaming_without_tool_parsing_still_streams(client: openai.OpenAI) -> None:
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[USER], max_tokens=2, tools=TOOLS,
-                                                 tool_choice="none", stream=True))
-    assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+@pytest.mark.parametrize("choice", ["none", "auto"])
+def test_streaming_with_tools_streams(client: openai.OpenAI, choice: str) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[USER], max_tokens=4, tools=TOOLS,
+                                                 tool_choice=choice, stream=True, n=2))
+    finished = [c.choices[0] for c in chunks if c.choices[0].finish_reason is not None]
+    assert sorted(c.index for c in finished) == [0, 1]
+    assert all(c.finish_reason in ("stop", "length", "tool_calls") for c in finished)
+
+
+def test_a_streamed_call_comes_whole_in_the_last_chunk() -> None:
+    names = frozenset({"calculator"})
+    text = "Sure. " + format_tool_call("calculator", {"expression": "6*7"}) + " done"
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    stream = ToolCallStream(names)
+    deltas = [_tool_delta(stream, _Delta(p, [], [], [], None)) for p in pieces[:-1]]
+    last, finish = _tool_delta(stream, _Delta(pieces[-1], [], [], [], "stop"))
+    assert "".join(d["content"] for d, _ in deltas) == "Sure. " and all(f is None for _, f in deltas)
+    assert finish == "tool_calls" and last["content"] == "done"
+    [call] = last["tool_calls"]
+    assert call["index"] == 0 and json.loads(call["function"]["arguments"]) == {"expression": "6*7"}
+    # Text that only looks like a call's start is held back, then sent; a malformed call as content.
+    plain = ToolCallStream(names)
+    assert plain.feed("a <tool") == "a " and plain.feed("s>") == "<tools>" and plain.finish() == ("", None)
+    bad = ToolCallStream(names)
+    got = _tool_delta(bad, _Delta("x<tool_call>{", [], [], [], "length"))
+    assert got == ({"content": "x<tool_call>{"}, "length")
 
 
 def test_a_template_with_tools_renders_them_itself(checkpoint: tuple[Path, Path]) -> None:
