@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -30,7 +29,12 @@ from typing import Any
 # Runs in the child: read the program, install the hook, run it; a last expression's value is
 # printed, as a REPL (or a calculator) would.
 _BOOTSTRAP = r'''
-import ast, os, sys
+import ast, os, resource, sys
+# The limits first (argv: CPU seconds, address-space bytes): lowered, they cannot be raised again.
+cpu, memory = int(sys.argv[1]), int(sys.argv[2])
+for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, 0),
+                     (resource.RLIMIT_CORE, 0)):
+    resource.setrlimit(limit, (value, value))
 src = sys.stdin.read()
 sys.stdin.close()
 _W = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -114,14 +118,6 @@ def _netns_prefix() -> tuple[str, ...]:
     return (tool, "-rn", "--") if ok else ()
 
 
-def _limit(limits: SandboxLimits) -> None:  # in the child, before exec
-    cpu = int(limits.timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -131,14 +127,15 @@ def run_python(program: str, limits: SandboxLimits = SandboxLimits()) -> Sandbox
     """Run `program` in the sandbox; its printed output (and a last expression's value) back."""
     if len(program) > limits.max_program_chars:
         return SandboxResult("", f"the program is longer than {limits.max_program_chars} characters", None)
-    cmd = [*_netns_prefix(), sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP]
+    # The child sets its own rlimits (no preexec_fn: this may run from any thread).
+    cmd = [*_netns_prefix(), sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP,
+           str(int(limits.timeout_s) + 1), str(limits.memory_bytes)]
     with tempfile.TemporaryDirectory(prefix="rose-tool-") as cwd:
         os.chmod(cwd, 0o500)  # read-only for the program too
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=cwd, start_new_session=True,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                                    preexec_fn=lambda: _limit(limits))
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         except OSError as e:
             return SandboxResult("", f"the sandbox could not start: {e}", None)
         try:

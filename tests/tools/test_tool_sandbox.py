@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from pathlib import Path
 
@@ -79,3 +80,12 @@ def test_file_system_writes_are_refused(tmp_path: Path, program: str) -> None:
 def test_reading_is_allowed_and_the_working_directory_is_empty() -> None:
     assert run_python("import os\nos.listdir('.')", FAST).observation() == "[]"
     assert run_python("import math\nmath.pi", FAST).observation().startswith("3.14")
+
+
+def test_limits_hold_and_runs_from_threads_are_independent() -> None:
+    limits = SandboxLimits(timeout_s=2.0, memory_bytes=300 * 1024**2)
+    program = "import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))"
+    assert "ValueError" in run_python(program, limits).observation()  # a hard limit cannot be raised
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: run_python(f"{i} * 2", limits).observation(), range(8)))
+    assert results == [str(i * 2) for i in range(8)]
