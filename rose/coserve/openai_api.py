@@ -232,7 +232,7 @@ def _tool_delta(stream: ToolCallStream, delta: _Delta) -> tuple[dict[str, Any], 
 
 async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
                    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                   tools: frozenset[str] | None = None) -> Response:
+                   tools: frozenset[str] | None = None, prefill: str = "") -> Response:
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
@@ -251,14 +251,17 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
     sent: list[list[int]] = [[] for _ in range(body.n)]
     offsets = [0] * body.n
     # Streamed with tools: per choice, the text held back from the first call on.
+    # A prefilled call's opening is part of each reply's text (not of its tokens).
     streams = [ToolCallStream(tools) for _ in range(body.n)]
+    for stream in streams:
+        stream.feed(prefill)
 
     def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None:
             c["stop_reason"] = delta.stop_reason
         if chat and tools is not None and not stream:
-            c["message"], c["finish_reason"] = tool_reply(delta.text, delta.finish_reason, tools)
+            c["message"], c["finish_reason"] = tool_reply(prefill + delta.text, delta.finish_reason, tools)
         elif chat and tools is not None:
             c["delta"], c["finish_reason"] = _tool_delta(streams[index], delta)
         elif chat:  # streamed, the role comes once, in a chunk of its own (`events`)
@@ -349,15 +352,17 @@ async def completions(body: CompletionRequest, request: Request, state: Served) 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: Served) -> Response:
     _check_model(state, body.model)
-    if body.tool_choice == "required" or isinstance(body.tool_choice, NamedToolChoice):
-        raise APIError(400, "tool_choice: only 'none' and 'auto' are implemented (forcing a call needs "
-                            "constrained decoding, which this server does not have)", "tool_choice")
+    if (wrong := body.tool_choice_error()) is not None:
+        raise APIError(400, f"tool_choice: {wrong}", "tool_choice")
     if body.stream and body.parses_tool_calls and body.logprobs:
         raise APIError(400, "logprobs: streaming with tools does not return logprobs (a call's text is "
                             "held back); send stream: false, or tool_choice: 'none'", "logprobs")
-    ids = await _encode(state, _render(state, body.messages, True, body.tool_dicts), "messages")
+    prefill = body.tool_prefill
+    ids = await _encode(state, _render(state, body.messages, True, body.tool_dicts) + prefill, "messages")
     names = frozenset(t.function.name for t in body.tools or []) if body.parses_tool_calls else None
-    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens, names)
+    if isinstance(body.tool_choice, NamedToolChoice):
+        names = frozenset({body.tool_choice.function.name})
+    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens, names, prefill)
 
 
 def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,

@@ -282,8 +282,7 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
-    # "required" and a named function are refused by the route: forcing a call needs constrained
-    # decoding, which this server does not have.
+    # "required" and a named function start the reply with a call's opening (see `tool_prefill`).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; several calls in one turn are always parsed
     max_completion_tokens: MaxTokens | None = None
@@ -292,10 +291,27 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     _tools = field_validator("tools")(_check_tools)
 
+    def tool_choice_error(self) -> str | None:
+        """What is wrong with tool_choice, given the tools (a model validator's error has no field)."""
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice 'required' or a named function needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            return f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+        return None
+
     @property
     def parses_tool_calls(self) -> bool:
-        """Tool calls are looked for in the reply: tools were given and tool_choice is auto."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
+        """Tool calls are looked for in the reply: tools were given and tool_choice is not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_prefill(self) -> str:
+        """The text the reply is made to begin with: a call's opening for "required", and its
+        name too for a named function (no constrained decoding: the model writes the rest)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return '<tool_call>\n{"name": ' + json.dumps(self.tool_choice.function.name) + ', "arguments": '
+        return '<tool_call>\n{"name": "' if self.tool_choice == "required" else ""
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:
