@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from rose.contracts import SamplingParams
 from rose.coserve.api_errors import APIError
@@ -25,10 +26,12 @@ from rose.coserve.protocol import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     TokenizeRequest,
 )
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.steploop import LoopDeadError, RequestFailed
+from rose.tools.parsing import ToolCallStream, parse_tool_calls, with_tools
 
 router = APIRouter()
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -204,8 +207,37 @@ def _logprobs(state: ServerState, chat: bool, delta: _Delta, before: list[int], 
             "text_offset": offsets}
 
 
+def tool_reply(text: str, finish_reason: str | None,
+               tools: frozenset[str]) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish reason, as vLLM's tool parser answers them: the calls in
+    `tool_calls` and the text around them as content, finish_reason "tool_calls"; a reply with a
+    malformed call, or a call of a tool not offered, comes back whole as content."""
+    parsed = parse_tool_calls(text, tools)
+    if not parsed.calls or not parsed.ok:
+        return {"role": "assistant", "content": text}, finish_reason
+    return ({"role": "assistant", "content": parsed.content or None,
+             "tool_calls": [c.openai() for c in parsed.calls]}, "tool_calls")
+
+
+def _tool_delta(stream: ToolCallStream, delta: _Delta) -> tuple[dict[str, Any], str | None]:
+    """A streamed chunk's delta with tools, as vLLM streams them: text before a call as content
+    while it comes; the calls, whole, in the choice's last chunk (finish_reason "tool_calls")."""
+    content = stream.feed(delta.text)
+    if delta.finish_reason is None:
+        return {"content": content}, None
+    rest, parsed = stream.finish()
+    out: dict[str, Any] = {"content": content + rest}
+    if parsed is None:
+        return out, delta.finish_reason
+    if not out["content"]:
+        del out["content"]
+    out["tool_calls"] = [{"index": k, **call.openai()} for k, call in enumerate(parsed.calls)]
+    return out, "tool_calls"
+
+
 async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
-                   body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> Response:
+                   body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                   tools: frozenset[str] | None = None, prefill: str = "") -> Response:
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
@@ -223,12 +255,21 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
     # chunk's logprobs follow.
     sent: list[list[int]] = [[] for _ in range(body.n)]
     offsets = [0] * body.n
+    # Streamed with tools: per choice, the text held back from the first call on.
+    # A prefilled call's opening is part of each reply's text (not of its tokens).
+    streams = [ToolCallStream(tools) for _ in range(body.n)]
+    for stream in streams:
+        stream.feed(prefill)
 
     def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None:
             c["stop_reason"] = delta.stop_reason
-        if chat:  # streamed, the role comes once, in a chunk of its own (`events`)
+        if chat and tools is not None and not stream:
+            c["message"], c["finish_reason"] = tool_reply(prefill + delta.text, delta.finish_reason, tools)
+        elif chat and tools is not None:
+            c["delta"], c["finish_reason"] = _tool_delta(streams[index], delta)
+        elif chat:  # streamed, the role comes once, in a chunk of its own (`events`)
             c["delta" if stream else "message"] = {"content": delta.text} if stream else {
                 "role": "assistant", "content": delta.text}
         else:
@@ -316,12 +357,30 @@ async def completions(body: CompletionRequest, request: Request, state: Served) 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: Served) -> Response:
     _check_model(state, body.model)
-    ids = await _encode(state, _render(state, body.messages, True), "messages")
-    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens)
+    if (wrong := body.tool_choice_error()) is not None:
+        raise APIError(400, f"tool_choice: {wrong}", "tool_choice")
+    if body.stream and body.parses_tool_calls and body.logprobs:
+        raise APIError(400, "logprobs: streaming with tools does not return logprobs (a call's text is "
+                            "held back); send stream: false, or tool_choice: 'none'", "logprobs")
+    prefill = body.tool_prefill
+    ids = await _encode(state, _render(state, body.messages, True, body.tool_dicts) + prefill, "messages")
+    names = frozenset(t.function.name for t in body.tools or []) if body.parses_tool_calls else None
+    if isinstance(body.tool_choice, NamedToolChoice):
+        names = frozenset({body.tool_choice.function.name})
+    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens, names, prefill)
 
 
-def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    return state.tokenizer.apply_chat_template([m.rendered() for m in messages], add_generation_prompt)
+def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt, with the tools (and past calls and results) as the model's template writes them;
+    a template that knows no tools gets them in Qwen's (Hermes) format, in the system message."""
+    tokenizer, rendered = state.tokenizer, [m.rendered() for m in messages]
+    try:
+        if tokenizer.supports_tools:
+            return tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tools)
+        return tokenizer.apply_chat_template(with_tools(rendered, tools), add_generation_prompt)
+    except (TemplateError, TypeError, ValueError) as e:  # the template's own refusal, or its bad input
+        raise APIError(400, f"messages: the model's chat template cannot render them: {e}", "messages") from e
 
 
 @router.post("/tokenize")
@@ -330,7 +389,8 @@ async def tokenize(body: TokenizeRequest, state: Served) -> dict[str, Any]:
     if body.messages is None:
         ids = await _encode(state, body.prompt or "", "prompt")
     else:
-        ids = await _encode(state, _render(state, body.messages, body.add_generation_prompt), "messages")
+        ids = await _encode(state, _render(state, body.messages, body.add_generation_prompt, body.tool_dicts),
+                            "messages")
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.executor.serving.max_model_len,
                              "tokens": ids}
     if body.return_token_strs:

@@ -9,7 +9,8 @@ declared only to accept the neutral value some clients send explicitly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -128,10 +129,14 @@ class _OpenAIRequest(_Sampling):
     functions: Any = _UNSUPPORTED
     function_call: Any = _UNSUPPORTED
 
+    _implemented: ClassVar[frozenset[str]] = frozenset()  # of NEUTRAL's, those a subclass implements
+
     # check_fields=False: `suffix` belongs to one subclass.
     @field_validator(*NEUTRAL, check_fields=False)
     @classmethod
     def _neutral(cls, value: object, info: ValidationInfo) -> object:
+        if info.field_name in cls._implemented:
+            return value
         return _check_neutral(value, info.field_name)
 
     @field_validator("logit_bias")
@@ -189,23 +194,128 @@ class TextPart(_Strict):
     text: str
 
 
+MAX_TOOLS = 128  # tools per request (OpenAI's bound)
+MAX_TOOLS_JSON = 256 * 1024  # the tools' schemas together, as JSON characters
+MAX_TOOL_CALLS = 128  # tool calls per assistant message
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str  # a JSON string, as OpenAI sends it back
+
+
+class ToolCallIn(_Strict):
+    """A past assistant turn's call, as OpenAI's reply gave it."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, rendered for the model, not enforced
+    strict: bool | None = None  # accepted; the arguments are not constrained
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None only in an assistant turn with tool_calls
     name: str | None = None  # accepted, unused
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=MAX_TOOL_CALLS)] | None = None  # assistant's
+    tool_call_id: str | None = Field(default=None, max_length=256)  # a tool result's
 
-    def rendered(self) -> dict[str, str]:
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls", "only an assistant message has tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError("content", "content is required (null only in an assistant "
+                                      "message with tool_calls)")
+        return self
+
+    def rendered(self) -> dict[str, Any]:
         """The message as the chat template takes it: its text parts joined by newlines, as vLLM
-        joins them; the role as sent (a template that knows no `developer` renders it as is)."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        joins them; the role as sent (a template that knows no `developer` renders it as is);
+        tool calls as OpenAI's shape, which Qwen's templates read."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "\n".join(p.text for p in content)
+        out: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _check_tools(tools: list[ToolDef] | None) -> list[ToolDef] | None:
+    if tools:
+        size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools]))
+        if size > MAX_TOOLS_JSON:
+            raise PydanticCustomError("tools", "the tools' schemas take {size} characters of JSON, "
+                                      "more than the {limit} a request may send",
+                                      {"size": size, "limit": MAX_TOOLS_JSON})
+        names = [t.function.name for t in tools]
+        if len(set(names)) < len(names):
+            raise PydanticCustomError("tools", "two tools have one name")
+    return tools
 
 
 class ChatCompletionRequest(_OpenAIRequest):
+    _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    # "required" and a named function start the reply with a call's opening (see `tool_prefill`).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; several calls in one turn are always parsed
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    _tools = field_validator("tools")(_check_tools)
+
+    def tool_choice_error(self) -> str | None:
+        """What is wrong with tool_choice, given the tools (a model validator's error has no field)."""
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice 'required' or a named function needs tools"
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            return f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+        return None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Tool calls are looked for in the reply: tools were given and tool_choice is not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_prefill(self) -> str:
+        """The text the reply is made to begin with: a call's opening for "required", and its
+        name too for a named function (no constrained decoding: the model writes the rest)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return '<tool_call>\n{"name": ' + json.dumps(self.tool_choice.function.name) + ', "arguments": '
+        return '<tool_call>\n{"name": "' if self.tool_choice == "required" else ""
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -230,6 +340,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True  # with `messages`
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None  # with `messages`
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -237,6 +348,13 @@ class TokenizeRequest(_Strict):
         if (self.messages is None) == (self.prompt is None):
             raise PydanticCustomError("tokenize", "give either prompt or messages, not both nor neither")
         return self
+
+
+    _tools = field_validator("tools")(_check_tools)
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Strict):

@@ -8,11 +8,13 @@ Qwen's ChatML special tokens. Byte-level means any text round-trips, whatever th
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -70,6 +72,16 @@ def build_tokenizer(vocab_size: int) -> HFTokenizer:
     return tok
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
 class Tokenizer:
     """Encode, decode and render chat prompts the way the checkpoint's files say."""
 
@@ -82,8 +94,14 @@ class Tokenizer:
         self.eos_token_id = self._id(eos_token)
         self.pad_token_id = self._id(pad_token)
         self.bos_token_id = None if bos_token is None else self._id(bos_token)
-        self._template = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # As transformers renders templates: `tojson` without HTML escaping (Qwen's templates
+        # write tool schemas with it), `raise_exception` for a template's own refusals,
+        # `strftime_now` for templates that date their system prompt.
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        self._template = env.from_string(chat_template)
 
     def _id(self, token: str) -> int:
         idx = self._tok.token_to_id(token)
@@ -112,12 +130,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (Qwen's do; SmolLM2's and ChatML do not)."""
+        return "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Raises `TemplateError` where the template refuses the conversation."""
         # The special tokens are template variables too, as transformers passes them (`{{ bos_token }}`).
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{k: v for k, v in special.items() if v is not None})
+                                     tools=tools, **{k: v for k, v in special.items() if v is not None})
 
     def save(self, path: str | Path, model_max_length: int) -> None:
         """`tokenizer.json`, `tokenizer_config.json` and the `generation_config.json` that names
