@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=list(ENGINE_MODES), default="native",
                    help="what serves the serving model (rose serve --engine); vllm (from a Python with vLLM) "
                    "also measures the native modes in the same run, beside it")
+    p.add_argument("--serving-pool-share", type=float, default=0.25,
+                   help="with --engine vllm: vLLM's KV cache as a share of the 512 MB (the rollout pool is "
+                   "the rest; 0.25: 8 of the replay's longest requests, rollouts 384 MB)")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--serving-model", help="serving checkpoint (HF format; default: a fresh qwen2 `small`)")
     p.add_argument("--rollout-model", help="rollout checkpoint (HF format; default: a fresh qwen3 `small`)")
@@ -114,10 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None,
-            extra: tuple[str, ...] = (), engine: str = "native") -> Iterator[str]:
+            extra: tuple[str, ...] = ()) -> Iterator[str]:
     argv = ["--model", str(serving), "--rollout-model", str(rollout), "--policy", policy, "--threads", "1",
-            "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"]),
-            "--engine", engine]
+            "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
     if core is not None:
         argv += ["--cores", core]
     with serve_process([*argv, *extra]) as (url, _):
@@ -279,8 +281,10 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     """serving_alone on `engine` (which sets its SLO), then every other mode on a fresh server."""
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     tag = "" if args.engine == engine == "native" else f"{engine} "
+    if engine == "vllm":  # vLLM's KV cache is its own: a share of the 512 MB, the rollout pool the rest
+        device = ("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share), *device)
     progress.describe(f"{tag}serving_alone")
-    with _server(serving, rollout, "rose", loose, core, device, engine) as url:
+    with _server(serving, rollout, "rose", loose, core, device) as url:
         alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
     progress.advance()
     slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
@@ -290,7 +294,7 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     print(f"{tag}serving_alone", alone, "slo", slo, flush=True)
     for mode, policy, seconds, extra in modes:
         progress.describe(f"{tag}{mode}")
-        with _server(serving, rollout, policy, slo, core, (*extra, *device), engine) as url:
+        with _server(serving, rollout, policy, slo, core, (*extra, *device)) as url:
             results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
         if served and seconds == duration:  # the same trace requests as serving alone's
             added[mode] = _ttft_added(requests, served)
@@ -398,6 +402,8 @@ def _check_engine(args: argparse.Namespace, serving: Path | None) -> None:
     vLLM's CPU attention takes (the default `small` preset's head_dim, 64, it does)."""
     if args.engine != "vllm":
         return
+    if not 0 < args.serving_pool_share < 1:
+        raise ValueError(f"--serving-pool-share must be in (0, 1), got {args.serving_pool_share}")
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("--engine vllm: vllm is not installed in this Python (`make install-vllm` makes "
                          ".venv-vllm, which has it)")
@@ -436,9 +442,9 @@ def run(args: argparse.Namespace) -> int:
         summaries = [s[args.engine] for s in summaries]
     if args.plot:  # the modes of the engine asked for
         plot_tradeoff(summaries, args.plot)
-    config = {k: getattr(args, k) for k in ("engine", "serving_model", "rollout_model", "duration",
-                                            "baseline_duration", "quick", "rate", "trajectories", "start",
-                                            "slo_factor", "runs",
+    config = {k: getattr(args, k) for k in ("engine", "serving_pool_share", "serving_model", "rollout_model",
+                                            "duration", "baseline_duration", "quick", "rate", "trajectories",
+                                            "start", "slo_factor", "runs",
                                             "admission_quantile", "tpot_inflation", "ttft_inflation",
                                             "sweep_quantile", "sweep_inflation", "device", "dtype")}
     write_report(args.json, summary, config=config, runs=runs)
