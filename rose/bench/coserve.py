@@ -281,10 +281,11 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     """serving_alone on `engine` (which sets its SLO), then every other mode on a fresh server."""
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     tag = "" if args.engine == engine == "native" else f"{engine} "
-    if engine == "vllm":  # vLLM's KV cache is its own: a share of the 512 MB, the rollout pool the rest
-        device = ("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share), *device)
+    # vLLM's KV cache is its own: a share of the 512 MB, the rollout pool the rest.
+    flags = (*(("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
+               if engine == "vllm" else ()), *device)
     progress.describe(f"{tag}serving_alone")
-    with _server(serving, rollout, "rose", loose, core, device) as url:
+    with _server(serving, rollout, "rose", loose, core, flags) as url:
         alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
     progress.advance()
     slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
@@ -294,7 +295,7 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     print(f"{tag}serving_alone", alone, "slo", slo, flush=True)
     for mode, policy, seconds, extra in modes:
         progress.describe(f"{tag}{mode}")
-        with _server(serving, rollout, policy, slo, core, (*extra, *device)) as url:
+        with _server(serving, rollout, policy, slo, core, (*extra, *flags)) as url:
             results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
         if served and seconds == duration:  # the same trace requests as serving alone's
             added[mode] = _ttft_added(requests, served)
