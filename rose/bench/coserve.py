@@ -14,10 +14,17 @@ fresh server, the same trace window and the same backlog:
 - `rose`: dual-SLO admission and burst control (`rose_q<Q>` with `--sweep-quantile`, `rose_i<E>`
   with `--sweep-inflation`: the same at other admission quantiles or TPOT inflation budgets).
 
+`--engine vllm` serves the serving model on vLLM's engine (`rose serve --engine vllm`; the rollout
+model stays on the native engine) in modes `serving_alone`, `rollout_alone`, `naive_share`,
+`priority` (vLLM's priority scheduling across the two models: serving first, rollouts fill the
+rest of each iteration's token budget and of memory, no SLO) and `rose`, then measures the
+native modes above in the same run: a table per engine, each against its own serving alone.
+
 `harvest_ratio` = rollout tokens/s / (idle fraction of serving alone x rollout_alone tokens/s):
-the share of the idle capacity a mode turned into rollout tokens. `--runs N` repeats the whole
-measurement (a fresh serving-alone run and SLO each time) and summarises each figure as the
-median and the spread of the runs.
+the share of the idle capacity a mode turned into rollout tokens; `harvest_vs_naive` = rollout
+tokens/s / naive_share's on the same engine. `--runs N` repeats the whole measurement (a fresh
+serving-alone run and SLO each time) and summarises each figure as the median and the spread of
+the runs.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
 import statistics
 import tempfile
@@ -44,7 +52,7 @@ from rose.coserve.lease_client import LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.coserve.settings import ExecutorConfig
 from rose.engine import SamplingParams
-from rose.model import init_model
+from rose.model import ModelConfig, init_model
 from rose.model.device import add_device_arguments
 from rose.progress import bar
 from rose.reporting import write_report
@@ -54,8 +62,14 @@ MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
     "rollout_alone": ("rose", False, True),
     "naive_share": ("naive", True, True),
     "static_partition": ("static", True, True),
+    "priority": ("priority", True, True),
     "rose": ("rose", True, True),
 }
+# The modes measured on each serving engine (`--engine`), serving_alone first: it sets the SLO.
+ENGINE_MODES = {"native": ("serving_alone", "rollout_alone", "naive_share", "static_partition", "rose"),
+                "vllm": ("serving_alone", "rollout_alone", "naive_share", "priority", "rose")}
+# The engines `--engine` measures in one run: vLLM's table comes with the native one beside it.
+ENGINES = {"native": ("native",), "vllm": ("vllm", "native")}
 
 
 # Token ids of the serving prompts and rollout turns, drawn uniformly: valid in any vocabulary of
@@ -71,6 +85,12 @@ PAPER_8B = {"ROSE": (338.1 / 314.8, 136.1 / 117.8), "naive sharing": (1166.1 / 3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     e = ExecutorConfig()
     p.add_argument("--quick", action="store_true", help="45 s per mode instead of 700 s / 200 s")
+    p.add_argument("--engine", choices=list(ENGINE_MODES), default="native",
+                   help="what serves the serving model (rose serve --engine); vllm (from a Python with vLLM) "
+                   "also measures the native modes in the same run, beside it")
+    p.add_argument("--serving-pool-share", type=float, default=0.25,
+                   help="with --engine vllm: vLLM's KV cache as a share of the 512 MB (the rollout pool is "
+                   "the rest; 0.25: 8 of the replay's longest requests, rollouts 384 MB)")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--serving-model", help="serving checkpoint (HF format; default: a fresh qwen2 `small`)")
     p.add_argument("--rollout-model", help="rollout checkpoint (HF format; default: a fresh qwen3 `small`)")
@@ -224,41 +244,73 @@ def _floats(spec: str | None) -> list[float]:
     return [float(x) for x in spec.split(",")] if spec else []
 
 
-def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None,
-             device: tuple[str, ...]) -> dict[str, Any]:
-    """serving_alone (which sets the SLO), then every other mode on a fresh server."""
-    duration = args.duration or (45.0 if args.quick else 700.0)
-    baseline = args.baseline_duration or (duration if args.quick else 200.0)
+def _modes(args: argparse.Namespace, engine: str, duration: float, baseline: float
+           ) -> list[tuple[str, str, float, tuple[str, ...]]]:
+    """The modes after serving_alone on `engine`: (mode, server policy, seconds, server flags)."""
     # rollout_alone runs under the same admission settings as rose: its capacity is what rose
     # could harvest from an idle device (the idle cap bounds each step).
-    modes = [("rollout_alone", "rose", baseline, _rose_args(args)), ("naive_share", "naive", baseline, ()),
-             ("static_partition", "static", baseline, ()), ("rose", "rose", duration, _rose_args(args)),
-             *((f"rose_q{q:g}", "rose", duration, _rose_args(args, quantile=q))
-               for q in _floats(args.sweep_quantile)),
-             *((f"rose_i{e:g}", "rose", duration, _rose_args(args, tpot_inflation=e))
-               for e in _floats(args.sweep_inflation))]
-    loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
-    with bar("bench coserve", 1 + len(modes)) as progress:
-        progress.describe("serving_alone")
-        with _server(serving, rollout, "rose", loose, core, device) as url:
-            alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
-        progress.advance()
-        slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
-               "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
-        results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
-        added: dict[str, dict[str, float]] = {}
-        print("serving_alone", alone, "slo", slo, flush=True)
-        for mode, policy, seconds, extra in modes:
-            progress.describe(mode)
-            with _server(serving, rollout, policy, slo, core, (*extra, *device)) as url:
-                results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
-            if served and seconds == duration:  # the same trace requests as serving alone's
-                added[mode] = _ttft_added(requests, served)
-            print(mode, {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
-            progress.advance()
+    each = {"rollout_alone": ("rose", baseline, _rose_args(args)), "naive_share": ("naive", baseline, ()),
+            "static_partition": ("static", baseline, ()), "priority": ("priority", baseline, ()),
+            "rose": ("rose", duration, _rose_args(args))}
+    return [*((mode, *each[mode]) for mode in ENGINE_MODES[engine][1:]),
+            *((f"rose_q{q:g}", "rose", duration, _rose_args(args, quantile=q))
+              for q in _floats(args.sweep_quantile)),
+            *((f"rose_i{e:g}", "rose", duration, _rose_args(args, tpot_inflation=e))
+              for e in _floats(args.sweep_inflation))]
 
+
+def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None,
+             device: tuple[str, ...]) -> dict[str, Any]:
+    """Each engine of `--engine` in turn (`ENGINES`): its summary and modes; with more than one
+    engine, keyed by engine."""
+    duration = args.duration or (45.0 if args.quick else 700.0)
+    baseline = args.baseline_duration or (duration if args.quick else 200.0)
+    engines = {engine: _modes(args, engine, duration, baseline) for engine in ENGINES[args.engine]}
+    with bar("bench coserve", sum(1 + len(modes) for modes in engines.values())) as progress:
+        runs = {engine: _engine_run(args, engine, modes, duration, serving, rollout, core, device, progress)
+                for engine, modes in engines.items()}
+    if len(runs) == 1:
+        return next(iter(runs.values()))
+    return {"summary": {"engine": args.engine, **{e: r["summary"] for e, r in runs.items()}},
+            "modes": {e: r["modes"] for e, r in runs.items()}}
+
+
+def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, str, float, tuple[str, ...]]],
+                duration: float, serving: Path, rollout: Path, core: str | None, device: tuple[str, ...],
+                progress: Any) -> dict[str, Any]:
+    """serving_alone on `engine` (which sets its SLO), then every other mode on a fresh server."""
+    loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
+    tag = "" if args.engine == engine == "native" else f"{engine} "
+    # vLLM's KV cache is its own: a share of the 512 MB, the rollout pool the rest.
+    flags = (*(("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
+               if engine == "vllm" else ()), *device)
+    progress.describe(f"{tag}serving_alone")
+    with _server(serving, rollout, "rose", loose, core, flags) as url:
+        alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
+    progress.advance()
+    slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
+           "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
+    results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
+    added: dict[str, dict[str, float]] = {}
+    print(f"{tag}serving_alone", alone, "slo", slo, flush=True)
+    for mode, policy, seconds, extra in modes:
+        progress.describe(f"{tag}{mode}")
+        with _server(serving, rollout, policy, slo, core, (*extra, *flags)) as url:
+            results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
+        if served and seconds == duration:  # the same trace requests as serving alone's
+            added[mode] = _ttft_added(requests, served)
+        print(f"{tag}{mode}", {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
+        progress.advance()
+    return {"summary": _summary(results, slo, added, args.admission_quantile), "modes": results}
+
+
+def _summary(results: dict[str, dict[str, Any]], slo: dict[str, float], added: dict[str, dict[str, float]],
+             admission_quantile: float) -> dict[str, Any]:
+    """One engine's figures: per mode its P99s, attainment and rollout tokens/s, its P99s over
+    serving alone's, its harvest against the idle capacity and against naive sharing's."""
     idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
     capacity = results["rollout_alone"]["rollout_tokens_per_s"]
+    naive = results["naive_share"]["rollout_tokens_per_s"]
     alone = results["serving_alone"]
     summary: dict[str, Any] = {"slo": slo, "idle_fraction_serving_alone": round(idle, 4)}
     for mode, r in results.items():
@@ -268,12 +320,15 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
             summary[mode].update(ttft_vs_alone=round(r["p99_ttft_ms"] / alone["p99_ttft_ms"], 3),
                                  tpot_vs_alone=round(r["p99_tpot_ms"] / alone["p99_tpot_ms"], 3),
                                  harvest_ratio=round(r["rollout_tokens_per_s"] / (idle * capacity), 3),
+                                 harvest_vs_naive=round(r["rollout_tokens_per_s"] / naive, 3) if naive
+                                 else None,
                                  **added.get(mode, {}))
     summary["harvest_ratio"] = summary["rose"]["harvest_ratio"]
-    summary["admission_quantile"] = args.admission_quantile
+    summary["harvest_vs_naive"] = summary["rose"]["harvest_vs_naive"]
+    summary["admission_quantile"] = admission_quantile
     summary["latency_model_error_rose"] = results["rose"]["latency_model_error"]
     summary["admission_overruns_rose"] = results["rose"]["admission_overruns"]
-    return {"summary": summary, "modes": results}
+    return summary
 
 
 def _ttft_added(alone: list[RequestResult], beside: list[RequestResult]) -> dict[str, float]:
@@ -308,6 +363,11 @@ def _across_runs(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _combined(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's summary: a single run's as it is, several runs' as median and spread."""
+    return summaries[0] if len(summaries) == 1 else _across_runs(summaries)
+
+
 def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
     """P99 TPOT and TTFT over serving alone's against harvest ratio, a point per mode and run,
     with the paper's Table 1 (8B) as reference lines (it gives no harvest ratio)."""
@@ -317,7 +377,7 @@ def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    modes = [m for m in summaries[0] if m.startswith(("rose", "naive", "static"))]
+    modes = [m for m in summaries[0] if m.startswith(("rose", "naive", "static", "priority"))]
     for ax, key, name in ((axes[0], "tpot_vs_alone", "P99 TPOT"), (axes[1], "ttft_vs_alone", "P99 TTFT")):
         for i, mode in enumerate(modes):
             xs = [s[mode]["harvest_ratio"] for s in summaries]
@@ -338,12 +398,33 @@ def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _check_engine(args: argparse.Namespace, serving: Path | None) -> None:
+    """`--engine vllm` needs vLLM in this Python (the servers run from it) and a serving model
+    vLLM's CPU attention takes (the default `small` preset's head_dim, 64, it does)."""
+    if args.engine != "vllm":
+        return
+    if not 0 < args.serving_pool_share < 1:
+        raise ValueError(f"--serving-pool-share must be in (0, 1), got {args.serving_pool_share}")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("--engine vllm: vllm is not installed in this Python (`make install-vllm` makes "
+                         ".venv-vllm, which has it)")
+    from rose.engine.vllm_engine import check_model
+    from rose.model.device import resolve
+
+    if serving is not None:
+        try:
+            check_model(ModelConfig.from_dir(serving), str(resolve(args.device, args.dtype)[0]))
+        except ValueError as exc:
+            raise ValueError(f"--engine vllm --serving-model {serving}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    # The checkpoints and device given are checked before anything changes or starts.
+    # The checkpoints, device and engine given are checked before anything changes or starts.
     device = serve_device_args(args)
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
+    _check_engine(args, serving)
     cores = os.sched_getaffinity(0)
     # The server gets a core of its own; load generator and rollout driver share the other.
     server_core = str(max(cores)) if len(cores) > 1 else None
@@ -354,11 +435,17 @@ def run(args: argparse.Namespace) -> int:
         rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
         runs = [_one_run(args, serving, rollout, server_core, device) for _ in range(args.runs)]
     summaries = [r["summary"] for r in runs]
-    summary = summaries[0] if len(runs) == 1 else _across_runs(summaries)
-    if args.plot:
+    engines = ENGINES[args.engine]
+    if len(engines) == 1:
+        summary = _combined(summaries)
+    else:  # a summary per engine, the one asked for first
+        summary = {"engine": args.engine, **{e: _combined([s[e] for s in summaries]) for e in engines}}
+        summaries = [s[args.engine] for s in summaries]
+    if args.plot:  # the modes of the engine asked for
         plot_tradeoff(summaries, args.plot)
-    config = {k: getattr(args, k) for k in ("serving_model", "rollout_model", "duration", "baseline_duration",
-                                            "quick", "rate", "trajectories", "start", "slo_factor", "runs",
+    config = {k: getattr(args, k) for k in ("engine", "serving_pool_share", "serving_model", "rollout_model",
+                                            "duration", "baseline_duration", "quick", "rate", "trajectories",
+                                            "start", "slo_factor", "runs",
                                             "admission_quantile", "tpot_inflation", "ttft_inflation",
                                             "sweep_quantile", "sweep_inflation", "device", "dtype")}
     write_report(args.json, summary, config=config, runs=runs)

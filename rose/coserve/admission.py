@@ -31,6 +31,12 @@ their requests (`serving_state`) and charge each request the rollout time it wai
 (`RolloutWait`). The free slots a device reports (`rollout_capacity`) follow one memory rule
 (`memory_room`): none in a burst, else as many typical turns as the free rollout budget holds.
 
+Priority (`priority_tokens`, `priority_pages`): the `priority` policy, vLLM's priority
+scheduling (serving at a higher priority than rollouts) carried over to two models on one
+device, for the benchmark: serving goes first every iteration and never waits on rollout
+memory, rollouts fill whatever it leaves of the iteration's token budget and of the pool, with
+no SLO in the decision: it orders a batch, it does not bound its size.
+
 Memory (`BurstController`): one page pool, serving keeps a reserved headroom H. NORMAL: the
 rollout budget follows serving usage (pool - H - serving). Burst trigger: serving usage crosses
 the high-watermark inside H (free pages fall to (1 - high_watermark) * H). Emergency cut: the
@@ -413,6 +419,24 @@ def rollout_duty(serving_s: float, with_rollout_s: float, inflation: float) -> f
     if serving_s <= 0 or extra <= 0 or math.isinf(inflation):
         return 1.0
     return min(1.0, inflation * serving_s / extra)
+
+
+def priority_tokens(serving_tokens: int, max_batched_tokens: int) -> int:
+    """The rollout tokens of one iteration under the `priority` policy: what serving's own tokens
+    in it (prefill and decodes, scheduled first) leave of the iteration's token budget, as vLLM's
+    priority scheduling lets lower-priority requests fill the rest of `max_num_batched_tokens`."""
+    if max_batched_tokens < 1 or serving_tokens < 0:
+        raise ValueError(f"priority_tokens needs max_batched_tokens >= 1 and serving_tokens >= 0, got "
+                         f"{max_batched_tokens}, {serving_tokens}")
+    return max(0, max_batched_tokens - serving_tokens)
+
+
+def priority_pages(pool: int, serving_used: int, serving_next: int) -> int:
+    """The rollout page budget under the `priority` policy: the pool less what serving holds and
+    what its next iteration may take (`serving_next`), so that serving never waits on rollout
+    memory. The rollout sequences beyond the budget are preempted, newest first, and recomputed
+    later, as vLLM preempts its lowest-priority requests (not handed back: no burst control)."""
+    return max(0, pool - serving_used - serving_next)
 
 
 class SlackGuard:

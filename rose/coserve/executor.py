@@ -14,7 +14,9 @@ counted as the device's KV by the burst state machine. Every iteration:
    requests that waited for the rollout part.
 
 Policies other than `rose` exist for the benchmark: `naive` (rollouts take whatever pages and
-tokens they like, no priority), `static` (a fixed page split and a fixed rollout token budget).
+tokens they like, no priority), `static` (a fixed page split and a fixed rollout token budget),
+`priority` (vLLM's priority scheduling across the two models: serving first, rollouts fill what
+it leaves of the iteration's token budget and of the pool, preempted when serving needs pages).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from rose.coserve.admission import (
     admission_step,
     iteration_limit,
     memory_room,
+    priority_pages,
+    priority_tokens,
     rollout_capacity,
     serving_state,
 )
@@ -245,6 +249,10 @@ class CoServingExecutor:
         budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
         outputs += self._record(SERVING, self.serving.step(), self.serving.last_step)
         serving_s = self.serving.last_step.seconds
+        if self.rollout and self.config.policy is Policy.PRIORITY:  # what serving's part left
+            load = self.serving.last_step.load
+            budget = priority_tokens(load.prefill_tokens + load.decode_seqs,
+                                     self.rollout.config.max_num_batched_tokens)
         if self.rollout and self.rollout.has_unfinished():
             self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
             if budget != 0:
@@ -306,6 +314,8 @@ class CoServingExecutor:
 
     def _control_memory(self) -> list[RequestOutput]:
         """The burst state machine (rose only): set the rollout budget, abort what no longer fits."""
+        if self.config.policy is Policy.PRIORITY:
+            self._priority_memory()
         if self.config.policy is not Policy.ROSE:
             return []
         before = self.burst.state
@@ -322,10 +332,34 @@ class CoServingExecutor:
         self.metrics.rollout_aborts.inc(len(aborted))
         return aborted
 
+    def _priority_memory(self) -> None:
+        """The `priority` policy's memory: rollouts may hold what serving leaves of the pool
+        after its next iteration; the newest running rollout sequences beyond it are preempted
+        (recomputed later, as vLLM preempts its lowest-priority requests). Where serving has a KV
+        cache of its own (vLLM's), the rollout pool is the rollouts' whole."""
+        used = next_pages = 0
+        if isinstance(self.serving, NativeServing):
+            state = self._serving_state()
+            pending = min(self.config.chunk_tokens, sum(tokens for _, tokens in state.waiting))
+            # Its next chunk's pages, one more page per request it may start or extend.
+            next_pages = (self.serving.blocks.pages_for(pending) + len(state.waiting)
+                          + len(state.decoding_last_token_s))
+            used = self.pool.used(SERVING)
+        budget = priority_pages(self.pool.num_pages, used, next_pages)
+        self.pool.set_budget(ROLLOUT, budget)
+        self.metrics.rollout_budget.set(budget)
+        rollout = self._rollout()
+        for seq in sorted(rollout.scheduler.running, key=lambda s: s.sort_key, reverse=True):
+            if self.pool.used(ROLLOUT) <= budget:
+                break
+            rollout.scheduler.preempt(seq)
+            rollout.num_preemptions += 1
+
     def _rollout_token_budget(self, now: float) -> int | None:
-        """Rollout tokens that may join this iteration (None: no limit)."""
+        """Rollout tokens that may join this iteration (None: no limit; under `priority` it is
+        set after serving's part has run, from the tokens that part took)."""
         policy = self.config.policy
-        if policy is Policy.NAIVE:
+        if policy in (Policy.NAIVE, Policy.PRIORITY):
             return None
         if policy is Policy.STATIC:
             return self.config.static_rollout_tokens

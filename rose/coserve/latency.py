@@ -6,7 +6,10 @@ linear in (1, prefill tokens, prefill tokens^2, decode sequences, KV tokens the 
 the constant is per-iteration overhead, prefill is matmul-bound (the square term is attention
 within a chunk), decode is weight-bound per iteration plus KV-bound per context token. It is
 profiled for a few seconds at start-up on the engine itself and refitted online from every
-measured iteration; `error` is the relative error of the predictions made before each
+measured iteration, each shape (prefill only, decode only, mixed) kept in a window of its own:
+serving prefill iterations are rare beside its decodes, and one window for all would soon hold
+none, leaving the prefill terms (what a prompt's TTFT is predicted with) to whatever the decodes
+make of them; `error` is the relative error of the predictions made before each
 measurement was known, weighted by time (sum of |error| over sum of measured times), so that the
 long iterations admission must get right count for more than the shortest ones.
 
@@ -62,7 +65,8 @@ class FittedLatencyModel:
 
     def __init__(self, window: int = 512, refit_every: int = 32) -> None:
         self.window, self.refit_every = window, refit_every
-        self._obs: dict[str, collections.deque[tuple[np.ndarray, float]]] = {}
+        # (model, shape) -> the last `window` iterations of that shape: features, seconds
+        self._obs: dict[tuple[str, str], collections.deque[tuple[np.ndarray, float]]] = {}
         self._coef: dict[str, np.ndarray] = {}
         self._errors: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
         # (model, shape) -> measured / predicted of recent iterations, predicted beforehand
@@ -87,14 +91,15 @@ class FittedLatencyModel:
             self._errors.append((abs(predicted - seconds), seconds))
             if predicted > 0:
                 self._ratio(model, _shape(load)).append(seconds / predicted)
-        self._obs.setdefault(model, collections.deque(maxlen=self.window)).append(
+        self._obs.setdefault((model, _shape(load)), collections.deque(maxlen=self.window)).append(
             (_features(load), seconds))
         self._since_fit += 1
         if self._since_fit >= self.refit_every or model not in self._coef:
             self.fit()
 
     def fit(self) -> None:
-        for model, obs in self._obs.items():
+        for model in {m for m, _ in self._obs}:
+            obs = [o for (m, _), shape in self._obs.items() if m == model for o in shape]
             x = np.stack([f for f, _ in obs])
             y = np.array([t for _, t in obs])
             self._coef[model] = nonnegative_lstsq(x, y)
@@ -120,7 +125,7 @@ class FittedLatencyModel:
         """Start the error count afresh, and seed the residuals with the fit's in-sample ones."""
         self._errors.clear()
         self._ratios.clear()
-        for model, obs in self._obs.items():
+        for (model, _), obs in self._obs.items():
             for features, seconds in obs:
                 predicted = float(features @ self._coef[model])
                 if predicted > 0 and seconds > 0:

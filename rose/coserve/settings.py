@@ -39,6 +39,10 @@ class Policy(str, enum.Enum):  # a str: a config dumped as JSON (a report) holds
     ROSE = "rose"  # dual-SLO admission and burst control
     NAIVE = "naive"  # rollouts take whatever pages and tokens they like, no priority
     STATIC = "static"  # a fixed page split and a fixed rollout token budget
+    # vLLM's priority scheduling across two models: serving first every iteration, rollouts fill
+    # what it leaves of the iteration's token budget and of memory; no SLO budgets
+    # (`admission.priority_step`)
+    PRIORITY = "priority"
 
 
 class Engine(str, enum.Enum):
@@ -71,7 +75,8 @@ class ExecutorConfig:
     max_rollout_turns: int = _setting(32, "lease slots: rollout turns running at once; more get a 429")
     # `_setting` spelled out: ruff takes a call there for a shared mutable default (RUF009).
     policy: Policy = dataclasses.field(default=Policy.ROSE, metadata={
-        "help": "rollout admission: rose (dual-SLO + burst control), naive, static"})
+        "help": "rollout admission: rose (dual-SLO + burst control), naive, static, priority (serving "
+                "first, rollouts fill the rest of each iteration's tokens and memory)"})
     static_rollout_pages: float = _setting(0.5, "static policy: rollout's fixed share of the pool")
     static_rollout_tokens: int = _setting(64, "static policy: rollout tokens per iteration")
     # Inflation budgets (TPOT_INFLATION says what they bound); a rollout step on an idle device is

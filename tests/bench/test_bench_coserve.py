@@ -3,6 +3,8 @@ benchmark itself runs for an hour; docs/benchmarks.md has its figures)."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -10,7 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rose.bench.coserve import PROMPT_IDS, _across_runs, _ttft_added, plot_tradeoff
+from rose.bench import coserve
+from rose.bench.coserve import (
+    ENGINE_MODES,
+    ENGINES,
+    PROMPT_IDS,
+    _across_runs,
+    _modes,
+    _ttft_added,
+    plot_tradeoff,
+)
 from rose.cli import main
 from rose.coserve.loadgen import RequestResult
 
@@ -85,3 +96,72 @@ def test_device_flags_reach_the_servers_a_benchmark_starts() -> None:
     assert serve_device_args(argparse.Namespace(device=None, dtype=None)) == ()
     assert serve_device_args(argparse.Namespace(device="cpu", dtype="bfloat16")) == (
         "--device", "cpu", "--dtype", "bfloat16")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    from rose.cli import parser_for
+
+    return parser_for(["bench", "coserve", *argv]).parse_args(["bench", "coserve", *argv])
+
+
+def test_engine_option_picks_each_engine_s_modes() -> None:
+    native, vllm = _args(), _args("--engine", "vllm", "--sweep-quantile", "0.5")
+    assert (native.engine, vllm.engine, vllm.serving_pool_share) == ("native", "vllm", 0.25)
+    assert ENGINES == {"native": ("native",), "vllm": ("vllm", "native")}  # vLLM's table beside the native
+    # (mode, server policy, seconds): the baselines run the baseline window, rose the full one.
+    assert [m[:3] for m in _modes(native, "native", 700.0, 200.0)] == [
+        ("rollout_alone", "rose", 200.0), ("naive_share", "naive", 200.0),
+        ("static_partition", "static", 200.0), ("rose", "rose", 700.0)]
+    assert [m[:3] for m in _modes(vllm, "vllm", 700.0, 200.0)] == [
+        ("rollout_alone", "rose", 200.0), ("naive_share", "naive", 200.0), ("priority", "priority", 200.0),
+        ("rose", "rose", 700.0), ("rose_q0.5", "rose", 700.0)]
+    assert ENGINE_MODES["vllm"][0] == ENGINE_MODES["native"][0] == "serving_alone"  # it sets the SLO
+    with pytest.raises(SystemExit):
+        _args("--engine", "sglang")
+
+
+def test_engine_vllm_is_checked_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    cores = os.sched_getaffinity(0)
+    assert main(["bench", "coserve", "--quick", "--engine", "vllm", "--serving-pool-share", "1.5"]) == 2
+    assert "--serving-pool-share must be in (0, 1), got 1.5" in capsys.readouterr().err
+    if importlib.util.find_spec("vllm") is None:
+        assert main(["bench", "coserve", "--quick", "--engine", "vllm"]) == 2
+        assert "--engine vllm: vllm is not installed in this Python" in capsys.readouterr().err
+    assert os.sched_getaffinity(0) == cores
+
+
+def test_summary_gives_harvest_against_idle_capacity_and_naive_sharing() -> None:
+    def mode(busy: float, tokens: float | None, ttft: float | None = 100.0,
+             tpot: float | None = 30.0) -> dict:
+        return {"serving_busy_fraction": busy, "rollout_tokens_per_s": tokens, "p99_ttft_ms": ttft,
+                "p99_tpot_ms": tpot, "slo_attainment": 1.0, "completed": 10, "latency_model_error": 0.1,
+                "admission_overruns": 2.0}
+
+    results = {"serving_alone": mode(0.4, None), "rollout_alone": mode(0.0, 200.0, None, None),
+               "naive_share": mode(0.4, 150.0, 300.0, 90.0), "priority": mode(0.4, 160.0, 200.0, 60.0),
+               "rose": mode(0.4, 100.0, 102.0, 31.0)}
+    summary = coserve._summary(results, {"ttft_ms": 150.0, "tpot_ms": 45.0}, {}, 0.95)
+    assert summary["rose"]["harvest_ratio"] == pytest.approx(100.0 / (0.6 * 200.0), abs=1e-3)
+    assert summary["rose"]["harvest_vs_naive"] == pytest.approx(100.0 / 150.0, abs=1e-3)
+    assert summary["priority"]["tpot_vs_alone"] == 2.0 and summary["rose"]["ttft_vs_alone"] == 1.02
+    assert (summary["harvest_ratio"], summary["harvest_vs_naive"]) == (summary["rose"]["harvest_ratio"],
+                                                                       summary["rose"]["harvest_vs_naive"])
+
+
+def test_a_vllm_run_has_a_table_per_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+
+    def engine_run(args: argparse.Namespace, engine: str, modes: list, *rest: object) -> dict:
+        seen.append((engine, [m[0] for m in modes]))
+        return {"summary": {"engine_was": engine}, "modes": {"rose": {}}}
+
+    monkeypatch.setattr(coserve, "_engine_run", engine_run)
+    out = coserve._one_run(_args("--engine", "vllm", "--quick"), Path("s"), Path("r"), None, ())
+    assert seen == [("vllm", ["rollout_alone", "naive_share", "priority", "rose"]),
+                    ("native", ["rollout_alone", "naive_share", "static_partition", "rose"])]
+    assert out["summary"] == {"engine": "vllm", "vllm": {"engine_was": "vllm"},
+                              "native": {"engine_was": "native"}}
+    assert set(out["modes"]) == {"vllm", "native"}
+    seen.clear()
+    native = coserve._one_run(_args("--quick"), Path("s"), Path("r"), None, ())
+    assert native["summary"] == {"engine_was": "native"}  # one engine: its summary as it always was

@@ -21,6 +21,8 @@ from rose.coserve.admission import (
     admit,
     iteration_limit,
     memory_room,
+    priority_pages,
+    priority_tokens,
     rollout_capacity,
     rollout_duty,
     serving_state,
@@ -254,6 +256,20 @@ def test_rollout_duty_keeps_the_mean_inflation_within_the_budget():
     assert rollout_duty(0.010, 0.0105, 0.10) == 1.0      # a cheap step fits every iteration
     assert rollout_duty(0.0, 0.030, 0.10) == 1.0         # no serving work: nothing to inflate
     assert rollout_duty(0.010, 0.030, INF) == 1.0
+
+
+def test_priority_lets_rollouts_fill_what_serving_leaves_of_tokens_and_pages_whatever_the_slos():
+    # vLLM's priority scheduling across two models: serving's tokens go first, rollouts take the
+    # rest of the iteration's budget; no SLO enters the decision.
+    assert priority_tokens(0, 2048) == 2048                      # serving idle: the whole budget
+    assert priority_tokens(512 + 10, 2048) == 2048 - 522         # beside a prefill chunk and 10 decodes
+    assert priority_tokens(4096, 2048) == 0
+    with pytest.raises(ValueError, match="max_batched_tokens >= 1"):
+        priority_tokens(10, 0)
+    # Memory: what serving holds and what its next iteration may take come first.
+    assert priority_pages(1000, 300, 20) == 680
+    assert priority_pages(1000, 990, 20) == 0
+    assert priority_pages(1000, 0, 0) == 1000                    # serving's KV elsewhere (vLLM's own cache)
 
 
 def test_slack_guard_halves_at_once_and_regrows_slowly():

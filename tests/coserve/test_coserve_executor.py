@@ -42,6 +42,35 @@ def test_two_kv_shapes_share_one_pool() -> None:
     assert ex.pool.num_free == 64 - 8
 
 
+def test_priority_fills_the_iteration_s_token_budget_and_preempts_rollouts_for_serving_pages() -> None:
+    # SLOs so tight that rose would admit nothing beside serving: priority does not look at them.
+    ex = _executor(pages=40, policy=Policy.PRIORITY, slo_ttft_ms=1, slo_tpot_ms=1)
+    for i in range(4):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(60, i), LONG))
+    for _ in range(4):
+        ex.step()
+    assert ex.pool.used("rollout") >= 16
+    ex.add_serving(_ids(10, 9), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    ex.step()
+    # Serving's prefill ran first; every rollout decode ran beside it in the same iteration.
+    assert ex.serving.last_step.load.prefill_tokens == 10
+    assert ex.rollout.last_step.load.decode_seqs == 4
+    # Serving prompts that need the pages rollouts hold: the newest rollouts are preempted (to be
+    # recomputed, not handed back) and serving never waits for a page.
+    preempted = ex.rollout.num_preemptions
+    for i in range(3):
+        ex.add_serving(_ids(150, 10 + i), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    outs = []
+    for _ in range(4):
+        outs += ex.step()
+    assert ex.rollout.num_preemptions > preempted
+    assert not [o for o in outs if o.finish_reason == "abort"]
+    assert ex.pool.used("rollout") <= ex.pool.budget("rollout")
+    firsts = {o.request_id for o in outs if o.token_ids and o.request_id.startswith("serving")}
+    assert len(firsts) == 4  # the first serving request and the three prompts: each had its pages
+    assert len(ex._turns) == 4 and len(ex.rollout.scheduler.waiting) >= 1  # preempted turns wait
+
+
 def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> None:
     ex = _executor(pages=40, slo_ttft_ms=1e6, slo_tpot_ms=1e6)  # memory alone decides here
     for i in range(4):
@@ -147,6 +176,18 @@ def test_latency_model_fits_and_reports_its_error() -> None:
     assert model.iteration_time(TokenLoad(), TokenLoad()) == 0.0
     coef = nonnegative_lstsq(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
     assert (coef >= 0).all()
+
+
+def test_latency_model_keeps_rare_prefill_iterations_beside_many_decodes() -> None:
+    # Serving's prefills are rare beside its decodes: thousands of decodes later, what the
+    # model predicts for a prompt still rests on measured prefills, not on the decodes alone.
+    model = FittedLatencyModel(window=64, refit_every=8)
+    for p in (16, 64, 256, 512) * 4:
+        model.observe("serving", TokenLoad(p), 0.002 + 4e-4 * p)
+    for k in range(2000):
+        model.observe("serving", TokenLoad(0, 1 + k % 8, 100 * (1 + k % 8)), 0.004 + 1e-3 * (1 + k % 8))
+    assert model.time("serving", TokenLoad(512)) == pytest.approx(0.002 + 4e-4 * 512, rel=0.05)
+    assert model.time("serving", TokenLoad(0, 4, 400)) == pytest.approx(0.008, rel=0.05)
 
 
 def test_rollouts_are_not_starved_by_an_overestimating_model_when_serving_is_idle() -> None:

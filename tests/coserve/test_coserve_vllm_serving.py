@@ -150,6 +150,31 @@ def test_a_tight_tpot_slo_holds_rollouts_while_vllm_decodes(executor: CoServingE
     assert ex.metrics.admissions.labels("held")._value.get() > 0
 
 
+def test_a_serving_arrival_interrupts_the_rollout_iteration_beside_vllm(executor: CoServingExecutor) -> None:
+    # The server's arrivals (`rose.coserve.api_state.Arrivals`) know nothing of the engine: a
+    # request on its way to vLLM cuts the native rollout forward between two layers.
+    ex = executor
+    turn = SamplingParams(max_tokens=20, ignore_eos=True)
+    for i in range(2):
+        ex.submit_turn(Turn(f"a{i}", f"traj{i}", _ids(30, 60 + i), turn))
+    made = sum(len(o.token_ids) for _ in range(3) for o in ex.step())
+    assert made > 0
+    interrupted = ex.metrics.rollout_interrupted._value.get()
+    ex.serving_arrived = lambda: True  # a request is being parsed
+    try:
+        assert not [o for o in ex.step() if o.token_ids]
+        assert ex.rollout.last_step.interrupted and ex.serving.last_step.load == TokenLoad()
+    finally:
+        ex.serving_arrived = None
+    assert ex.metrics.rollout_interrupted._value.get() == interrupted + 1
+    ex.add_serving(_ids(24, 70), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "due")
+    first = ex.step()  # queued: vLLM prefills it first, in the next iteration
+    assert ex.serving.last_step.load.prefill_tokens == 24
+    assert [o.request_id for o in first if o.request_id == "due" and o.token_ids] == ["due"]
+    _until_done(ex)
+    assert not ex._turns
+
+
 def test_a_burst_on_vllm_cuts_rollout_turns_with_their_partial_tokens(executor: CoServingExecutor) -> None:
     ex = executor
     page_tokens = ex.rollout.blocks.block_size

@@ -52,6 +52,7 @@ def test_overrides_apply_with_types():
     ("serving.headroom=0.3", "serving.headroom: Key 'headroom' not in 'ServingFleetConfig' (did you mean "
                              "serving.executor.headroom"),
     ("serving.executor.policy=naive", "serving.executor.policy is not simulated (only slo_ttft_ms"),
+    ("serving.executor.policy=priority", "serving.executor.policy is not simulated (only slo_ttft_ms"),
     ("sim.systems=[rose,bogus]", "sim.systems must be"),
     ("rl.trajectories=100", "multiple of rl.group"),
     ("elastic.availability=some", "elastic.availability must be measured or full"),
