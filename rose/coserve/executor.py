@@ -30,6 +30,7 @@ import torch
 from rose.contracts import Capacity, Turn
 from rose.coserve.admission import (
     BurstController,
+    BurstState,
     RolloutDemand,
     RolloutWait,
     ServingState,
@@ -227,7 +228,16 @@ class CoServingExecutor:
 
     def new_rl_step(self) -> None:
         """A new RL step: the rollout budget may grow again after a burst."""
+        before = self.burst.state
         self.burst.new_rl_step()
+        self._transition(before, self.burst.state)
+        self.metrics.state.set(int(self.burst.state))
+
+    def _transition(self, before: BurstState, after: BurstState) -> None:
+        if after is not before:
+            labels = (before.name.lower(), after.name.lower())
+            self.metrics.transitions.labels(*labels).inc()
+            self.metrics.transition_time.labels(*labels).set(time.time())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
@@ -324,10 +334,7 @@ class CoServingExecutor:
         decision = self.burst.observe(self._pages(self.serving.kv_pages().active), held)
         self.pool.set_budget(ROLLOUT, decision.rollout_budget)
         m = self.metrics
-        if decision.state is not before:
-            labels = (before.name.lower(), decision.state.name.lower())
-            m.transitions.labels(*labels).inc()
-            m.transition_time.labels(*labels).set(time.time())
+        self._transition(before, decision.state)
         m.state.set(int(decision.state))
         m.rollout_budget.set(decision.rollout_budget)
         if decision.cut:
