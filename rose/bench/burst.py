@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import os
 import tempfile
 import time
@@ -43,6 +44,7 @@ from rose.bench.coserve import PROMPT_IDS, _rose_args, _server, _slo_kwargs, fir
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, replay, summarize
+from rose.coserve.settings import ExecutorConfig
 from rose.engine import SamplingParams
 from rose.model import init_model
 from rose.progress import bar
@@ -61,9 +63,9 @@ class Scale:
     most `max_output`, every request within `max_context` tokens."""
 
     trace: str = "azure-conv"
-    load: float = 0.063
-    prompt_scale: float = 0.25
-    max_output: int = 128
+    load: float = 0.35 / 5.53
+    prompt_scale: float = 0.125
+    max_output: int = 64
     max_context: int = 1024
 
 
@@ -109,7 +111,7 @@ def burst_window(scale: Scale, duration_s: float, spike_s: float, lead_s: float)
     """The window of the scaled trace around its spike: the `spike_s` seconds in which the most
     KV tokens arrive (prompt and output, as replayed), `lead_s` seconds into a `duration_s` window.
     Refused when the window cannot hold the spike."""
-    if not (0 < spike_s and 0 <= lead_s and lead_s + spike_s <= duration_s):
+    if not (spike_s > 0 and lead_s >= 0 and lead_s + spike_s <= duration_s):
         raise ValueError(f"the spike ({spike_s:g} s, {lead_s:g} s in) must lie inside the "
                          f"{duration_s:g} s window")
     trace = load_trace(scale.trace).scaled(rate=scale.load, prompt_tokens=scale.prompt_scale)
@@ -220,6 +222,8 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
 
 # -- the pool timeline and the RL steps -------------------------------------------------------
 
+STATES = ("normal", "burst", "frozen")
+TRANSITIONS = {f"{a}_to_{b}": (a, b) for a in STATES for b in STATES if a != b}  # column -> (from, to)
 SAMPLED = {  # column -> (sample name, labels)
     "serving_pages": ("rose:kv_pool_pages", {"owner": "serving"}),
     "rollout_pages": ("rose:kv_pool_pages", {"owner": "rollout"}),
@@ -231,7 +235,10 @@ SAMPLED = {  # column -> (sample name, labels)
     "rollout_tokens": ("rose:rollout_tokens_total", {}),
     "serving_running": ("vllm:num_requests_running", {}),
     "serving_waiting": ("vllm:num_requests_waiting", {}),
-    "trigger_time": ("rose:burst_transition_timestamp_seconds", {"from_state": "normal", "to_state": "burst"}),
+    "serving_preemptions": ("vllm:num_preemptions_total", {}),
+    # The server's Unix time of the last transition of each kind.
+    **{column: ("rose:burst_transition_timestamp_seconds", {"from_state": a, "to_state": b})
+       for column, (a, b) in TRANSITIONS.items()},
 }
 _NAMES = tuple({name for name, _ in SAMPLED.values()})
 
@@ -261,11 +268,12 @@ async def timeline(url: str, t0: float, wall0: float, stop_at: float, next_step_
                 with_time = read_sample((await client.get(f"{url}/metrics")).text)
             except httpx.HTTPError as exc:  # a scrape missed; the next one may answer
                 missed.append({"t": round(now - t0, 3), "error": f"{type(exc).__name__}: {exc}"})
+                await asyncio.sleep(SAMPLE_S)
                 continue
-            samples.append({"t": round(now - t0, 3), "scrape_ms": round(1e3 * (time.perf_counter() - now), 1),
-                            **with_time})
-            if with_time["trigger_time"] > last_trigger:  # a new burst
-                last_trigger = with_time["trigger_time"]
+            scrape_ms = round(1e3 * (time.perf_counter() - now), 1)
+            samples.append({"t": round(now - t0, 3), "scrape_ms": scrape_ms, **with_time})
+            if with_time["normal_to_burst"] > last_trigger:  # a new burst
+                last_trigger = with_time["normal_to_burst"]
                 if next_step_s is not None and step_at is None:
                     step_at = last_trigger - wall0 + next_step_s
             if step_at is not None and now - t0 >= step_at:
@@ -285,14 +293,6 @@ def transitions(samples: list[dict[str, float]], wall0: float) -> list[tuple[flo
             if s.get(column):
                 seen.add((s[column], column))
     return sorted((round(at - wall0, 3), *TRANSITIONS[column]) for at, column in seen)
-
-
-TRANSITIONS = {f"{a}_to_{b}": (a, b) for a in ("normal", "burst", "frozen") for b in ("normal", "burst", "frozen")
-               if a != b}
-SAMPLED.update({column: ("rose:burst_transition_timestamp_seconds", {"from_state": a, "to_state": b})
-                for column, (a, b) in TRANSITIONS.items()})
-SAMPLED["serving_preemptions"] = ("vllm:num_preemptions_total", {})
-_NAMES = tuple({name for name, _ in SAMPLED.values()})
 
 
 def burst_figures(events: list[tuple[float, str, str]], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -320,7 +320,7 @@ def harvest(samples: list[dict[str, float]], bounds: list[float]) -> list[float 
     t = np.array([s["t"] for s in samples])
     tokens = np.array([s["rollout_tokens"] for s in samples])
     out: list[float | None] = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         if hi - lo < 1.0 or len(t) < 2:
             out.append(None)
             continue
@@ -363,9 +363,10 @@ def window_figures(requests: list[RequestResult], window: BurstWindow, slo: dict
     out = {}
     for part, keep in (("inside", True), ("outside", False)):
         chosen = [r for r in requests if window.inside(r.scheduled_s) is keep]
-        span = window.spike[1] - window.spike[0] if keep else window.duration_s - (window.spike[1] - window.spike[0])
-        s = summarize(chosen, span, **_slo_kwargs(slo))
-        out[part] = {k: s[k] for k in ("requests", "completed", "p99_ttft_ms", "p99_tpot_ms", "slo_attainment")}
+        spike = window.spike[1] - window.spike[0]
+        s = summarize(chosen, spike if keep else window.duration_s - spike, **_slo_kwargs(slo))
+        out[part] = {k: s[k] for k in ("requests", "completed", "p99_ttft_ms", "p99_tpot_ms",
+                                       "slo_attainment")}
     return out
 
 
@@ -404,9 +405,10 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
         "reclaim_ms": {k: (round(v * 1e3, 3) if v is not None and k != "count" else v)
                        for k, v in histogram(text, "rose:burst_reclaim_seconds").items()},
         "serving_preemptions": value(text, "vllm:num_preemptions_total"),
-        "serving_peak_pages": max((s["serving_pages"] for s in samples), default=0.0),
-        "pool_pages": samples[0]["serving_pages"] + samples[0]["rollout_pages"] + samples[0]["free_pages"]
-        if samples else None,
+        "serving_peak_pages": max((s["serving_pages"] - s["cached_serving_pages"] for s in samples),
+                                  default=0.0),
+        "pool_pages": max((s["serving_pages"] + s["rollout_pages"] + s["free_pages"] for s in samples),
+                          default=None),
         **summarize(requests, wall, **_slo_kwargs(slo)),
         "window": window_figures(requests, window, slo)}
     if rollouts:
@@ -449,12 +451,20 @@ def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollo
                          for m, rs in requests.items()}}
 
 
-def summarize_burst(run: dict[str, Any], window: BurstWindow) -> dict[str, Any]:
+def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float) -> dict[str, Any]:
     """The headline figures: the burst in ROSE, each mode's serving inside and outside the spike
     against serving alone's in the same requests' window, the hand-back, the harvest."""
     modes = run["modes"]
     alone = modes["serving_alone"]["window"]
-    summary: dict[str, Any] = {"slo": run["slo"], "window": {
+    e = ExecutorConfig()  # the settings every mode's server runs with, but for its pool
+    pages = modes["rose"].get("pool_pages")
+    pool: dict[str, Any] = {"mb": pool_mb, "pages": pages}
+    if pages:
+        headroom = int(pages * e.headroom)
+        pool.update(headroom_pages=headroom,
+                    watermark_pages=round(pages - headroom * (1 - e.high_watermark), 1),
+                    static_serving_pages=pages - int(e.static_rollout_pages * pages))
+    summary: dict[str, Any] = {"slo": run["slo"], "pool": pool, "window": {
         "trace": window.scale.trace, "start_s": window.start_s, "duration_s": window.duration_s,
         "spike_s": list(window.spike), "spike_requests": window.spike_requests,
         "load": window.scale.load, "prompt_scale": window.scale.prompt_scale}}
@@ -499,13 +509,19 @@ def plot_burst(report: dict[str, Any], path: str) -> None:
         top, bottom = axes[0][col], axes[1][col]
         samples = r["timeline"]["samples"]
         t = [s["t"] for s in samples]
-        top.plot(t, [s["serving_pages"] for s in samples], color="C0", label="serving pages")
-        top.plot(t, [s["rollout_pages"] - s["cached_rollout_pages"] for s in samples], color="C1",
-                 label="rollout pages (running turns)")
+        serving = [s["serving_pages"] - s["cached_serving_pages"] for s in samples]
+        rollout = [s["rollout_pages"] - s["cached_rollout_pages"] for s in samples]
+        top.stackplot(t, serving, rollout, colors=("C0", "C1"), alpha=0.7,
+                      labels=("serving pages", "rollout pages (running turns)"))
         if mode == "rose":
-            top.plot(t, [s["rollout_budget"] for s in samples], color="C1", linestyle=":", label="rollout budget")
+            top.plot(t, [s["rollout_budget"] for s in samples], color="C1", linestyle=":",
+                     label="rollout budget")
         if r.get("pool_pages"):
             top.axhline(r["pool_pages"], color="k", linewidth=0.8, label="pool")
+        watermark = report["summary"]["pool"].get("watermark_pages")
+        if watermark:
+            top.axhline(watermark, color="k", linestyle="--", linewidth=0.8,
+                        label="high watermark (rose: the burst trigger)")
         requests = report["requests"][mode]
         at = [q["scheduled_s"] for q in requests]
         bottom.scatter(at, [1e3 * q["ttft_s"] if q["ttft_s"] else np.nan for q in requests], s=8, color="C2",
@@ -535,13 +551,15 @@ def plot_burst(report: dict[str, Any], path: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("--burst", "a serving spike that needs the rollouts' KV pages (rose.bench.burst)")
-    g.add_argument("--burst-pool-mb", type=float, default=64.0,
-                   help="the KV pool of --burst's servers, MiB (default: 64)")
+    g = p.add_argument_group("--burst", "a serving spike that needs the rollouts' KV pages "
+                                        "(rose.bench.burst)")
+    g.add_argument("--burst-pool-mb", type=float, default=48.0,
+                   help="the KV pool of --burst's servers, MiB (default: 48)")
     g.add_argument("--next-step-s", type=float, default=10.0,
                    help="--burst: seconds from a burst's trigger to the next RL step, which ends the freeze")
     g.add_argument("--spike-s", type=float, default=20.0, help="--burst: the spike's length, seconds")
-    g.add_argument("--lead-s", type=float, default=50.0, help="--burst: seconds of the window before the spike")
+    g.add_argument("--lead-s", type=float, default=20.0,
+                   help="--burst: seconds of the window before the spike")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -554,7 +572,7 @@ def run(args: argparse.Namespace) -> int:
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
-    duration = args.duration or (90.0 if args.quick else 150.0)
+    duration = args.duration or (60.0 if args.quick else 90.0)
     window = burst_window(Scale(), duration, args.spike_s, args.lead_s)
     cores = os.sched_getaffinity(0)
     server_core = str(max(cores)) if len(cores) > 1 else None
@@ -564,13 +582,13 @@ def run(args: argparse.Namespace) -> int:
         serving = serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
         rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
         report = _one_run(args, window, serving, rollout, server_core, device)
-    summary = summarize_burst(report, window)
+    summary = summarize_burst(report, window, args.burst_pool_mb)
     report = {"window": dataclasses.asdict(window), **report}
     if args.plot:
         plot_burst({**report, "summary": summary}, args.plot)
-    config = {k: getattr(args, k) for k in ("serving_model", "rollout_model", "duration", "quick", "trajectories",
-                                            "slo_factor", "admission_quantile", "tpot_inflation",
-                                            "ttft_inflation", "burst_pool_mb", "next_step_s", "spike_s",
-                                            "lead_s", "device", "dtype")}
+    config = {k: getattr(args, k) for k in (
+        "serving_model", "rollout_model", "duration", "quick", "trajectories", "slo_factor",
+        "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb", "next_step_s", "spike_s",
+        "lead_s", "device", "dtype")}
     write_report(args.json, summary, config=config, **report)
     return 0

@@ -95,8 +95,8 @@ class ExecutorMetrics:
         self.cuts = Counter("rose:burst_cuts", "Emergency cuts: each time serving crossed the high "
                             "watermark while rollouts held pages (a burst's trigger and each crossing in it)",
                             registry=r)
-        self.cut_pages = Counter("rose:burst_cut_pages", "KV pages the rollout turns aborted by emergency cuts "
-                                 "held", registry=r)
+        self.cut_pages = Counter("rose:burst_cut_pages", "KV pages the rollout turns that emergency cuts "
+                                 "aborted held", registry=r)
         self.reclaim_seconds = Histogram(
             "rose:burst_reclaim_seconds", "Per emergency cut, from its trigger until rollouts hold no more "
             "than the cut's budget (the pages it took back are serving's)", buckets=_RECLAIM_BUCKETS,

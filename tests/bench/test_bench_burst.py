@@ -43,10 +43,11 @@ def test_window_is_the_scaled_traces_spike_placed_lead_s_in() -> None:
         assert tokens[span].sum() <= w.spike_kv_tokens
     # Scaled as asked: the trace's rate times `load`, prompts times `prompt_scale`.
     full = load_trace(scale.trace)
-    at = (w.start_s + trace.arrival_s) * scale.load  # in the trace's own time (the window lies in its first period)
+    at = (w.start_s + trace.arrival_s) * scale.load  # in the trace's own time (its first period here)
     index = np.searchsorted(full.arrival_s, at - 1e-6)
     np.testing.assert_allclose(full.arrival_s[index], at, atol=1e-6)
-    np.testing.assert_array_equal(trace.prompt_tokens, np.maximum(1, np.rint(full.prompt_tokens[index] * 0.25)))
+    scaled = np.maximum(1, np.rint(full.prompt_tokens[index] * scale.prompt_scale))
+    np.testing.assert_array_equal(trace.prompt_tokens, scaled)
     assert burst.kv_tokens(trace, scale).max() <= scale.max_context
     with pytest.raises(ValueError, match="inside the 30 s window"):
         burst.burst_window(scale, duration_s=30.0, spike_s=20.0, lead_s=20.0)
@@ -84,10 +85,10 @@ def _scrape(**set_: float) -> str:
 def test_a_scrape_gives_the_timelines_columns_and_the_reclaim_histograms() -> None:
     sample = burst.read_sample(_scrape(serving=12, rollout=30, tokens=7, trigger=1000.5))
     assert (sample["serving_pages"], sample["rollout_pages"], sample["rollout_tokens"]) == (12, 30, 7)
-    assert sample["trigger_time"] == sample["normal_to_burst"] == 1000.5
+    assert sample["normal_to_burst"] == 1000.5 and sample["burst_to_frozen"] == 0.0
     text = _scrape(reclaims=[(0.0002, 0), (0.0003, 0), (0.003, 1)])
-    assert burst.histogram(text, "rose:burst_reclaim_iterations") == {"count": 3, "mean": pytest.approx(1 / 3),
-                                                                     "max_at_most": 1.0}
+    iterations = burst.histogram(text, "rose:burst_reclaim_iterations")
+    assert iterations == {"count": 3, "mean": pytest.approx(1 / 3), "max_at_most": 1.0}
     seconds = burst.histogram(text, "rose:burst_reclaim_seconds")
     assert seconds["max_at_most"] == 0.005 and seconds["mean"] == pytest.approx(0.0035 / 3)
     assert burst.histogram(_scrape(), "rose:burst_reclaim_seconds")["count"] == 0
@@ -113,14 +114,15 @@ def test_the_bursts_course_and_harvest_from_the_timeline() -> None:
 
 
 def _report() -> dict:
-    samples = [{"t": t / 10, **burst.read_sample(_scrape(serving=t % 40, rollout=100 - t % 40)),
-                "cached_rollout_pages": 0.0} for t in range(300)]
-    mode = {"timeline": {"samples": samples, "events": [(10.0, "normal", "burst"), (20.0, "frozen", "normal")]},
-            "pool_pages": 128.0}
+    samples = [{"t": t / 10, **burst.read_sample(_scrape(serving=t % 40, rollout=100 - t % 40))}
+               for t in range(300)]
+    events = [(10.0, "normal", "burst"), (20.0, "frozen", "normal")]
+    mode = {"timeline": {"samples": samples, "events": events}, "pool_pages": 128.0}
     requests = [{"scheduled_s": float(t), "ttft_s": 0.1 * (1 + t % 3), "tpot_s": 0.02 if t % 4 else None}
                 for t in range(30)]
     return {"modes": dict.fromkeys(burst.MODES, mode), "requests": dict.fromkeys(burst.MODES, requests),
-            "summary": {"window": {"spike_s": [8.0, 18.0]}, "slo": {"ttft_ms": 500.0, "tpot_ms": 50.0}}}
+            "summary": {"window": {"spike_s": [8.0, 18.0]}, "slo": {"ttft_ms": 500.0, "tpot_ms": 50.0},
+                        "pool": {"watermark_pages": 115.2}}}
 
 
 def test_the_window_is_plotted(tmp_path: Path) -> None:
@@ -135,7 +137,8 @@ def test_flags_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.slow
-def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path, tiny_qwen3: Path) -> None:
+def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path,
+                                                                     tiny_qwen3: Path) -> None:
     """Tiny models on a pool of 48 pages: the trace's spike (its rate and prompts scaled up, long
     outputs) needs the pages rollouts hold; the burst cuts turns, hands them back with their tokens,
     and their trajectories finish them."""
