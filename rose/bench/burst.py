@@ -434,7 +434,9 @@ def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollo
         slo = loose
         for mode, (policy, _) in MODES.items():
             progress.describe(mode)
-            extra = (*pool, *(_rose_args(args) if policy == "rose" else ()), *device)
+            split = ("--static-rollout-pages", str(args.static_rollout_pages))
+            extra = (*pool, *(_rose_args(args) if policy == "rose" else ()),
+                     *(split if policy == "static" else ()), *device)
             with _server(serving, rollout, policy, slo, core, extra) as url:
                 results[mode], requests[mode] = asyncio.run(_measure(url, mode, window, args, slo))
             if mode == "serving_alone":  # its P99s over the window x --slo-factor: the others' SLO
@@ -451,7 +453,8 @@ def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollo
                          for m, rs in requests.items()}}
 
 
-def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float) -> dict[str, Any]:
+def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float,
+                    static_rollout_pages: float = ExecutorConfig().static_rollout_pages) -> dict[str, Any]:
     """The headline figures: the burst in ROSE, each mode's serving inside and outside the spike
     against serving alone's in the same requests' window, the hand-back, the harvest."""
     modes = run["modes"]
@@ -463,7 +466,9 @@ def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float) ->
         headroom = int(pages * e.headroom)
         pool.update(headroom_pages=headroom,
                     watermark_pages=round(pages - headroom * (1 - e.high_watermark), 1),
-                    static_serving_pages=pages - int(e.static_rollout_pages * pages))
+                    static_serving_pages=pages - int(static_rollout_pages * pages),
+                    # Whether the spike needs the rollouts' pages: serving alone's peak past the headroom.
+                    serving_alone_peak_pages=modes["serving_alone"]["serving_peak_pages"])
     summary: dict[str, Any] = {"slo": run["slo"], "pool": pool, "window": {
         "trace": window.scale.trace, "start_s": window.start_s, "duration_s": window.duration_s,
         "spike_s": list(window.spike), "spike_requests": window.spike_requests,
@@ -486,6 +491,8 @@ def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float) ->
         "bursts", "burst_cuts", "trigger_s", "burst_state_s", "freeze_s", "trigger_to_next_step_s",
         "rollout_pages_cut", "rollout_turns_cut", "reclaim_iterations", "reclaim_ms", "hand_back",
         "harvest_tokens_per_s")})
+    reclaim = rose["reclaim_iterations"]["max_at_most"]
+    summary["rose"]["reclaimed_within_one_iteration"] = reclaim is not None and reclaim <= 1
     static, ours = summary["static_partition"]["inside"], summary["rose"]["inside"]
     summary["static_vs_rose_p99_tpot_inside"] = _ratio(static["p99_tpot_ms"], ours["p99_tpot_ms"])
     summary["static_vs_rose_p99_ttft_inside"] = _ratio(static["p99_ttft_ms"], ours["p99_ttft_ms"])
@@ -539,12 +546,14 @@ def plot_burst(report: dict[str, Any], path: str) -> None:
                     ax.axvline(at_s, color="g", linewidth=0.8)
             ax.grid(alpha=0.3)
         top.set_title(mode)
-        bottom.set(yscale="log", xlabel="seconds into the window (shaded: the spike's arrivals)")
+        bottom.set(yscale="log")
     axes[0][0].set_ylabel("KV pages")
     axes[1][0].set_ylabel("ms (request arrival on x)")
-    axes[0][-1].legend(fontsize=7, loc="upper left")
-    axes[1][-1].legend(fontsize=7, loc="upper left")
-    fig.suptitle("burst trigger: red; next RL step (freeze ends): green", fontsize=9)
+    for row in axes:  # one legend per row, the labels of its fullest panel
+        handles, labels = max((ax.get_legend_handles_labels() for ax in row), key=lambda hl: len(hl[1]))
+        row[-1].legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("rose: burst trigger red, next RL step (the freeze ends) green", fontsize=9)
+    fig.supxlabel("seconds into the window (shaded: the spike's arrivals)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -560,6 +569,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spike-s", type=float, default=20.0, help="--burst: the spike's length, seconds")
     g.add_argument("--lead-s", type=float, default=20.0,
                    help="--burst: seconds of the window before the spike")
+    g.add_argument("--static-rollout-pages", type=float, default=ExecutorConfig().static_rollout_pages,
+                   help="--burst: static_partition's rollout share of the pool (default: half, as "
+                   "rose bench coserve's)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -582,13 +594,13 @@ def run(args: argparse.Namespace) -> int:
         serving = serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
         rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
         report = _one_run(args, window, serving, rollout, server_core, device)
-    summary = summarize_burst(report, window, args.burst_pool_mb)
+    summary = summarize_burst(report, window, args.burst_pool_mb, args.static_rollout_pages)
     report = {"window": dataclasses.asdict(window), **report}
     if args.plot:
         plot_burst({**report, "summary": summary}, args.plot)
     config = {k: getattr(args, k) for k in (
         "serving_model", "rollout_model", "duration", "quick", "trajectories", "slo_factor",
         "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb", "next_step_s", "spike_s",
-        "lead_s", "device", "dtype")}
+        "lead_s", "static_rollout_pages", "device", "dtype")}
     write_report(args.json, summary, config=config, **report)
     return 0

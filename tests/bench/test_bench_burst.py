@@ -1,6 +1,6 @@
 """`rose bench coserve --burst`: the window around the trace's spike, the figures it computes from
-what it measured, its plot, and (slow) a short run on tiny models that must cut and hand back
-rollout turns."""
+what it measured, its plot, and a short run on tiny models (about 30 s) that must cut rollout
+turns and hand them back."""
 
 from __future__ import annotations
 
@@ -136,17 +136,16 @@ def test_flags_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str])
     assert "--runs does not apply to --burst" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path,
                                                                      tiny_qwen3: Path) -> None:
-    """Tiny models on a pool of 48 pages: the trace's spike (its rate and prompts scaled up, long
+    """Tiny models on a pool of 128 pages: the trace's spike (its rate and prompts scaled up, long
     outputs) needs the pages rollouts hold; the burst cuts turns, hands them back with their tokens,
-    and their trajectories finish them."""
-    scale = burst.Scale(load=0.5, prompt_scale=0.25, max_output=400, max_context=1024)
+    and their trajectories finish them after the next RL step."""
+    scale = burst.Scale(load=0.5, prompt_scale=0.25, max_output=200, max_context=512)
     window = burst.burst_window(scale, duration_s=24.0, spike_s=4.0, lead_s=8.0)
     args = argparse.Namespace(trajectories=8, next_step_s=6.0)
     slo = {"ttft_ms": 1e6, "tpot_ms": 1e6}
-    extra = ("--pool-mb", "0.19", "--chunk-tokens", "64", "--no-profile")
+    extra = ("--pool-mb", "0.5", "--chunk-tokens", "64", "--no-profile")
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(_server(tiny_qwen2, tiny_qwen3, "rose", slo, None, extra))
         result, requests = asyncio.run(burst._measure(url, "rose", window, args, slo))
