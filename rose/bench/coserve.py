@@ -112,7 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-factor", type=float, default=1.5, help="SLO = this x serving-alone P99")
     p.add_argument("--trajectories", type=int, default=16, help="concurrent rollout trajectories")
     p.add_argument("--start", type=float, default=600.0, help="offset into the trace, seconds")
+    p.add_argument("--burst", action="store_true", help="a serving spike that needs the rollouts' KV pages "
+                   "instead: serving alone, naive, static and rose over one window of it (rose.bench.burst)")
     add_device_arguments(p)
+    from rose.bench import burst  # it builds on this module's helpers
+
+    burst.add_arguments(p)
 
 
 @contextlib.contextmanager
@@ -419,6 +424,12 @@ def _check_engine(args: argparse.Namespace, serving: Path | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.burst:
+        if args.engine != "native":
+            raise ValueError("--burst runs on the native engine only (not yet on vLLM); drop --engine")
+        from rose.bench import burst
+
+        return burst.run(args)
     # The checkpoints, device and engine given are checked before anything changes or starts.
     device = serve_device_args(args)
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None

@@ -32,6 +32,7 @@ import torch
 from rose.contracts import Capacity, Turn
 from rose.coserve.admission import (
     BurstController,
+    BurstState,
     RolloutDemand,
     RolloutWait,
     ServingState,
@@ -124,6 +125,11 @@ class CoServingExecutor:
         self.serving_arrived: Callable[[], bool] = lambda: False
         self.served = self.served_within_slo = 0
         self._serving_ids = itertools.count()
+        self._iterations = 0  # executor iterations so far (each runs serving's step once)
+        # An emergency cut whose pages serving does not have yet: (its trigger's monotonic time,
+        # the iterations run before it, the rollout budget it set).
+        self._reclaim: tuple[float, int, int] | None = None
+        self._preemptions = 0  # the serving engine's preemptions already counted in the metrics
         if cfg.policy is Policy.STATIC:
             rollout_pages = int(cfg.static_rollout_pages * self.device_pages)
             self.pool.set_budget(ROLLOUT, rollout_pages)
@@ -159,6 +165,7 @@ class CoServingExecutor:
         profile(self.serving, SERVING, self.latency)
         if self.rollout:
             profile(self.rollout, ROLLOUT, self.latency)
+        self._preemptions = getattr(self.serving, "num_preemptions", 0)  # the profile's are no request's
 
     # -- serving requests ------------------------------------------------------------------------
 
@@ -225,7 +232,16 @@ class CoServingExecutor:
 
     def new_rl_step(self) -> None:
         """A new RL step: the rollout budget may grow again after a burst."""
+        before = self.burst.state
         self.burst.new_rl_step()
+        self._transition(before, self.burst.state)
+        self.metrics.state.set(int(self.burst.state))
+
+    def _transition(self, before: BurstState, after: BurstState) -> None:
+        if after is not before:
+            labels = (before.name.lower(), after.name.lower())
+            self.metrics.transitions.labels(*labels).inc()
+            self.metrics.transition_time.labels(*labels).set(time.time())
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                      in_flight: InFlight = InFlight.CONTINUE) -> None:
@@ -248,6 +264,7 @@ class CoServingExecutor:
         self._limit_s = math.inf
         budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
         outputs += self._record(SERVING, self.serving.step(), self.serving.last_step)
+        self._iterations += 1
         serving_s = self.serving.last_step.seconds
         if self.rollout and self.config.policy is Policy.PRIORITY:  # what serving's part left
             load = self.serving.last_step.load
@@ -318,18 +335,28 @@ class CoServingExecutor:
             self._priority_memory()
         if self.config.policy is not Policy.ROSE:
             return []
+        triggered = time.monotonic()
+        self._check_reclaim()
         before = self.burst.state
         held = [(s.request_id, len(s.block_table))
                 for s in sorted(self._rollout_seqs(), key=lambda s: s.arrival)]
         # Pages only a prefix cache holds are reclaimable: they count as free here.
         decision = self.burst.observe(self._pages(self.serving.kv_pages().active), held)
         self.pool.set_budget(ROLLOUT, decision.rollout_budget)
-        if decision.state is not before:
-            self.metrics.transitions.labels(before.name.lower(), decision.state.name.lower()).inc()
-        self.metrics.state.set(int(decision.state))
-        self.metrics.rollout_budget.set(decision.rollout_budget)
+        m = self.metrics
+        self._transition(before, decision.state)
+        m.state.set(int(decision.state))
+        m.rollout_budget.set(decision.rollout_budget)
+        if decision.cut:
+            pages = dict(held)
+            m.cuts.inc()
+            m.cut_pages.inc(sum(pages[rid] for rid in decision.abort))
+            # A cut while an earlier one's pages are still to come is timed from the earlier.
+            start, iterations = self._reclaim[:2] if self._reclaim else (triggered, self._iterations)
+            self._reclaim = (start, iterations, decision.rollout_budget)
         aborted = [out for rid in decision.abort if (out := self.abort(str(rid))) is not None]
-        self.metrics.rollout_aborts.inc(len(aborted))
+        m.rollout_aborts.inc(len(aborted))
+        self._check_reclaim()
         return aborted
 
     def _priority_memory(self) -> None:
@@ -354,6 +381,16 @@ class CoServingExecutor:
                 break
             rollout.scheduler.preempt(seq)
             rollout.num_preemptions += 1
+
+    def _check_reclaim(self) -> None:
+        """Whether the pages of the last emergency cut are serving's yet: rollouts hold no more
+        than its budget (what they release only their prefix cache keeps, reclaimed on demand)."""
+        if self._reclaim is None or self._rollout().blocks.num_active_pages > self._reclaim[2]:
+            return
+        start, iterations, _ = self._reclaim
+        self.metrics.reclaim_seconds.observe(time.monotonic() - start)
+        self.metrics.reclaim_iterations.observe(self._iterations - iterations)
+        self._reclaim = None
 
     def _rollout_token_budget(self, now: float) -> int | None:
         """Rollout tokens that may join this iteration (None: no limit; under `priority` it is
@@ -391,6 +428,10 @@ class CoServingExecutor:
         running, waiting = self.serving.queue_lengths()
         m.running.labels(m.model_name).set(running)
         m.waiting.labels(m.model_name).set(waiting)
+        # The native engine counts its preemptions; an engine that does not exports none.
+        preemptions = getattr(self.serving, "num_preemptions", 0)
+        m.preemptions.labels(m.model_name).inc(preemptions - self._preemptions)
+        self._preemptions = preemptions
         cached = self.serving.cached_pages()
         # Serving's pages, its prefix cache's included: the pool's count, or its own cache's.
         serving = (self._pages(self.serving.kv_pages().active + cached) if self.own_pages

@@ -21,6 +21,10 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Token counts: 1, 2, 5, 10, ... as vLLM builds them.
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+# An emergency cut's pages come back while the aborts run: sub-millisecond unless a cut ever
+# waits for an iteration.
+_RECLAIM_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+_RECLAIM_ITERATION_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -56,6 +60,8 @@ class ExecutorMetrics:
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Generated tokens per "
                                                    "serving request", model, buckets=_TOKEN_BUCKETS,
                                                    registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Serving requests preempted for want of KV pages "
+                                   "(their KV is computed again later)", model, registry=r)
         # -- ROSE's own ------------------------------------------------------------------------------
         self.serving_requests = Counter("rose:serving_requests", "Finished serving requests that had a "
                                         "first token (the SLO attainment's denominator)", registry=r)
@@ -83,6 +89,22 @@ class ExecutorMetrics:
         self.transitions = Counter("rose:burst_transitions", "Burst state transitions",
                                    ["from_state", "to_state"], registry=r)
         self.rollout_budget = Gauge("rose:rollout_budget_pages", "Pages rollouts may hold", registry=r)
+        self.transition_time = Gauge("rose:burst_transition_timestamp_seconds", "Unix time of the last "
+                                     "burst state transition of each kind (0: none yet)",
+                                     ["from_state", "to_state"], registry=r)
+        self.cuts = Counter("rose:burst_cuts", "Emergency cuts: each time serving crossed the high "
+                            "watermark while rollouts held pages (a burst's trigger and each crossing in it)",
+                            registry=r)
+        self.cut_pages = Counter("rose:burst_cut_pages", "KV pages the rollout turns that emergency cuts "
+                                 "aborted held", registry=r)
+        self.reclaim_seconds = Histogram(
+            "rose:burst_reclaim_seconds", "Per emergency cut, from its trigger until rollouts hold no more "
+            "than the cut's budget (the pages it took back are serving's)", buckets=_RECLAIM_BUCKETS,
+            registry=r)
+        self.reclaim_iterations = Histogram(
+            "rose:burst_reclaim_iterations", "Per emergency cut, serving iterations run from its trigger "
+            "until rollouts hold no more than the cut's budget (0: before the trigger's own)",
+            buckets=_RECLAIM_ITERATION_BUCKETS, registry=r)
         self.admissions = Counter("rose:admission_decisions", "Iterations with rollout work, by whether "
                                   "any of it was admitted", ["outcome"], registry=r)
         self.slack = Gauge("rose:admission_slack_seconds", "Least serving slack left with the admitted "
@@ -106,6 +128,7 @@ class ExecutorMetrics:
             for after in BurstState:
                 if before is not after:
                     self.transitions.labels(before.name.lower(), after.name.lower())
+                    self.transition_time.labels(before.name.lower(), after.name.lower())
         for outcome in ("admitted", "held"):
             self.admissions.labels(outcome)
 
@@ -114,7 +137,7 @@ class ExecutorMetrics:
         self.model_name = name
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
                        self.ttft, self.tpot, self.e2e, self.request_prompt_tokens,
-                       self.request_generation_tokens):
+                       self.request_generation_tokens, self.preemptions):
             metric.labels(name)
         for reason in FINISH_REASONS:
             self.request_success.labels(name, reason)

@@ -3,6 +3,7 @@ partial tokens handed back, the latency model."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,44 @@ def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> N
     metrics = ex.metrics.expose().decode()
     assert 'rose:burst_transitions_total{from_state="normal",to_state="burst"} 1.0' in metrics
     assert 'rose:burst_transitions_total{from_state="burst",to_state="frozen"} 1.0' in metrics
+    # new_rl_step's own transition
+    assert 'rose:burst_transitions_total{from_state="frozen",to_state="normal"} 1.0' in metrics
     assert "rose:rollout_aborted_turns_total" in metrics
+
+
+def _samples(ex: CoServingExecutor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(ex.metrics.expose().decode()) for s in f.samples}
+
+
+def test_a_cuts_pages_are_servings_before_the_triggers_own_serving_step() -> None:
+    """The burst's course in /metrics: each cut, the pages its aborted turns held, how many
+    iterations and seconds after the trigger rollouts were within its budget, the time of each
+    transition, serving's preemptions."""
+    ex = _executor(pages=40, slo_ttft_ms=1e6, slo_tpot_ms=1e6)
+    for i in range(4):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(60, i), LONG))
+    for _ in range(6):
+        ex.step()
+    held = {s.request_id: len(s.block_table) for s in ex._rollout_seqs()}
+    for i in range(3):
+        ex.add_serving(_ids(150, 10 + i), SamplingParams(max_tokens=4))
+    cut: list[str] = []
+    while not cut:
+        cut = [o.request_id for o in ex.step() if o.finish_reason == "abort"]
+    m = _samples(ex)
+    assert m[("rose:burst_cuts_total", ())] == 1.0
+    assert m[("rose:burst_cut_pages_total", ())] == sum(held[t] for t in cut) > 0
+    assert m[("rose:burst_reclaim_iterations_count", ())] == 1.0
+    assert m[("rose:burst_reclaim_iterations_bucket", (("le", "0.0"),))] == 1.0  # before serving's step
+    assert 0 < m[("rose:burst_reclaim_seconds_sum", ())] < 0.5
+    assert ex.rollout.blocks.num_active_pages <= ex.pool.budget("rollout")
+    transition = (("from_state", "normal"), ("to_state", "burst"))
+    trigger = m[("rose:burst_transition_timestamp_seconds", transition)]
+    assert abs(trigger - time.time()) < 60
+    assert m[("vllm:num_preemptions_total", (("model_name", ""),))] == ex.serving.num_preemptions
 
 
 def _rollout_tokens_per_iteration(ex: CoServingExecutor) -> list[int]:

@@ -1,0 +1,158 @@
+"""`rose bench coserve --burst`: the window around the trace's spike, the figures it computes from
+what it measured, its plot, and a short run on tiny models (about 30 s) that must cut rollout
+turns and hand them back."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rose.bench import burst
+from rose.bench.coserve import _server
+from rose.cli import main
+from rose.coserve.loadgen import RequestResult
+from rose.coserve.metrics import ExecutorMetrics
+from rose.traces import load_trace
+
+
+def test_densest_stretch_holds_the_most_weight() -> None:
+    at = np.array([0.0, 1.0, 2.0, 10.0, 10.5, 11.0, 30.0])
+    weight = np.array([5.0, 5.0, 5.0, 4.0, 4.0, 4.0, 20.0])
+    assert burst.densest(at, weight, 3.0) == (30.0, 20.0)
+    assert burst.densest(at, np.ones(7), 3.0) == (0.0, 3.0)  # the first of equals
+    assert burst.densest(at, np.ones(7), 1.01) == (10.0, 3.0)
+
+
+def test_window_is_the_scaled_traces_spike_placed_lead_s_in() -> None:
+    scale = burst.Scale()
+    w = burst.burst_window(scale, duration_s=90.0, spike_s=20.0, lead_s=20.0)
+    assert w.spike == (20.0, 40.0)
+    trace = w.trace()
+    tokens = burst.kv_tokens(trace, scale)
+    inside = np.array([w.inside(t) for t in trace.arrival_s])
+    assert inside.sum() == w.spike_requests and tokens[inside].sum() == w.spike_kv_tokens
+    # The spike: several times the trace's mean KV arrival, and no other 20 s of the window more.
+    assert w.spike_kv_tokens > 3 * w.mean_kv_tokens_per_s * 20.0
+    for lo in np.arange(0.0, 70.0, 1.0):
+        span = (trace.arrival_s >= lo) & (trace.arrival_s < lo + 20.0)
+        assert tokens[span].sum() <= w.spike_kv_tokens
+    # Scaled as asked: the trace's rate times `load`, prompts times `prompt_scale`.
+    full = load_trace(scale.trace)
+    at = (w.start_s + trace.arrival_s) * scale.load  # in the trace's own time (its first period here)
+    index = np.searchsorted(full.arrival_s, at - 1e-6)
+    np.testing.assert_allclose(full.arrival_s[index], at, atol=1e-6)
+    scaled = np.maximum(1, np.rint(full.prompt_tokens[index] * scale.prompt_scale))
+    np.testing.assert_array_equal(trace.prompt_tokens, scaled)
+    assert burst.kv_tokens(trace, scale).max() <= scale.max_context
+    with pytest.raises(ValueError, match="inside the 30 s window"):
+        burst.burst_window(scale, duration_s=30.0, spike_s=20.0, lead_s=20.0)
+
+
+def test_window_figures_split_requests_at_the_spike() -> None:
+    w = burst.BurstWindow(burst.Scale(), 0.0, 60.0, (20.0, 40.0), 2, 100, 1.0)
+    fast = [RequestResult(float(t), 10, 8, 0.1, 0.1 + 7 * 0.02) for t in (1.0, 50.0, 55.0)]
+    slow = [RequestResult(float(t), 10, 8, 2.0, 2.0 + 7 * 0.5) for t in (21.0, 30.0)]
+    out = burst.window_figures(fast + slow, w, {"ttft_ms": 1000.0, "tpot_ms": 100.0})
+    assert out["inside"]["requests"] == 2 and out["outside"]["requests"] == 3
+    assert out["inside"]["p99_ttft_ms"] == pytest.approx(2000.0)
+    assert out["inside"]["p99_tpot_ms"] == pytest.approx(500.0)
+    assert out["inside"]["slo_attainment"] == 0.0 and out["outside"]["slo_attainment"] == 1.0
+
+
+def _scrape(**set_: float) -> str:
+    m = ExecutorMetrics(("serving", "rollout"))
+    m.set_model_name("s")
+    m.pool_pages.labels("serving").set(set_.get("serving", 0))
+    m.pool_pages.labels("rollout").set(set_.get("rollout", 0))
+    m.rollout_tokens.inc(set_.get("tokens", 0))
+    if "trigger" in set_:
+        m.transition_time.labels("normal", "burst").set(set_["trigger"])
+    if "frozen" in set_:
+        m.transition_time.labels("burst", "frozen").set(set_["frozen"])
+    if "normal" in set_:
+        m.transition_time.labels("frozen", "normal").set(set_["normal"])
+    for seconds, iterations in set_.get("reclaims", ()):
+        m.reclaim_seconds.observe(seconds)
+        m.reclaim_iterations.observe(iterations)
+    return m.expose().decode()
+
+
+def test_a_scrape_gives_the_timelines_columns_and_the_reclaim_histograms() -> None:
+    sample = burst.read_sample(_scrape(serving=12, rollout=30, tokens=7, trigger=1000.5))
+    assert (sample["serving_pages"], sample["rollout_pages"], sample["rollout_tokens"]) == (12, 30, 7)
+    assert sample["normal_to_burst"] == 1000.5 and sample["burst_to_frozen"] == 0.0
+    text = _scrape(reclaims=[(0.0002, 0), (0.0003, 0), (0.003, 1)])
+    iterations = burst.histogram(text, "rose:burst_reclaim_iterations")
+    assert iterations == {"count": 3, "mean": pytest.approx(1 / 3), "max_at_most": 1.0}
+    seconds = burst.histogram(text, "rose:burst_reclaim_seconds")
+    assert seconds["max_at_most"] == 0.005 and seconds["mean"] == pytest.approx(0.0035 / 3)
+    assert burst.histogram(_scrape(), "rose:burst_reclaim_seconds")["count"] == 0
+
+
+def test_the_bursts_course_and_harvest_from_the_timeline() -> None:
+    wall0 = 1000.0
+    samples = [{"t": float(t), **burst.read_sample(_scrape(
+        tokens=10 * t if t < 20 or t >= 35 else 200 + (t - 20),
+        **({"trigger": wall0 + 20.25} if t >= 21 else {}),
+        **({"frozen": wall0 + 24.0} if t >= 25 else {}),
+        **({"normal": wall0 + 35.0} if t >= 36 else {})))} for t in range(60)]
+    events = burst.transitions(samples, wall0)
+    assert events == [(20.25, "normal", "burst"), (24.0, "burst", "frozen"), (35.0, "frozen", "normal")]
+    course = burst.burst_figures(events, [{"t": 35.0}])
+    assert course["bursts"] == 1 and course["trigger_s"] == 20.25
+    assert course["burst_state_s"] == 3.75 and course["freeze_s"] == 11.0
+    assert course["trigger_to_next_step_s"] == 14.75
+    before, during, after = burst.harvest(samples, [0.0, 20.0, 35.0, 59.0])
+    assert before == pytest.approx(10.0) and during == pytest.approx(150.0 / 15.0, rel=0.1)
+    assert after == pytest.approx(10.0)
+    assert burst.burst_figures([], [])["bursts"] == 0
+
+
+def _report() -> dict:
+    samples = [{"t": t / 10, **burst.read_sample(_scrape(serving=t % 40, rollout=100 - t % 40))}
+               for t in range(300)]
+    events = [(10.0, "normal", "burst"), (20.0, "frozen", "normal")]
+    mode = {"timeline": {"samples": samples, "events": events}, "pool_pages": 128.0}
+    requests = [{"scheduled_s": float(t), "ttft_s": 0.1 * (1 + t % 3), "tpot_s": 0.02 if t % 4 else None}
+                for t in range(30)]
+    return {"modes": dict.fromkeys(burst.MODES, mode), "requests": dict.fromkeys(burst.MODES, requests),
+            "summary": {"window": {"spike_s": [8.0, 18.0]}, "slo": {"ttft_ms": 500.0, "tpot_ms": 50.0},
+                        "pool": {"watermark_pages": 115.2}}}
+
+
+def test_the_window_is_plotted(tmp_path: Path) -> None:
+    path = tmp_path / "burst.png"
+    burst.plot_burst(_report(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flags_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "coserve", "--burst", "--runs", "2"]) == 2
+    assert "--runs does not apply to --burst" in capsys.readouterr().err
+
+
+def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path,
+                                                                     tiny_qwen3: Path) -> None:
+    """Tiny models on a pool of 128 pages: the trace's spike (its rate and prompts scaled up, long
+    outputs) needs the pages rollouts hold; the burst cuts turns, hands them back with their tokens,
+    and their trajectories finish them after the next RL step."""
+    scale = burst.Scale(load=0.5, prompt_scale=0.25, max_output=200, max_context=512)
+    window = burst.burst_window(scale, duration_s=24.0, spike_s=4.0, lead_s=8.0)
+    args = argparse.Namespace(trajectories=8, next_step_s=6.0)
+    slo = {"ttft_ms": 1e6, "tpot_ms": 1e6}
+    extra = ("--pool-mb", "0.5", "--chunk-tokens", "64", "--no-profile")
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(_server(tiny_qwen2, tiny_qwen3, "rose", slo, None, extra))
+        result, requests = asyncio.run(burst._measure(url, "rose", window, args, slo))
+    assert result["bursts"] >= 1 and result["burst_cuts"] >= 1
+    assert result["rollout_turns_cut"] >= 1 and result["rollout_pages_cut"] > 0
+    assert result["reclaim_iterations"]["max_at_most"] <= 1.0
+    back = result["hand_back"]
+    assert back["handed_back_with_tokens"] >= 1 and back["partial_tokens"] > 0
+    assert back["resumed_finished"] >= 1 and back["lost"] == 0
+    assert result["errors"] == 0 and len(requests) == result["requests"]
