@@ -64,9 +64,10 @@ def _serving_span(steps: list[list[RequestOutput]]) -> tuple[int, int]:
 def test_the_start_up_profile_fits_the_latency_model(coserving: VllmCoServing) -> None:
     latency = coserving.scheduler.latency
     assert latency.time(MODEL, TokenLoad(512)) > latency.time(MODEL, TokenLoad(16))
-    # Iterations of a few ms on the tiny model: the engine's warm-up (seconds) is not in the fit.
+    # Iterations of a few ms on the tiny model (tens under a loaded machine): the engine's
+    # warm-up (2-3 s) is not in the fit.
     for load in (TokenLoad(16), TokenLoad(512), TokenLoad(0, 1, 32), TokenLoad(0, 32, 32 * 256)):
-        assert 1e-4 < latency.time(MODEL, load) < 0.1
+        assert 1e-4 < latency.time(MODEL, load) < 0.5
     assert coserving.scheduler.tail.fitted is latency
 
 
