@@ -60,7 +60,8 @@ SAMPLE_S = 0.1    # the pool timeline's period
 @dataclasses.dataclass(frozen=True)
 class Scale:
     """How the trace is replayed: its rate times `load`, prompts times `prompt_scale`, outputs at
-    most `max_output`, every request within `max_context` tokens."""
+    most `max_output`, every request within `max_context` tokens (`rose bench coserve`'s replay:
+    0.35 requests/s)."""
 
     trace: str = "azure-conv"
     load: float = 0.35 / 5.53
@@ -560,18 +561,20 @@ def plot_burst(report: dict[str, Any], path: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`rose bench coserve`'s options that only `--burst` reads (it reads most of the others too)."""
     g = p.add_argument_group("--burst", "a serving spike that needs the rollouts' KV pages "
-                                        "(rose.bench.burst)")
+                                        "(rose.bench.burst; --start does not apply)")
     g.add_argument("--burst-pool-mb", type=float, default=48.0,
-                   help="the KV pool of --burst's servers, MiB (default: 48)")
-    g.add_argument("--next-step-s", type=float, default=10.0,
-                   help="--burst: seconds from a burst's trigger to the next RL step, which ends the freeze")
-    g.add_argument("--spike-s", type=float, default=20.0, help="--burst: the spike's length, seconds")
+                   help="the servers' KV pool, MiB (default: 48)")
+    g.add_argument("--spike-s", type=float, default=20.0,
+                   help="the spike: the seconds of the replay where the most KV tokens arrive (default: 20)")
     g.add_argument("--lead-s", type=float, default=20.0,
-                   help="--burst: seconds of the window before the spike")
+                   help="seconds of the window before the spike (default: 20)")
+    g.add_argument("--next-step-s", type=float, default=10.0,
+                   help="seconds from a burst's trigger to the next RL step, which ends the freeze "
+                   "(default: 10)")
     g.add_argument("--static-rollout-pages", type=float, default=ExecutorConfig().static_rollout_pages,
-                   help="--burst: static_partition's rollout share of the pool (default: half, as "
-                   "rose bench coserve's)")
+                   help="static_partition's rollout share of the pool (default: half, as without --burst)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -585,7 +588,8 @@ def run(args: argparse.Namespace) -> int:
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
     duration = args.duration or (60.0 if args.quick else 90.0)
-    window = burst_window(Scale(), duration, args.spike_s, args.lead_s)
+    # The replay `rose bench coserve` makes (the trace's mean rate is 5.53 requests/s).
+    window = burst_window(Scale(load=args.rate / 5.53), duration, args.spike_s, args.lead_s)
     cores = os.sched_getaffinity(0)
     server_core = str(max(cores)) if len(cores) > 1 else None
     if server_core is not None:
@@ -601,6 +605,6 @@ def run(args: argparse.Namespace) -> int:
     config = {k: getattr(args, k) for k in (
         "serving_model", "rollout_model", "duration", "quick", "trajectories", "slo_factor",
         "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb", "next_step_s", "spike_s",
-        "lead_s", "static_rollout_pages", "device", "dtype")}
+        "lead_s", "static_rollout_pages", "rate", "device", "dtype")}
     write_report(args.json, summary, config=config, **report)
     return 0
