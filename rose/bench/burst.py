@@ -3,9 +3,10 @@
 One serving device as in `rose bench coserve` (a `rose serve` process on one core, a `small`
 Qwen2 serving and a `small` Qwen3 rollout model, the backlog of multi-turn rollout turns on the
 lease API), over one window of a real trace that holds a spike of its own (`burst_window`: the
-stretch of the trace where the most KV tokens arrive, scaled in rate and length so that
-serving's KV at the spike's peak needs more than the headroom the executor keeps for it). Four
-modes over the same window: `serving_alone`, `naive_share`, `static_partition`, `rose`.
+stretch of `rose bench coserve`'s replay of the trace where the most KV tokens arrive), on a KV
+pool small enough that serving's KV at the spike's peak needs more than the headroom the
+executor keeps for it, so the rollouts' pages (`--burst-pool-mb`). Four modes over the same
+window: `serving_alone`, `naive_share`, `static_partition`, `rose`.
 
 Measured, besides what the server's /metrics say at the end:
 - every ~100 ms, the pool (serving, rollout and free pages, the rollout budget, the burst
@@ -142,7 +143,7 @@ class HandBack:
     unfinished_at_end: int = 0    # handed-back attempts whose turn had not finished when the window closed
     resumed_prefill_tokens: int = 0  # prompt tokens of the resumed attempts: KV built again, at most
     refused: int = 0              # attempts the executor turned away (429: lease slots full), retried
-    lost: int = 0                 # attempts whose stream broke without a finish reason: tokens lost
+    lost: int = 0                 # attempts whose stream ended without a finish reason: tokens lost
 
     def figures(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -188,10 +189,10 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
                 await asyncio.sleep(0.05)
                 continue
             except LeaseError:
-                hand_back.lost += 1
                 await asyncio.sleep(0.05)
             finally:  # a turn cut off at the end of the window still counts what it produced
                 hand_back.tokens += len(got.token_ids)
+            hand_back.lost += got.finish_reason is None  # what came after its last event is lost
             history = history + got.token_ids
             produced += len(got.token_ids)
             attempt += 1
@@ -305,8 +306,8 @@ def burst_figures(events: list[tuple[float, str, str]], steps: list[dict[str, An
         return out
     trigger = triggers[0]
     later = [(t, a, b) for t, a, b in events if t >= trigger]
-    frozen = next((t for t, _, b in later if b == "frozen"), None)
     normal = next((t for t, _, b in later if b == "normal"), None)
+    frozen = next((t for t, _, b in later if b == "frozen" and (normal is None or t <= normal)), None)
     out.update(trigger_s=trigger, frozen_s=frozen, next_step_s=normal,
                burst_state_s=round(frozen - trigger, 3) if frozen is not None else None,
                freeze_s=round(normal - frozen, 3) if normal is not None and frozen is not None else None,
@@ -399,6 +400,8 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
     course = burst_figures(events, steps)
     result: dict[str, Any] = {
         "wall_s": round(wall, 2), **course,
+        # Every burst, the timeline's (a scrape sees one transition of a kind at most) or not.
+        "bursts": value(text, "rose:burst_transitions_total", from_state="normal", to_state="burst"),
         "burst_cuts": value(text, "rose:burst_cuts_total"),
         "rollout_turns_cut": value(text, "rose:rollout_aborted_turns_total"),
         "rollout_pages_cut": value(text, "rose:burst_cut_pages_total"),
