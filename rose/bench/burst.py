@@ -3,9 +3,10 @@
 One serving device as in `rose bench coserve` (a `rose serve` process on one core, a `small`
 Qwen2 serving and a `small` Qwen3 rollout model, the backlog of multi-turn rollout turns on the
 lease API), over one window of a real trace that holds a spike of its own (`burst_window`: the
-stretch of the trace where the most KV tokens arrive, scaled in rate and length so that
-serving's KV at the spike's peak needs more than the headroom the executor keeps for it). Four
-modes over the same window: `serving_alone`, `naive_share`, `static_partition`, `rose`.
+stretch of `rose bench coserve`'s replay of the trace where the most KV tokens arrive), on a KV
+pool small enough that serving's KV at the spike's peak needs more than the headroom the
+executor keeps for it, so the rollouts' pages (`--burst-pool-mb`). Four modes over the same
+window: `serving_alone`, `naive_share`, `static_partition`, `rose`.
 
 Measured, besides what the server's /metrics say at the end:
 - every ~100 ms, the pool (serving, rollout and free pages, the rollout budget, the burst
@@ -60,7 +61,8 @@ SAMPLE_S = 0.1    # the pool timeline's period
 @dataclasses.dataclass(frozen=True)
 class Scale:
     """How the trace is replayed: its rate times `load`, prompts times `prompt_scale`, outputs at
-    most `max_output`, every request within `max_context` tokens."""
+    most `max_output`, every request within `max_context` tokens (`rose bench coserve`'s replay:
+    0.35 requests/s)."""
 
     trace: str = "azure-conv"
     load: float = 0.35 / 5.53
@@ -141,7 +143,7 @@ class HandBack:
     unfinished_at_end: int = 0    # handed-back attempts whose turn had not finished when the window closed
     resumed_prefill_tokens: int = 0  # prompt tokens of the resumed attempts: KV built again, at most
     refused: int = 0              # attempts the executor turned away (429: lease slots full), retried
-    lost: int = 0                 # attempts whose stream broke without a finish reason: tokens lost
+    lost: int = 0                 # attempts whose stream ended without a finish reason: tokens lost
 
     def figures(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -187,10 +189,10 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
                 await asyncio.sleep(0.05)
                 continue
             except LeaseError:
-                hand_back.lost += 1
                 await asyncio.sleep(0.05)
             finally:  # a turn cut off at the end of the window still counts what it produced
                 hand_back.tokens += len(got.token_ids)
+            hand_back.lost += got.finish_reason is None  # what came after its last event is lost
             history = history + got.token_ids
             produced += len(got.token_ids)
             attempt += 1
@@ -304,8 +306,8 @@ def burst_figures(events: list[tuple[float, str, str]], steps: list[dict[str, An
         return out
     trigger = triggers[0]
     later = [(t, a, b) for t, a, b in events if t >= trigger]
-    frozen = next((t for t, _, b in later if b == "frozen"), None)
     normal = next((t for t, _, b in later if b == "normal"), None)
+    frozen = next((t for t, _, b in later if b == "frozen" and (normal is None or t <= normal)), None)
     out.update(trigger_s=trigger, frozen_s=frozen, next_step_s=normal,
                burst_state_s=round(frozen - trigger, 3) if frozen is not None else None,
                freeze_s=round(normal - frozen, 3) if normal is not None and frozen is not None else None,
@@ -398,6 +400,8 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
     course = burst_figures(events, steps)
     result: dict[str, Any] = {
         "wall_s": round(wall, 2), **course,
+        # Every burst, the timeline's (a scrape sees one transition of a kind at most) or not.
+        "bursts": value(text, "rose:burst_transitions_total", from_state="normal", to_state="burst"),
         "burst_cuts": value(text, "rose:burst_cuts_total"),
         "rollout_turns_cut": value(text, "rose:rollout_aborted_turns_total"),
         "rollout_pages_cut": value(text, "rose:burst_cut_pages_total"),
@@ -560,18 +564,20 @@ def plot_burst(report: dict[str, Any], path: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`rose bench coserve`'s options that only `--burst` reads (it reads most of the others too)."""
     g = p.add_argument_group("--burst", "a serving spike that needs the rollouts' KV pages "
-                                        "(rose.bench.burst)")
+                                        "(rose.bench.burst; --start does not apply)")
     g.add_argument("--burst-pool-mb", type=float, default=48.0,
-                   help="the KV pool of --burst's servers, MiB (default: 48)")
-    g.add_argument("--next-step-s", type=float, default=10.0,
-                   help="--burst: seconds from a burst's trigger to the next RL step, which ends the freeze")
-    g.add_argument("--spike-s", type=float, default=20.0, help="--burst: the spike's length, seconds")
+                   help="the servers' KV pool, MiB (default: 48)")
+    g.add_argument("--spike-s", type=float, default=20.0,
+                   help="the spike: the seconds of the replay where the most KV tokens arrive (default: 20)")
     g.add_argument("--lead-s", type=float, default=20.0,
-                   help="--burst: seconds of the window before the spike")
+                   help="seconds of the window before the spike (default: 20)")
+    g.add_argument("--next-step-s", type=float, default=10.0,
+                   help="seconds from a burst's trigger to the next RL step, which ends the freeze "
+                   "(default: 10)")
     g.add_argument("--static-rollout-pages", type=float, default=ExecutorConfig().static_rollout_pages,
-                   help="--burst: static_partition's rollout share of the pool (default: half, as "
-                   "rose bench coserve's)")
+                   help="static_partition's rollout share of the pool (default: half, as without --burst)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -585,7 +591,8 @@ def run(args: argparse.Namespace) -> int:
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
     duration = args.duration or (60.0 if args.quick else 90.0)
-    window = burst_window(Scale(), duration, args.spike_s, args.lead_s)
+    # The replay `rose bench coserve` makes (the trace's mean rate is 5.53 requests/s).
+    window = burst_window(Scale(load=args.rate / 5.53), duration, args.spike_s, args.lead_s)
     cores = os.sched_getaffinity(0)
     server_core = str(max(cores)) if len(cores) > 1 else None
     if server_core is not None:
@@ -601,6 +608,6 @@ def run(args: argparse.Namespace) -> int:
     config = {k: getattr(args, k) for k in (
         "serving_model", "rollout_model", "duration", "quick", "trajectories", "slo_factor",
         "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb", "next_step_s", "spike_s",
-        "lead_s", "static_rollout_pages", "device", "dtype")}
+        "lead_s", "static_rollout_pages", "rate", "device", "dtype")}
     write_report(args.json, summary, config=config, **report)
     return 0
