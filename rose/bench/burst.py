@@ -30,8 +30,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,13 +39,20 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from rose.bench import checkpoint_arg, serve_device_args
-from rose.bench.coserve import PROMPT_IDS, _rose_args, _server, _slo_kwargs, first_prompt
+from rose.bench.coserve import (
+    PROMPT_IDS,
+    _rose_args,
+    _server,
+    _slo_kwargs,
+    default_models,
+    first_prompt,
+    pin_server_core,
+)
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, replay, summarize
 from rose.coserve.settings import ExecutorConfig
 from rose.engine import SamplingParams
-from rose.model import init_model
 from rose.progress import bar
 from rose.reporting import write_report
 from rose.traces import Trace, load_trace
@@ -593,13 +598,8 @@ def run(args: argparse.Namespace) -> int:
     duration = args.duration or (60.0 if args.quick else 90.0)
     # The replay `rose bench coserve` makes (the trace's mean rate is 5.53 requests/s).
     window = burst_window(Scale(load=args.rate / 5.53), duration, args.spike_s, args.lead_s)
-    cores = os.sched_getaffinity(0)
-    server_core = str(max(cores)) if len(cores) > 1 else None
-    if server_core is not None:
-        os.sched_setaffinity(0, cores - {max(cores)})
-    with tempfile.TemporaryDirectory() as tmp:
-        serving = serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
-        rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
+    server_core = pin_server_core()
+    with default_models(serving, rollout) as (serving, rollout):
         report = _one_run(args, window, serving, rollout, server_core, device)
     summary = summarize_burst(report, window, args.burst_pool_mb, args.static_rollout_pages)
     report = {"window": dataclasses.asdict(window), **report}

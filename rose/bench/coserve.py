@@ -423,6 +423,24 @@ def _check_engine(args: argparse.Namespace, serving: Path | None) -> None:
             raise ValueError(f"--engine vllm --serving-model {serving}: {exc}") from None
 
 
+def pin_server_core() -> str | None:
+    """The server's core (None with one core): the server gets a core of its own; this process,
+    the load generator and the rollout driver, keeps the others."""
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        return None
+    os.sched_setaffinity(0, cores - {max(cores)})
+    return str(max(cores))
+
+
+@contextlib.contextmanager
+def default_models(serving: Path | None, rollout: Path | None) -> Iterator[tuple[Path, Path]]:
+    """The checkpoints given, or fresh `small` ones (a Qwen2 serving, a Qwen3 rollout model)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        yield (serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1),
+               rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.burst:
         if args.engine != "native":
@@ -436,14 +454,8 @@ def run(args: argparse.Namespace) -> int:
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
     _check_engine(args, serving)
-    cores = os.sched_getaffinity(0)
-    # The server gets a core of its own; load generator and rollout driver share the other.
-    server_core = str(max(cores)) if len(cores) > 1 else None
-    if server_core is not None:
-        os.sched_setaffinity(0, cores - {max(cores)})
-    with tempfile.TemporaryDirectory() as tmp:
-        serving = serving or init_model("qwen2", "small", Path(tmp) / "serving", seed=1)
-        rollout = rollout or init_model("qwen3", "small", Path(tmp) / "rollout", seed=2)
+    server_core = pin_server_core()
+    with default_models(serving, rollout) as (serving, rollout):
         runs = [_one_run(args, serving, rollout, server_core, device) for _ in range(args.runs)]
     summaries = [r["summary"] for r in runs]
     engines = ENGINES[args.engine]
