@@ -13,7 +13,8 @@ workload, which the simulator's `cpu-bench-train` scenario reads too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import importlib
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -111,3 +112,18 @@ def read_named_config(name: str) -> dict[str, Any]:
     data = OmegaConf.to_container(OmegaConf.load(named_config(name)))
     assert isinstance(data, dict)
     return data
+
+
+def import_function(path: str, key: str) -> Callable[..., Any]:
+    """A function named in a config as `package.module:function` (as slime names its rollout
+    functions), imported; a ValueError naming `key` and what is wrong otherwise."""
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ValueError(f"config: {key} must be 'package.module:function', got {path!r}")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"config: {key} {path!r} cannot be imported: {exc}") from None
+    if not callable(function):
+        raise ValueError(f"config: {key} {path!r} is not a function")
+    return function

@@ -143,6 +143,16 @@ def tile(trace: Trace, t0: float, t1: float) -> tuple[np.ndarray, np.ndarray, np
             np.concatenate([x[2] for x in parts]))
 
 
+def densest(arrival_s: np.ndarray, weight: np.ndarray, span_s: float) -> tuple[float, float]:
+    """The `span_s`-long stretch that starts at an arrival and holds the most `weight` (a spike
+    of requests, of tokens): its start and its weight."""
+    ends = np.searchsorted(arrival_s, arrival_s + span_s)
+    cumulative = np.concatenate([[0.0], np.cumsum(weight, dtype=np.float64)])
+    held = cumulative[ends] - cumulative[np.arange(len(arrival_s))]
+    best = int(np.argmax(held))
+    return float(arrival_s[best]), float(held[best])
+
+
 def _trace_path(filename: str) -> Path:
     return Path(str(resources.files("rose") / "data" / "traces" / filename))
 

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from rose.traces import DAY_S, Diurnal, day_arrivals, diurnal_for_peak, gamma_trace, load_trace
+from rose.traces import DAY_S, Diurnal, day_arrivals, densest, diurnal_for_peak, gamma_trace, load_trace
 
 
 @pytest.mark.parametrize(("name", "rate", "cv", "peak1", "prompt_mean", "output_mean"), [
@@ -94,3 +94,11 @@ def test_diurnal_amplitude_reaches_the_papers_per_minute_peak():
     t, _, _ = day_arrivals(load_trace("azure-conv"), 5.53, d, 0.0, DAY_S)
     counts = np.bincount((t // 60).astype(int), minlength=1440)
     assert counts.max() / counts.mean() == pytest.approx(1.7, abs=0.02)
+
+
+def test_densest_stretch_holds_the_most_weight() -> None:
+    at = np.array([0.0, 1.0, 2.0, 10.0, 10.5, 11.0, 30.0])
+    weight = np.array([5.0, 5.0, 5.0, 4.0, 4.0, 4.0, 20.0])
+    assert densest(at, weight, 3.0) == (30.0, 20.0)
+    assert densest(at, np.ones(7), 3.0) == (0.0, 3.0)  # the first of equals
+    assert densest(at, np.ones(7), 1.01) == (10.0, 3.0)

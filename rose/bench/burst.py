@@ -6,7 +6,10 @@ lease API), over one window of a real trace that holds a spike of its own (`burs
 stretch of `rose bench coserve`'s replay of the trace where the most KV tokens arrive), on a KV
 pool small enough that serving's KV at the spike's peak needs more than the headroom the
 executor keeps for it, so the rollouts' pages (`--burst-pool-mb`). Four modes over the same
-window: `serving_alone`, `naive_share`, `static_partition`, `rose`.
+window: `serving_alone`, `naive_share`, `static_partition`, `rose`. With `--engine vllm` vLLM's
+engine serves (`rose serve --engine vllm`): its KV cache is its own, `--serving-pool-share` of the
+pool, so the spike fills vLLM's cache, not the rollouts' pool, and vLLM preempts serving requests
+when it is full; the modes there are `serving_alone`, `naive_share`, `priority` and `rose`.
 
 Measured, besides what the server's /metrics say at the end:
 - every ~100 ms, the pool (serving, rollout and free pages, the rollout budget, the burst
@@ -41,24 +44,32 @@ from prometheus_client.parser import text_string_to_metric_families
 from rose.bench import checkpoint_arg, serve_device_args
 from rose.bench.coserve import (
     PROMPT_IDS,
-    _rose_args,
-    _server,
-    _slo_kwargs,
+    bench_server,
+    check_engine,
     default_models,
     first_prompt,
     pin_server_core,
+    rose_args,
+    slo_kwargs,
 )
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError
-from rose.coserve.loadgen import RequestResult, build_trace, fit_lengths, replay, summarize
+from rose.coserve.loadgen import RequestResult, build_trace, kv_tokens, replay, summarize
+from rose.coserve.metrics import read_pool_sample, transitions
 from rose.coserve.settings import ExecutorConfig
 from rose.engine import SamplingParams
+from rose.engine.kv_pool import KVSpec
+from rose.model import ModelConfig
+from rose.model.device import resolve
 from rose.progress import bar
 from rose.reporting import write_report
-from rose.traces import Trace, load_trace
+from rose.traces import Trace, densest, load_trace
 
-MODES = {"serving_alone": ("rose", False), "naive_share": ("naive", True),
-         "static_partition": ("static", True), "rose": ("rose", True)}  # mode -> (policy, rollouts)
+# engine -> mode -> (server policy, rollouts)
+ENGINE_MODES = {"native": {"serving_alone": ("rose", False), "naive_share": ("naive", True),
+                           "static_partition": ("static", True), "rose": ("rose", True)},
+                "vllm": {"serving_alone": ("rose", False), "naive_share": ("naive", True),
+                         "priority": ("priority", True), "rose": ("rose", True)}}
 TURN_TOKENS = 64  # a rollout turn's budget, as `rose bench coserve`'s backlog
 SAMPLE_S = 0.1    # the pool timeline's period
 
@@ -98,22 +109,6 @@ class BurstWindow:
         return self.spike[0] <= scheduled_s < self.spike[1]
 
 
-def kv_tokens(trace: Trace, scale: Scale) -> np.ndarray:
-    """Each request's KV tokens at its end as the replay sends it: prompt and output."""
-    prompts, outputs = fit_lengths(trace, scale.max_context, scale.max_output)
-    return prompts + outputs
-
-
-def densest(arrival_s: np.ndarray, weight: np.ndarray, span_s: float) -> tuple[float, float]:
-    """The `span_s`-long stretch that starts at an arrival and holds the most `weight`: its start
-    and its weight."""
-    ends = np.searchsorted(arrival_s, arrival_s + span_s)
-    cumulative = np.concatenate([[0.0], np.cumsum(weight, dtype=np.float64)])
-    held = cumulative[ends] - cumulative[np.arange(len(arrival_s))]
-    best = int(np.argmax(held))
-    return float(arrival_s[best]), float(held[best])
-
-
 def burst_window(scale: Scale, duration_s: float, spike_s: float, lead_s: float) -> BurstWindow:
     """The window of the scaled trace around its spike: the `spike_s` seconds in which the most
     KV tokens arrive (prompt and output, as replayed), `lead_s` seconds into a `duration_s` window.
@@ -122,7 +117,7 @@ def burst_window(scale: Scale, duration_s: float, spike_s: float, lead_s: float)
         raise ValueError(f"the spike ({spike_s:g} s, {lead_s:g} s in) must lie inside the "
                          f"{duration_s:g} s window")
     trace = load_trace(scale.trace).scaled(rate=scale.load, prompt_tokens=scale.prompt_scale)
-    tokens = kv_tokens(trace, scale)
+    tokens = kv_tokens(trace, scale.max_context, scale.max_output)
     at, held = densest(trace.arrival_s, tokens, spike_s)
     start = at - lead_s
     inside = (trace.arrival_s >= at) & (trace.arrival_s < at + spike_s)
@@ -229,39 +224,6 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
 
 # -- the pool timeline and the RL steps -------------------------------------------------------
 
-STATES = ("normal", "burst", "frozen")
-TRANSITIONS = {f"{a}_to_{b}": (a, b) for a in STATES for b in STATES if a != b}  # column -> (from, to)
-SAMPLED = {  # column -> (sample name, labels)
-    "serving_pages": ("rose:kv_pool_pages", {"owner": "serving"}),
-    "rollout_pages": ("rose:kv_pool_pages", {"owner": "rollout"}),
-    "free_pages": ("rose:kv_pool_pages", {"owner": "free"}),
-    "cached_serving_pages": ("rose:kv_cached_pages", {"owner": "serving"}),
-    "cached_rollout_pages": ("rose:kv_cached_pages", {"owner": "rollout"}),
-    "rollout_budget": ("rose:rollout_budget_pages", {}),
-    "state": ("rose:burst_state", {}),
-    "rollout_tokens": ("rose:rollout_tokens_total", {}),
-    "serving_running": ("vllm:num_requests_running", {}),
-    "serving_waiting": ("vllm:num_requests_waiting", {}),
-    "serving_preemptions": ("vllm:num_preemptions_total", {}),
-    # The server's Unix time of the last transition of each kind.
-    **{column: ("rose:burst_transition_timestamp_seconds", {"from_state": a, "to_state": b})
-       for column, (a, b) in TRANSITIONS.items()},
-}
-_NAMES = tuple({name for name, _ in SAMPLED.values()})
-
-
-def read_sample(text: str) -> dict[str, float]:
-    """The timeline's columns from one scrape of /metrics (only their lines are parsed)."""
-    lines = "\n".join(line for line in text.splitlines() if line.startswith(_NAMES))
-    out = dict.fromkeys(SAMPLED, 0.0)
-    for family in text_string_to_metric_families(lines + "\n"):
-        for s in family.samples:
-            for column, (name, labels) in SAMPLED.items():
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    out[column] = s.value
-    return out
-
-
 async def timeline(url: str, t0: float, wall0: float, stop_at: float, next_step_s: float | None,
                    samples: list[dict[str, float]], steps: list[dict[str, Any]],
                    missed: list[dict[str, Any]]) -> None:
@@ -272,7 +234,7 @@ async def timeline(url: str, t0: float, wall0: float, stop_at: float, next_step_
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
         while (now := time.perf_counter()) < stop_at:
             try:
-                with_time = read_sample((await client.get(f"{url}/metrics")).text)
+                with_time = read_pool_sample((await client.get(f"{url}/metrics")).text)
             except httpx.HTTPError as exc:  # a scrape missed; the next one may answer
                 missed.append({"t": round(now - t0, 3), "error": f"{type(exc).__name__}: {exc}"})
                 await asyncio.sleep(SAMPLE_S)
@@ -289,17 +251,6 @@ async def timeline(url: str, t0: float, wall0: float, stop_at: float, next_step_
                               "state": r.json().get("state") if r.status_code == 200 else r.status_code})
                 step_at = None
             await asyncio.sleep(max(0.0, SAMPLE_S - (time.perf_counter() - now)))
-
-
-def transitions(samples: list[dict[str, float]], wall0: float) -> list[tuple[float, str, str]]:
-    """The burst state transitions the timeline saw, as (seconds from its start, from, to),
-    at the server's own time of each (one of a kind per scrape at most)."""
-    seen: set[tuple[float, str]] = set()
-    for s in samples:
-        for column in TRANSITIONS:
-            if s.get(column):
-                seen.add((s[column], column))
-    return sorted((round(at - wall0, 3), *TRANSITIONS[column]) for at, column in seen)
 
 
 def burst_figures(events: list[tuple[float, str, str]], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -371,7 +322,7 @@ def window_figures(requests: list[RequestResult], window: BurstWindow, slo: dict
     for part, keep in (("inside", True), ("outside", False)):
         chosen = [r for r in requests if window.inside(r.scheduled_s) is keep]
         spike = window.spike[1] - window.spike[0]
-        s = summarize(chosen, spike if keep else window.duration_s - spike, **_slo_kwargs(slo))
+        s = summarize(chosen, spike if keep else window.duration_s - spike, **slo_kwargs(slo))
         out[part] = {k: s[k] for k in ("requests", "completed", "p99_ttft_ms", "p99_tpot_ms",
                                        "slo_attainment")}
     return out
@@ -384,7 +335,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Namespace,
                    slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
     """One mode over the window: its figures and its serving requests' results."""
-    policy, rollouts = MODES[mode]
+    policy, rollouts = ENGINE_MODES[args.engine][mode]
     scale = window.scale
     samples: list[dict[str, float]] = []
     steps: list[dict[str, Any]] = []
@@ -418,7 +369,7 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
                                   default=0.0),
         "pool_pages": max((s["serving_pages"] + s["rollout_pages"] + s["free_pages"] for s in samples),
                           default=None),
-        **summarize(requests, wall, **_slo_kwargs(slo)),
+        **summarize(requests, wall, **slo_kwargs(slo)),
         "window": window_figures(requests, window, slo)}
     if rollouts:
         result["hand_back"] = hand_back.figures()
@@ -436,24 +387,27 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
 def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollout: Path, core: str | None,
              device: tuple[str, ...]) -> dict[str, Any]:
     pool = ("--pool-mb", str(args.burst_pool_mb))
+    if args.engine == "vllm":  # vLLM's KV cache is its own: this share of the pool
+        pool += ("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
+    modes = ENGINE_MODES[args.engine]
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     results: dict[str, Any] = {}
     requests: dict[str, list[RequestResult]] = {}
-    with bar("bench coserve --burst", len(MODES)) as progress:
+    with bar("bench coserve --burst", len(modes)) as progress:
         slo = loose
-        for mode, (policy, _) in MODES.items():
+        for mode, (policy, _) in modes.items():
             progress.describe(mode)
             split = ("--static-rollout-pages", str(args.static_rollout_pages))
-            extra = (*pool, *(_rose_args(args) if policy == "rose" else ()),
+            extra = (*pool, *(rose_args(args) if policy == "rose" else ()),
                      *(split if policy == "static" else ()), *device)
-            with _server(serving, rollout, policy, slo, core, extra) as url:
+            with bench_server(serving, rollout, policy, slo, core, extra) as url:
                 results[mode], requests[mode] = asyncio.run(_measure(url, mode, window, args, slo))
             if mode == "serving_alone":  # its P99s over the window x --slo-factor: the others' SLO
                 alone = results[mode]
                 slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
                        "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
                 wall = alone["wall_s"]
-                results[mode] = {**alone, **summarize(requests[mode], wall, **_slo_kwargs(slo)),
+                results[mode] = {**alone, **summarize(requests[mode], wall, **slo_kwargs(slo)),
                                  "window": window_figures(requests[mode], window, slo)}
             print(mode, {k: v for k, v in results[mode].items() if k != "timeline"}, flush=True)
             progress.advance()
@@ -502,9 +456,12 @@ def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float,
         "harvest_tokens_per_s")})
     reclaim = rose["reclaim_iterations"]["max_at_most"]
     summary["rose"]["reclaimed_within_one_iteration"] = reclaim is not None and reclaim <= 1
-    static, ours = summary["static_partition"]["inside"], summary["rose"]["inside"]
-    summary["static_vs_rose_p99_tpot_inside"] = _ratio(static["p99_tpot_ms"], ours["p99_tpot_ms"])
-    summary["static_vs_rose_p99_ttft_inside"] = _ratio(static["p99_ttft_ms"], ours["p99_ttft_ms"])
+    ours = summary["rose"]["inside"]
+    for mode, name in (("static_partition", "static"), ("priority", "priority")):
+        if mode in summary:
+            other = summary[mode]["inside"]
+            summary[f"{name}_vs_rose_p99_tpot_inside"] = _ratio(other["p99_tpot_ms"], ours["p99_tpot_ms"])
+            summary[f"{name}_vs_rose_p99_ttft_inside"] = _ratio(other["p99_ttft_ms"], ours["p99_ttft_ms"])
     return summary
 
 
@@ -585,6 +542,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="static_partition's rollout share of the pool (default: half, as without --burst)")
 
 
+def _check_vllm_cache(args: argparse.Namespace, serving: Path, max_context: int) -> None:
+    """vLLM's share of the pool must hold one request of the replay's longest context."""
+    spec = KVSpec.of(ModelConfig.from_dir(serving), resolve(args.device, args.dtype)[1])
+    need_mb = max_context * spec.bytes_per_token / 2**20
+    if args.burst_pool_mb * args.serving_pool_share < need_mb:
+        raise ValueError(f"--burst --engine vllm: --serving-pool-share {args.serving_pool_share:g} of "
+                         f"--burst-pool-mb {args.burst_pool_mb:g} is vLLM's KV cache, less than one request "
+                         f"of {max_context} tokens needs ({need_mb:g} MiB); give a share of at least "
+                         f"{need_mb / args.burst_pool_mb:.2f}")
+
+
 def run(args: argparse.Namespace) -> int:
     for flag, given in (("--runs", args.runs != 1), ("--sweep-quantile", args.sweep_quantile),
                         ("--sweep-inflation", args.sweep_inflation),
@@ -595,19 +563,22 @@ def run(args: argparse.Namespace) -> int:
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
+    check_engine(args, serving)
     duration = args.duration or (60.0 if args.quick else 90.0)
     # The replay `rose bench coserve` makes (the trace's mean rate is 5.53 requests/s).
     window = burst_window(Scale(load=args.rate / 5.53), duration, args.spike_s, args.lead_s)
-    server_core = pin_server_core()
     with default_models(serving, rollout) as (serving, rollout):
-        report = _one_run(args, window, serving, rollout, server_core, device)
-    summary = summarize_burst(report, window, args.burst_pool_mb, args.static_rollout_pages)
+        if args.engine == "vllm":
+            _check_vllm_cache(args, serving, window.scale.max_context)
+        report = _one_run(args, window, serving, rollout, pin_server_core(), device)
+    summary = {"engine": args.engine,
+               **summarize_burst(report, window, args.burst_pool_mb, args.static_rollout_pages)}
     report = {"window": dataclasses.asdict(window), **report}
     if args.plot:
         plot_burst({**report, "summary": summary}, args.plot)
     config = {k: getattr(args, k) for k in (
-        "serving_model", "rollout_model", "duration", "quick", "trajectories", "slo_factor",
-        "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb", "next_step_s", "spike_s",
-        "lead_s", "static_rollout_pages", "rate", "device", "dtype")}
+        "engine", "serving_pool_share", "serving_model", "rollout_model", "duration", "quick", "trajectories",
+        "slo_factor", "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb",
+        "next_step_s", "spike_s", "lead_s", "static_rollout_pages", "rate", "device", "dtype")}
     write_report(args.json, summary, config=config, **report)
     return 0

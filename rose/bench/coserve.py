@@ -121,8 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None,
-            extra: tuple[str, ...] = ()) -> Iterator[str]:
+def bench_server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None,
+                 extra: tuple[str, ...] = ()) -> Iterator[str]:
+    """A `rose serve` process as every benchmark mode runs it (one thread, on `core`, a 512 MiB
+    pool unless `extra` says otherwise): its URL."""
     argv = ["--model", str(serving), "--rollout-model", str(rollout), "--policy", policy, "--threads", "1",
             "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
     if core is not None:
@@ -233,12 +235,13 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
         result.update(rollout=done[0], rollout_tokens_per_s=round(done[0]["tokens"] / wall, 2))
     requests = done[-1] if traffic else []
     if traffic:
-        result.update(summarize(requests, wall, **_slo_kwargs(slo)))
+        result.update(summarize(requests, wall, **slo_kwargs(slo)))
     return result, requests
 
 
-def _rose_args(args: argparse.Namespace, quantile: float | None = None, tpot_inflation: float | None = None
-               ) -> tuple[str, ...]:
+def rose_args(args: argparse.Namespace, quantile: float | None = None, tpot_inflation: float | None = None
+              ) -> tuple[str, ...]:
+    """The `rose` policy's admission flags, from the benchmark's options (or the sweep's values)."""
     q = args.admission_quantile if quantile is None else quantile
     tpot = args.tpot_inflation if tpot_inflation is None else tpot_inflation
     return ("--admission-quantile", str(q), "--tpot-inflation", str(tpot),
@@ -254,13 +257,13 @@ def _modes(args: argparse.Namespace, engine: str, duration: float, baseline: flo
     """The modes after serving_alone on `engine`: (mode, server policy, seconds, server flags)."""
     # rollout_alone runs under the same admission settings as rose: its capacity is what rose
     # could harvest from an idle device (the idle cap bounds each step).
-    each = {"rollout_alone": ("rose", baseline, _rose_args(args)), "naive_share": ("naive", baseline, ()),
+    each = {"rollout_alone": ("rose", baseline, rose_args(args)), "naive_share": ("naive", baseline, ()),
             "static_partition": ("static", baseline, ()), "priority": ("priority", baseline, ()),
-            "rose": ("rose", duration, _rose_args(args))}
+            "rose": ("rose", duration, rose_args(args))}
     return [*((mode, *each[mode]) for mode in ENGINE_MODES[engine][1:]),
-            *((f"rose_q{q:g}", "rose", duration, _rose_args(args, quantile=q))
+            *((f"rose_q{q:g}", "rose", duration, rose_args(args, quantile=q))
               for q in _floats(args.sweep_quantile)),
-            *((f"rose_i{e:g}", "rose", duration, _rose_args(args, tpot_inflation=e))
+            *((f"rose_i{e:g}", "rose", duration, rose_args(args, tpot_inflation=e))
               for e in _floats(args.sweep_inflation))]
 
 
@@ -290,17 +293,17 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     flags = (*(("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
                if engine == "vllm" else ()), *device)
     progress.describe(f"{tag}serving_alone")
-    with _server(serving, rollout, "rose", loose, core, flags) as url:
+    with bench_server(serving, rollout, "rose", loose, core, flags) as url:
         alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
     progress.advance()
     slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
            "tpot_ms": round(args.slo_factor * alone["p99_tpot_ms"], 1)}
-    results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **_slo_kwargs(slo))}}
+    results = {"serving_alone": {**alone, **summarize(requests, alone["wall_s"], **slo_kwargs(slo))}}
     added: dict[str, dict[str, float]] = {}
     print(f"{tag}serving_alone", alone, "slo", slo, flush=True)
     for mode, policy, seconds, extra in modes:
         progress.describe(f"{tag}{mode}")
-        with _server(serving, rollout, policy, slo, core, (*extra, *flags)) as url:
+        with bench_server(serving, rollout, policy, slo, core, (*extra, *flags)) as url:
             results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
         if served and seconds == duration:  # the same trace requests as serving alone's
             added[mode] = _ttft_added(requests, served)
@@ -403,7 +406,7 @@ def plot_tradeoff(summaries: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _check_engine(args: argparse.Namespace, serving: Path | None) -> None:
+def check_engine(args: argparse.Namespace, serving: Path | None) -> None:
     """`--engine vllm` needs vLLM in this Python (the servers run from it) and a serving model
     vLLM's CPU attention takes (the default `small` preset's head_dim, 64, it does)."""
     if args.engine != "vllm":
@@ -443,8 +446,6 @@ def default_models(serving: Path | None, rollout: Path | None) -> Iterator[tuple
 
 def run(args: argparse.Namespace) -> int:
     if args.burst:
-        if args.engine != "native":
-            raise ValueError("--burst runs on the native engine only (not yet on vLLM); drop --engine")
         from rose.bench import burst
 
         return burst.run(args)
@@ -453,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
-    _check_engine(args, serving)
+    check_engine(args, serving)
     server_core = pin_server_core()
     with default_models(serving, rollout) as (serving, rollout):
         runs = [_one_run(args, serving, rollout, server_core, device) for _ in range(args.runs)]
@@ -473,5 +474,6 @@ def run(args: argparse.Namespace) -> int:
                                             "sweep_quantile", "sweep_inflation", "device", "dtype")}
     write_report(args.json, summary, config=config, runs=runs)
     return 0
-def _slo_kwargs(slo: dict[str, float]) -> dict[str, float]:
+def slo_kwargs(slo: dict[str, float]) -> dict[str, float]:
+    """The SLOs as `loadgen.summarize` takes them."""
     return {"slo_ttft_ms": slo["ttft_ms"], "slo_tpot_ms": slo["tpot_ms"]}

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 
 from rose.reporting import write_report
-from rose.traces import TRACE_NAMES, Trace, gamma_trace, load_trace
+from rose.traces import TRACE_NAMES, Trace, densest, gamma_trace, load_trace
 
 
 @dataclasses.dataclass
@@ -62,6 +62,18 @@ def fit_lengths(trace: Trace, max_context: int, max_output: int) -> tuple[np.nda
     outputs = np.clip(trace.output_tokens, 1, max_output)
     prompts = np.clip(trace.prompt_tokens, 1, max_context - outputs - 1)
     return prompts, outputs
+
+
+def kv_tokens(trace: Trace, max_context: int, max_output: int) -> np.ndarray:
+    """Each request's KV tokens at its end as `replay` sends it: prompt and output."""
+    prompts, outputs = fit_lengths(trace, max_context, max_output)
+    return prompts + outputs
+
+
+def spike(trace: Trace, max_context: int, max_output: int, span_s: float) -> tuple[float, float]:
+    """The `span_s` seconds of `trace` in which the most KV tokens arrive, as replayed: their
+    start and those tokens."""
+    return densest(trace.arrival_s, kv_tokens(trace, max_context, max_output), span_s)
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],

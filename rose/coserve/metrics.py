@@ -7,7 +7,11 @@ and alerts written for a vLLM server read a ROSE executor unchanged; what only c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from rose.coserve.admission import BurstState
 from rose.engine import RequestOutput
@@ -26,6 +30,57 @@ _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 _RECLAIM_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 _RECLAIM_ITERATION_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# -- the pool timeline: what a sampler of /metrics (or of the registry in process) records ------
+
+STATES = tuple(state.name.lower() for state in BurstState)
+TRANSITIONS = {f"{a}_to_{b}": (a, b) for a in STATES for b in STATES if a != b}  # column -> (from, to)
+POOL_COLUMNS = {  # column -> (sample name, labels)
+    "serving_pages": ("rose:kv_pool_pages", {"owner": "serving"}),
+    "rollout_pages": ("rose:kv_pool_pages", {"owner": "rollout"}),
+    "free_pages": ("rose:kv_pool_pages", {"owner": "free"}),
+    "cached_serving_pages": ("rose:kv_cached_pages", {"owner": "serving"}),
+    "cached_rollout_pages": ("rose:kv_cached_pages", {"owner": "rollout"}),
+    "rollout_budget": ("rose:rollout_budget_pages", {}),
+    "state": ("rose:burst_state", {}),
+    "rollout_tokens": ("rose:rollout_tokens_total", {}),
+    "rollout_turns_cut": ("rose:rollout_aborted_turns_total", {}),
+    "serving_running": ("vllm:num_requests_running", {}),
+    "serving_waiting": ("vllm:num_requests_waiting", {}),
+    "serving_preemptions": ("vllm:num_preemptions_total", {}),
+    # The server's Unix time of the last transition of each kind.
+    **{column: ("rose:burst_transition_timestamp_seconds", {"from_state": a, "to_state": b})
+       for column, (a, b) in TRANSITIONS.items()},
+}
+_POOL_NAMES = tuple({name for name, _ in POOL_COLUMNS.values()})
+
+
+def pool_columns(families: Iterable[Metric]) -> dict[str, float]:
+    """The pool timeline's columns from metric families (a registry's, or a scrape's)."""
+    out = dict.fromkeys(POOL_COLUMNS, 0.0)
+    for family in families:
+        for s in family.samples:
+            for column, (name, labels) in POOL_COLUMNS.items():
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    out[column] = s.value
+    return out
+
+
+def read_pool_sample(text: str) -> dict[str, float]:
+    """The pool timeline's columns from one scrape of /metrics (only their lines are parsed)."""
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(_POOL_NAMES))
+    return pool_columns(text_string_to_metric_families(lines + "\n"))
+
+
+def transitions(samples: Iterable[dict[str, float]], wall0: float) -> list[tuple[float, str, str]]:
+    """The burst state transitions a pool timeline saw, as (seconds after `wall0`, from, to), at
+    the server's own time of each (one of a kind per sample at most)."""
+    seen: set[tuple[float, str]] = set()
+    for s in samples:
+        for column in TRANSITIONS:
+            if s.get(column):
+                seen.add((s[column], column))
+    return sorted((round(at - wall0, 3), *TRANSITIONS[column]) for at, column in seen)
 
 
 class ExecutorMetrics:
@@ -167,3 +222,7 @@ class ExecutorMetrics:
 
     def expose(self) -> bytes:
         return generate_latest(self.registry)
+
+    def pool_sample(self) -> dict[str, float]:
+        """The pool timeline's columns now, read in process."""
+        return pool_columns(self.registry.collect())

@@ -31,7 +31,7 @@ from rose.coserve.protocol import (
 )
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.steploop import LoopDeadError, RequestFailed
-from rose.tools.parsing import ToolCallStream, parse_tool_calls, with_tools
+from rose.tools.parsing import ToolCallStream, parse_tool_calls
 
 router = APIRouter()
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -372,13 +372,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
 def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
             tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt, with the tools (and past calls and results) as the model's template writes them;
-    a template that knows no tools gets them in Qwen's (Hermes) format, in the system message."""
-    tokenizer, rendered = state.tokenizer, [m.rendered() for m in messages]
+    """The prompt, with the tools (and past calls and results) as the model's template writes them
+    (`Tokenizer.apply_chat_template`)."""
+    rendered = [m.rendered() for m in messages]
     try:
-        if tokenizer.supports_tools:
-            return tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tools)
-        return tokenizer.apply_chat_template(with_tools(rendered, tools), add_generation_prompt)
+        return state.tokenizer.apply_chat_template(rendered, add_generation_prompt, tools)
     except (TemplateError, TypeError, ValueError) as e:  # the template's own refusal, or its bad input
         raise APIError(400, f"messages: the model's chat template cannot render them: {e}", "messages") from e
 

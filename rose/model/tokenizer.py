@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from rose.model.config import CheckpointError
+from rose.tools.parsing import with_tools
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -137,7 +138,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
-        """Raises `TemplateError` where the template refuses the conversation."""
+        """The conversation rendered, with the `tools` (and past calls and results) as the template
+        writes them; a template that knows no tools gets them in Qwen's (Hermes) format, in the
+        system message (`rose.tools.parsing.with_tools`). Raises `TemplateError` where the
+        template refuses the conversation."""
+        if not self.supports_tools:
+            messages, tools = with_tools(messages, tools), None
         # The special tokens are template variables too, as transformers passes them (`{{ bos_token }}`).
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -1,6 +1,7 @@
 """Agentic RL: text environments, trajectories, GRPO/DAPO objectives and the policy trainer."""
 
 from rose.rl.advantages import group_advantages, informative_groups, overlong_penalty
+from rose.rl.conversation import Conversation
 from rose.rl.envs import StepResult, TextEnv, list_envs, make_env, register_env
 from rose.rl.episode import Episode, run_episodes
 from rose.rl.objective import Objective, Prepared
@@ -8,6 +9,7 @@ from rose.rl.trainer import Trainer, TrainerConfig
 from rose.rl.trajectory import TokenSequence, Trajectory, TurnRecord, shard_by_group
 
 __all__ = [
+    "Conversation",
     "Episode",
     "Objective",
     "Prepared",

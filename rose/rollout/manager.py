@@ -1,6 +1,7 @@
-"""The rollout manager: plays environment episodes turn by turn across workers.
+"""The rollout manager: plays agents' tasks (environment episodes) turn by turn across workers.
 
-Each episode is one trajectory; each of its turns is routed on its own by the routing policy
+Each task is one trajectory, played by an agent (rose.rollout.agent: `play_episode` by default)
+whose `TurnHandle.generate` calls come here; each turn is routed on its own by the routing policy
 (`RoutingTable`): cache affinity, then the least-loaded dedicated worker, then a serving
 executor with SLO room, else the FIFO queue. Each finished attempt's tokens over its time is
 its worker's measured decode rate, which decides when a served trajectory moves back to a
@@ -24,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import zlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
-from rose.rl import Episode, Trajectory
+from rose.rl import Trajectory
+from rose.rollout.agent import Agent, Task, TurnHandle, play_episode
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.routing import Route, RoutedTurn, RoutingTable, resume
 from rose.rollout.workers import Failure, classify
@@ -48,17 +51,18 @@ class Placement:
     start_s: float  # since the rollout started
     end_s: float
     tokens: int
-    # "done", "abort" (handed back or moved), "lost" (worker died), "rejected" (the turn was
-    # refused for what it is) or "busy" (the worker had no room)
+    # "done", "abort" (handed back by its executor), "moved" (taken off for a faster worker),
+    # "lost" (worker died), "rejected" (the turn was refused for what it is) or "busy" (the
+    # worker had no room)
     outcome: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Unfinished:
-    """A trajectory that did not finish: the turns it did finish, and why it stopped."""
+    """A trajectory that did not finish: how many turns its agent had generated, and why it stopped."""
 
     trajectory_id: str
-    trajectory: Trajectory
+    turns: int
     reason: str
 
 
@@ -106,6 +110,11 @@ class RolloutReport:
         return sum(p.outcome != "done" for p in self.placements)
 
     @property
+    def handed_back_turns(self) -> int:
+        """Attempts a serving executor handed back (an emergency cut), resumed elsewhere."""
+        return sum(p.kind == WorkerKind.SERVING.value and p.outcome == "abort" for p in self.placements)
+
+    @property
     def success_rate(self) -> float:
         return sum(t.success for t in self.trajectories) / max(len(self.trajectories), 1)
 
@@ -148,15 +157,18 @@ class RolloutManager:
     def table(self) -> RoutingTable:
         return self.registry.table
 
-    async def run(self, episodes: Sequence[Episode], policy_version: int, prefix: str = "t",
-                  timeout_s: float | None = None) -> RolloutReport:
-        """Play every episode to its end; turns need workers on at least `policy_version`.
-        Trajectory ids are `prefix` + index (unique among the runs a worker sees)."""
+    async def run(self, tasks: Sequence[Task], policy_version: int, prefix: str = "t",
+                  timeout_s: float | None = None, agent: Agent[Task] = play_episode) -> RolloutReport:
+        """Play every task (an `Episode` for the default agent) to its end with `agent`; turns
+        need workers on at least `policy_version`. Trajectory ids are `prefix` + index (unique
+        among the runs a worker sees)."""
         self._placements, self._t0 = [], time.perf_counter()
-        ids = [f"{prefix}{i}" for i in range(len(episodes))]
+        ids = [f"{prefix}{i}" for i in range(len(tasks))]
+        handles = {tid: TurnHandle(functools.partial(self._agent_turn, tid, policy_version),
+                                   self.params.max_tokens) for tid in ids}
         ticker = asyncio.create_task(self._tick())
-        plays = [asyncio.create_task(self._play(tid, e, policy_version))
-                 for tid, e in zip(ids, episodes, strict=True)]
+        plays = [asyncio.create_task(self._play(tid, task, agent, handles[tid]))
+                 for tid, task in zip(ids, tasks, strict=True)]
         late: dict[str, str] = {}
         try:
             _, pending = await asyncio.wait(plays, timeout=timeout_s)
@@ -165,13 +177,13 @@ class RolloutManager:
         finally:
             await self._stop([ticker, *plays])
         report = RolloutReport([], self._placements, self._elapsed())
-        for tid, episode, play in zip(ids, episodes, plays, strict=True):
+        for tid, play in zip(ids, plays, strict=True):
             if tid in late:
-                report.lost.append(Unfinished(tid, episode.trajectory, late[tid]))
-            elif (reason := play.result()) is not None:
-                report.failed.append(Unfinished(tid, episode.trajectory, reason))
+                report.lost.append(Unfinished(tid, handles[tid].turns, late[tid]))
+            elif isinstance(got := play.result(), str):
+                report.failed.append(Unfinished(tid, handles[tid].turns, got))
             else:
-                report.trajectories.append(episode.trajectory)
+                report.trajectories.append(got)
         return report
 
     async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:
@@ -198,24 +210,25 @@ class RolloutManager:
             return f"turn {req.turn} (attempt {req.attempt}) queued: no eligible worker had room"
         return f"turn {req.turn} (attempt {req.attempt}) running on {wid}"
 
-    # -- one episode, one turn -----------------------------------------------------------------
+    # -- one trajectory, one turn ---------------------------------------------------------------
 
-    async def _play(self, tid: str, episode: Episode, version: int) -> str | None:
-        """Play the episode to its end; the reason it failed, or None."""
-        k = 0
+    async def _play(self, tid: str, task: Task, agent: Agent[Task], handle: TurnHandle) -> Trajectory | str:
+        """The agent's trajectory of the task, or the reason it failed."""
         try:
-            while not episode.done:
-                out = await self._turn(RoutedTurn(tid, k, len(episode.prompt_ids), self.params.max_tokens,
-                                                  version), episode.prompt_ids)
-                episode.record(out.token_ids, out.logprobs, out.versions)
-                k += 1
+            trajectory = await agent(handle, task)
         except TurnFailed as exc:
             return str(exc)
-        except Exception as exc:  # the environment's error (or ours): this trajectory's, not the step's
+        except Exception as exc:  # the agent's or the environment's error: this trajectory's, not the step's
             return f"{type(exc).__name__}: {exc}"
         finally:
             self.table.cancel(tid)
-        return None
+        if not isinstance(trajectory, Trajectory):
+            return f"the agent returned {type(trajectory).__name__}, not a Trajectory"
+        return trajectory
+
+    async def _agent_turn(self, tid: str, version: int, k: int, prompt: list[int],
+                          max_tokens: int) -> TurnOutput:
+        return await self._turn(RoutedTurn(tid, k, len(prompt), max_tokens, version), prompt)
 
     async def _turn(self, request: RoutedTurn, prompt: list[int]) -> TurnOutput:
         t = _Turn(request, prompt, asyncio.get_running_loop().create_future())
@@ -252,7 +265,7 @@ class RolloutManager:
                                        req.policy_version), got)
             if got.finish_reason is None:  # a stream cut short: not a finished turn
                 raise ConnectionError(f"{wid} ended turn {turn_id!r} without a finish reason")
-            outcome = "abort" if got.finish_reason == "abort" else "done"
+            outcome = "done" if got.finish_reason != "abort" else "moved" if t.move_to else "abort"
         except asyncio.CancelledError:
             if not t.lost or t.done.done():
                 raise
@@ -297,7 +310,7 @@ class RolloutManager:
                 return
         t.lost, t.request = False, resume(req, produced)
         now = self._now()
-        if outcome == "abort" and in_flight and t.move_to in self.table.workers:
+        if outcome == "moved" and in_flight and t.move_to in self.table.workers:
             route = self.table.move(tid, wid, t.move_to, produced)
         elif outcome != Failure.WORKER.value and in_flight:
             if outcome == Failure.BUSY.value:

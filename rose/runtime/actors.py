@@ -29,7 +29,7 @@ from rose import logs
 from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
-from rose.coserve.loadgen import RequestResult, build_trace, replay
+from rose.coserve.loadgen import RequestResult, build_trace, replay, spike
 from rose.coserve.server import build_app
 from rose.coserve.settings import Engine, ExecutorConfig, ServerLimits
 from rose.engine import LLMEngine, RequestOutput
@@ -43,6 +43,7 @@ from rose.runtime.checkpoints import Checkpoint, open_checkpoint, probe_dir
 from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
 from rose.steploop import StepLoop
+from rose.traces import load_trace
 from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
 
 # What a checkpoint directory needs beside the weights for a run to start from it.
@@ -50,6 +51,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
+POOL_SAMPLE_S = 0.25  # a serving device's pool timeline: a sample of its executor's pool this often
 
 
 def meta_model(path: str | Path) -> CausalLM:
@@ -260,8 +262,9 @@ class ServingDeviceActor(_HttpReplica):
         while not self.server.started:
             time.sleep(0.05)
         log.info("serving %s (%s engine) at %s", Path(serving_path).name, engine.value, self.url)
-        self.spec = replay_spec
+        self.spec, self.executor = replay_spec, executor
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
+        self.pool: list[tuple[float, dict[str, float]]] = []  # (wall clock, `ExecutorMetrics.pool_sample`)
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
         self._join(relay, group, worker_id, executor.rollout.model, loop, executor.load_weights)
@@ -269,9 +272,14 @@ class ServingDeviceActor(_HttpReplica):
     def start_replay(self) -> None:
         self._replay = threading.Thread(target=lambda: asyncio.run(self._replay_windows()), daemon=True)
         self._replay.start()
+        threading.Thread(target=self._sample_pool, daemon=True).start()
+
+    def _sample_pool(self) -> None:
+        while not self._stop.wait(POOL_SAMPLE_S):
+            self.pool.append((time.time(), self.executor.metrics.pool_sample()))
 
     async def _replay_windows(self) -> None:
-        s, offset = self.spec, 0.0
+        s, offset = self.spec, replay_start(self.spec)
         while not self._stop.is_set():
             try:
                 trace = build_trace(s.trace, s.window_s, s.load, offset, s.prompt_scale, s.output_scale)
@@ -293,6 +301,22 @@ class ServingDeviceActor(_HttpReplica):
             self._stop.set()
             await asyncio.to_thread(self._replay.join)
         return [(t, r) for t, r in self.results if t >= since]
+
+    def pool_timeline(self, since: float = 0.0) -> list[tuple[float, dict[str, float]]]:
+        """The executor's pool sampled every `POOL_SAMPLE_S` from `since` (wall clock): pages by
+        owner, the rollout budget, the burst state and its transitions, turns cut."""
+        return [(t, sample) for t, sample in self.pool if t >= since]
+
+
+def replay_start(s: ServingDeviceConfig) -> float:
+    """Where in the scaled trace a serving device's replay starts: at its start, or where its
+    spike comes `spike_at_s` seconds later (sooner if the trace has less before it)."""
+    if s.spike_at_s is None:
+        return 0.0
+    trace = load_trace(s.trace).scaled(rate=s.load, prompt_tokens=s.prompt_scale,
+                                       output_tokens=s.output_scale)
+    at, _ = spike(trace, s.max_context, s.max_output, s.spike_s)
+    return max(0.0, at - s.spike_at_s)
 
 
 class EndpointActor(_HttpReplica):

@@ -27,11 +27,13 @@ from rose.rl.envs import env_options, list_envs, make_env
 from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import SHARDINGS
+from rose.rollout.agent import load_agent
 from rose.runtime.config import BACKENDS, Config, Mode, ModelSource, objective_options
 from rose.runtime.devices import available_cores, cluster_address
 from rose.runtime.loggers import LOGGERS, missing_package
 from rose.runtime.placement import ROLES
 from rose.runtime.rollouts import env_kwargs, load_rollout_function
+from rose.tools.sandbox import TOOLS
 from rose.traces import TRACE_NAMES
 
 # Where a model runs: the dedicated workers, the trainer, the serving devices.
@@ -62,6 +64,9 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
                "config.json, safetensors and tokenizer files, e.g. from `rose init-model`)")
     _check_env(config)
     load_rollout_function(config.rollout.function)
+    load_agent(config.rollout.agent)
+    for tool in config.rollout.tools:
+        _check(tool in TOOLS, f"rollout.tools: {tool!r} is not a tool; the tools are {', '.join(TOOLS)}")
     _check_backend(config)
     _check_serving_engine(config)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
@@ -77,6 +82,9 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
            f"train.lr_schedule must be constant or cosine, got {t.lr_schedule!r}")
     _check(s.trace in TRACE_NAMES or Path(s.trace).is_file(),
            f"serving.trace must be one of {', '.join(TRACE_NAMES)} or a trace file, got {s.trace!r}")
+    _check(s.spike_at_s is None or s.trace != "gamma",
+           "serving.spike_at_s: the gamma trace is drawn afresh for each window and has no spike of its "
+           "own; replay a recorded trace (serving.trace) or leave spike_at_s unset")
     _check(s.max_context >= s.max_output + 2, f"serving.max_context must exceed serving.max_output + 1 "
                                               f"(a prompt of at least one token), got {s.max_context} "
                                               f"and {s.max_output}")
@@ -139,7 +147,9 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "eval.episodes": (1, math.inf, True),
     "eval.temperature": (0, math.inf, True),  # 0: greedy
     "devices.provision_delay_s": (0, math.inf, True),
-    **{f"serving.{k}": (0, math.inf, False) for k in ("load", "prompt_scale", "output_scale", "window_s")},
+    **{f"serving.{k}": (0, math.inf, False) for k in ("load", "prompt_scale", "output_scale", "window_s",
+                                                      "spike_s")},
+    "serving.spike_at_s": (0, math.inf, True),
     **{f"serving.{k}": (1, math.inf, True) for k in ("max_context", "max_output")},
 }
 

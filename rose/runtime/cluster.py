@@ -173,3 +173,6 @@ class Cluster:
 
     def serving_results(self, since: float = 0.0, stop: bool = False) -> list[tuple[float, RequestResult]]:
         return self.replicas.serving_results(since, stop)
+
+    def pool_timelines(self, since: float = 0.0) -> dict[str, list[tuple[float, dict[str, float]]]]:
+        return self.replicas.pool_timelines(since)

@@ -85,6 +85,12 @@ class RolloutConfig:
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
+    # The default rollout's agent, `package.module:function` (rose.rollout.agent): an async
+    # function of a TurnHandle and an Episode of the config's environment returning its
+    # Trajectory. `rose.rollout.agent:tool_episode` lets the policy call `tools` before it answers.
+    agent: str = "rose.rollout.agent:play_episode"
+    # Tools offered in every prompt (rose.tools.sandbox.TOOLS: python, calculator).
+    tools: list[str] = dataclasses.field(default_factory=list)
     # The dedicated workers' engine (the serving devices': serving.engine): "native" (rose.engine)
     # or "vllm" (vLLM's, from the venv `make install-vllm` makes: docs/vllm.md).
     backend: str = "native"
@@ -169,6 +175,12 @@ class ServingDeviceConfig:
     max_context: int = 512
     max_output: int = 64
     window_s: float = 10.0
+    # A spike on purpose: the replay starts where the trace's own spike (the `spike_s` seconds in
+    # which the most KV tokens arrive, as replayed) comes `spike_at_s` seconds after it starts
+    # (None: at the trace's start). On a pool the spike overfills, the executor takes the rollouts'
+    # pages back (a burst: docs/rl.md, "A burst during training").
+    spike_at_s: float | None = None
+    spike_s: float = 20.0
     # The executor's settings, as `rose serve`'s (SLOs, pool, admission: docs/coserve.md); its
     # lease slots are rollout.serving_concurrency, the turns the run keeps on each device.
     executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)

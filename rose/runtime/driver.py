@@ -65,13 +65,15 @@ def train(config: Config, mode: Mode, resume: Path | None = None) -> TrainRun:
                     log.warning(restart)
                 progress.advance()
         results = cluster.serving_results(stop=True)
+        pools = cluster.pool_timelines()
     finally:
         if loggers is not None:
             loggers.close()
         cluster.shutdown()
     served = [(at - run_start, r) for at, r in results]
     serving = serving_summary([r for _, r in served], config.serving) if mode is Mode.ROSE else {}
-    plot = write_plot(out_dir / "report.png", records, served, config.serving, mode)
+    pools = {wid: [(at - run_start, sample) for at, sample in timeline] for wid, timeline in pools.items()}
+    plot = write_plot(out_dir / "report.png", records, served, pools, config.serving, mode)
     r = cluster.replicas
     return TrainRun(summarize(records, serving), records, serving, r.elastic_alloc_s, r.elastic_cancelled_s,
                     checkpoints, str(plot))

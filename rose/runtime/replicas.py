@@ -309,6 +309,16 @@ class Replicas:
                 continue  # a serving device that died keeps its measurements
         return results
 
+    def pool_timelines(self, since: float = 0.0) -> dict[str, list[tuple[float, dict[str, float]]]]:
+        """Each serving device's pool timeline from `since` (wall clock), by replica."""
+        import ray
+
+        timelines = {}
+        for wid, handle in self.serving.items():
+            with contextlib.suppress(ray.exceptions.RayError):  # a serving device that died has none
+                timelines[wid] = ray.get(handle.pool_timeline.remote(since), timeout=120)
+        return timelines
+
 
 def write_prometheus_targets(path: Path, urls: dict[str, str]) -> None:
     """Prometheus file_sd targets, one group per serving device (a restarted one's new port

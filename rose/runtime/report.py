@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from rose.contracts import WorkerKind
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
+from rose.coserve.metrics import transitions
 from rose.coserve.settings import Engine
-from rose.rollout.manager import RolloutReport
+from rose.rollout.manager import Placement, RolloutReport
 from rose.runtime.config import Config, Mode, ModelSource, ServingDeviceConfig, actor_device
 from rose.runtime.devices import cluster_address
 from rose.runtime.loggers import METRICS_FILE
@@ -44,9 +45,13 @@ class TrainStep:
     serving_turns: int  # turns finished there
     dedicated_turns: int
     resumed_turns: int
+    # Turns a serving device handed back (emergency cut) with their tokens, resumed elsewhere; and
+    # the bursts (serving crossed the high watermark) that began on serving devices in the step.
+    handed_back_turns: int
+    bursts: int
     lost_trajectories: int
     failed_trajectories: int  # a turn refused every time it was tried (the reasons: RolloutReport.failed)
-    placements: list[tuple[float, float, str]]  # (start, end, kind), seconds since the run began
+    placements: list[Placement]  # every turn attempt, its times in seconds since the run began
     serving: dict[str, Any]  # the serving requests that arrived during the step (loadgen.summarize)
     trainer: dict[str, float]  # all of `Trainer.step`'s metrics: loss, KL, entropy, grad norm, lr, ...
     elastic_devices: int
@@ -94,6 +99,9 @@ def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutR
     checkpoint are done. Held-out episodes that did not finish count as failures."""
     offset = clock.wall0 - clock.run_start
     served = [r for _, r in cluster.serving_results(since=clock.wall0)]
+    triggers = [at for timeline in cluster.pool_timelines(since=clock.wall0).values()
+                for at, a, b in transitions((sample for _, sample in timeline), clock.wall0)
+                if (a, b) == ("normal", "burst") and at >= 0]
     heldout_success = (None if heldout is None else
                        sum(t.success for t in heldout.trajectories) / cluster.config.eval.episodes)
     return TrainStep(
@@ -105,9 +113,11 @@ def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutR
         dedicated_tokens=rollout.tokens_on(WorkerKind.DEDICATED),
         serving_turns=rollout.turns_on(WorkerKind.SERVING),
         dedicated_turns=rollout.turns_on(WorkerKind.DEDICATED),
-        resumed_turns=rollout.resumed_turns,
+        resumed_turns=rollout.resumed_turns, handed_back_turns=rollout.handed_back_turns,
+        bursts=len(triggers),
         lost_trajectories=rollout.lost_trajectories, failed_trajectories=rollout.failed_trajectories,
-        placements=[(p.start_s + offset, p.end_s + offset, p.kind) for p in rollout.placements],
+        placements=[dataclasses.replace(p, start_s=p.start_s + offset, end_s=p.end_s + offset)
+                    for p in rollout.placements],
         serving=serving_summary(served, cluster.config.serving) if cluster.replicas.serving else {},
         trainer=metrics, elastic_devices=len(cluster.replicas.elastic_alloc_s),
         restarts=cluster.restarts[clock.restarts:])
@@ -138,21 +148,30 @@ def summarize(records: list[TrainStep], serving: dict[str, Any]) -> dict[str, An
         "serving_p99_tpot_ms": serving.get("p99_tpot_ms"),
         "weight_sync_s": round(sum(r.sync_s for r in records) / n, 4),
         "weight_sync_bytes": sum(r.sync_bytes for r in records) // n,
+        "bursts": sum(r.bursts for r in records),
+        "handed_back_turns": sum(r.handed_back_turns for r in records),
         "lost_trajectories": sum(r.lost_trajectories for r in records),
         "failed_trajectories": sum(r.failed_trajectories for r in records),
         "restarts": sum(len(r.restarts) for r in records),
     }
 
 
+PoolTimelines = dict[str, list[tuple[float, dict[str, float]]]]  # by serving device: (s into the run, sample)
+
+
 def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, RequestResult]],
-               s: ServingDeviceConfig, mode: Mode) -> Path:
-    """Reward and success, step time split, serving latency against the SLO, where turns ran."""
+               pools: PoolTimelines, s: ServingDeviceConfig, mode: Mode) -> Path:
+    """Reward and success, step time split, serving latency against the SLO, where turns ran
+    (turns handed back marked), and each serving device's KV pool (bursts and freezes shaded
+    on the time panels)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8))
+    fig = plt.figure(figsize=(12, 11))
+    grid = fig.add_gridspec(3, 2)
+    ax = [[fig.add_subplot(grid[row, col]) for col in range(2)] for row in range(2)]
     steps = [r.step for r in records]
     a = ax[0][0]
     a.plot(steps, [r.reward for r in records], label="mean reward")
@@ -183,15 +202,58 @@ def write_plot(path: Path, records: list[TrainStep], served: list[tuple[float, R
     a.set(xlabel="time (s)", ylabel="ms", title="serving latency" + ("" if ok else " (no serving device)"))
     a = ax[1][1]
     for kind, y, color in (("dedicated", 0, "C2"), ("serving", 1, "C3")):
-        spans = [(b, e - b) for r in records for b, e, k in r.placements if k == kind]
+        spans = [(p.start_s, p.end_s - p.start_s) for r in records for p in r.placements if p.kind == kind]
         if spans:
             a.broken_barh(spans, (y - 0.4, 0.8), facecolors=color, alpha=0.15)
+    cut = [p.end_s for r in records for p in r.placements if p.kind == "serving" and p.outcome == "abort"]
+    if cut:
+        a.scatter(cut, [1.0] * len(cut), marker="x", color="k", s=16, label="handed back (cut)", zorder=3)
+        a.legend(loc="center right", fontsize=8)
     a.set(yticks=[0, 1], yticklabels=["dedicated", "serving"], xlabel="time (s)", title="where turns ran")
+    pool = fig.add_subplot(grid[2, :], sharex=ax[1][0])
+    _plot_pools(pool, pools)
+    for a in (ax[1][0], ax[1][1], pool):
+        _shade_bursts(a, pools)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _plot_pools(a: Any, pools: PoolTimelines) -> None:
+    """Each serving device's pages (its prefix caches' left out) and the rollout budget."""
+    for i, (wid, timeline) in enumerate(sorted(pools.items())):
+        t, serving, rollout = [at for at, _ in timeline], f"C{2 * i}", f"C{2 * i + 1}"
+        a.plot(t, [x["serving_pages"] - x["cached_serving_pages"] for _, x in timeline], color=serving,
+               label=f"{wid}: serving pages")
+        a.plot(t, [x["rollout_pages"] - x["cached_rollout_pages"] for _, x in timeline], color=rollout,
+               label=f"{wid}: rollout pages")
+        a.plot(t, [x["rollout_budget"] for _, x in timeline], color=rollout, linestyle=":",
+               label=f"{wid}: rollout budget")
+    if pools:
+        a.legend(fontsize=8, loc="upper left")
+    title = "serving devices' KV pool (shaded: burst red, frozen until the next RL step orange)"
+    a.set(xlabel="time (s)", ylabel="KV pages", title=title if pools else "serving devices' KV pool (none)")
+
+
+def burst_spans(timeline: list[tuple[float, dict[str, float]]]) -> list[tuple[float, float, int]]:
+    """A pool timeline's runs in one burst state other than normal: (start, end, state), each
+    ending at the next run's first sample (or the timeline's last)."""
+    runs: list[list[float]] = []  # [start, end, state]
+    for t, sample in timeline:
+        if runs:
+            runs[-1][1] = t
+        if not runs or runs[-1][2] != sample["state"]:
+            runs.append([t, t, sample["state"]])
+    return [(start, end, int(state)) for start, end, state in runs if state]
+
+
+def _shade_bursts(a: Any, pools: PoolTimelines) -> None:
+    """The spans in which a serving device was in a burst (red) or frozen (orange)."""
+    for timeline in pools.values():
+        for start, end, state in burst_spans(timeline):
+            a.axvspan(start, end, color="red" if state == 1 else "orange", alpha=0.15, linewidth=0)
 
 
 def describe(config: Config, mode: Mode) -> list[str]:
@@ -241,8 +303,13 @@ def outcome(records: list[TrainStep], serving: dict[str, Any]) -> list[str]:
     if (met := serving.get("slo_attainment")) is not None:
         turns += (f"; the serving devices' own requests met their SLOs {met:.1%} of the time (p99 TTFT "
                   f"{serving.get('p99_ttft_ms')} ms, TPOT {serving.get('p99_tpot_ms')} ms)")
-    return [f"success rate {first.success_rate:.2f} at step {first.step} -> {last.success_rate:.2f} at step "
-            f"{last.step} (best {best.success_rate:.2f}, step {best.step})", turns]
+    lines = [f"success rate {first.success_rate:.2f} at step {first.step} -> {last.success_rate:.2f} at step "
+             f"{last.step} (best {best.success_rate:.2f}, step {best.step})", turns]
+    if bursts := sum(x.bursts for x in records):
+        handed = sum(x.handed_back_turns for x in records)
+        lines.append(f"bursts: serving took its KV pages back {bursts} time{'s' * (bursts > 1)}; {handed} "
+                     f"turn{'s' * (handed != 1)} handed back with their tokens and resumed elsewhere")
+    return lines
 
 
 def _model(model: ModelSource) -> str:

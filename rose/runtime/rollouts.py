@@ -11,15 +11,17 @@ own rollout is one function named as `package.module:function`, as slime's
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Awaitable, Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
+from rose.config import import_function
 from rose.engine import SamplingParams
 from rose.model.tokenizer import Tokenizer
 from rose.rl import Episode, Trajectory, informative_groups, make_env
+from rose.rollout.agent import load_agent
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
+from rose.tools.sandbox import TOOLS
 
 if TYPE_CHECKING:
     from rose.runtime.config import Config
@@ -41,17 +43,8 @@ RolloutFunction = Callable[[RolloutContext], Awaitable[RolloutReport]]
 
 
 def load_rollout_function(path: str) -> RolloutFunction:
-    """`package.module:function`, imported; a ValueError naming what is wrong otherwise."""
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"config: rollout.function must be 'package.module:function', got {path!r}")
-    try:
-        function = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"config: rollout.function {path!r} cannot be imported: {exc}") from None
-    if not callable(function):
-        raise ValueError(f"config: rollout.function {path!r} is not a function")
-    return function
+    """`rollout.function`, imported; a ValueError naming what is wrong otherwise."""
+    return import_function(path, "rollout.function")
 
 
 ROUND_SEED_STRIDE = 2**40  # a later sampling round's seeds lie far from any step's first round
@@ -74,8 +67,13 @@ def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
     c, r = ctx.config, ctx.config.rollout
     first = c.train.seed * 100003 + ctx.step * r.groups + sampling_round * ROUND_SEED_STRIDE
     return [Episode(make_env(c.env.name, **env_kwargs(c, "train")), ctx.tokenizer, seed=first + g,
-                    group_id=(ctx.step, sampling_round, g), max_context_tokens=r.max_context_tokens)
+                    group_id=(ctx.step, sampling_round, g), max_context_tokens=r.max_context_tokens,
+                    tools=_tools(c))
             for g in range(r.groups) for _ in range(r.group_size)]
+
+
+def _tools(config: Config) -> list[dict[str, Any]] | None:
+    return [TOOLS[name] for name in config.rollout.tools] or None
 
 
 def informative(trajectories: list[Trajectory]) -> list[Hashable]:
@@ -91,14 +89,15 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
     sampled while fewer than `rollout.groups` groups have outcomes that differ; a later round's
     informative groups join the batch up to that count."""
     r, seed = ctx.config.rollout, ctx.config.train.seed * 7919 + ctx.step
-    manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=seed)
-    report = await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s)
+    manager, agent = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=seed), load_agent(r.agent)
+    report = await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s,
+                               agent=agent)
     for sampling_round in range(1, r.max_sampling_rounds):
         missing = r.groups - len(informative(report.trajectories))
         if missing <= 0:
             break
         more = await manager.run(episodes(ctx, sampling_round), ctx.version,
-                                 prefix=f"s{ctx.step}r{sampling_round}-", timeout_s=r.timeout_s)
+                                 prefix=f"s{ctx.step}r{sampling_round}-", timeout_s=r.timeout_s, agent=agent)
         wanted = set(informative(more.trajectories)[:missing])
         report = report.extend(more, keep=lambda t, wanted=wanted: t.group_id in wanted)
     return report
@@ -110,8 +109,9 @@ async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:
     trained on."""
     c = ctx.config
     held_out = [Episode(make_env(c.env.name, **env_kwargs(c, "eval")), ctx.tokenizer, seed=EVAL_SEED + i,
-                        group_id=("eval", i), max_context_tokens=c.rollout.max_context_tokens)
-                for i in range(c.eval.episodes)]
+                        group_id=("eval", i), max_context_tokens=c.rollout.max_context_tokens,
+                        tools=_tools(c)) for i in range(c.eval.episodes)]
     temperature = c.rollout.temperature if c.eval.temperature is None else c.eval.temperature
     manager = RolloutManager(ctx.registry, _params(ctx, temperature), seed=c.train.seed)
-    return await manager.run(held_out, ctx.version, prefix=f"e{ctx.step}-", timeout_s=c.rollout.timeout_s)
+    return await manager.run(held_out, ctx.version, prefix=f"e{ctx.step}-", timeout_s=c.rollout.timeout_s,
+                             agent=load_agent(c.rollout.agent))

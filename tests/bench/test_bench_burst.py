@@ -13,19 +13,11 @@ import numpy as np
 import pytest
 
 from rose.bench import burst
-from rose.bench.coserve import _server
+from rose.bench.coserve import bench_server
 from rose.cli import main
-from rose.coserve.loadgen import RequestResult
-from rose.coserve.metrics import ExecutorMetrics
+from rose.coserve.loadgen import RequestResult, kv_tokens
+from rose.coserve.metrics import ExecutorMetrics, read_pool_sample, transitions
 from rose.traces import load_trace
-
-
-def test_densest_stretch_holds_the_most_weight() -> None:
-    at = np.array([0.0, 1.0, 2.0, 10.0, 10.5, 11.0, 30.0])
-    weight = np.array([5.0, 5.0, 5.0, 4.0, 4.0, 4.0, 20.0])
-    assert burst.densest(at, weight, 3.0) == (30.0, 20.0)
-    assert burst.densest(at, np.ones(7), 3.0) == (0.0, 3.0)  # the first of equals
-    assert burst.densest(at, np.ones(7), 1.01) == (10.0, 3.0)
 
 
 def test_window_is_the_scaled_traces_spike_placed_lead_s_in() -> None:
@@ -33,7 +25,7 @@ def test_window_is_the_scaled_traces_spike_placed_lead_s_in() -> None:
     w = burst.burst_window(scale, duration_s=90.0, spike_s=20.0, lead_s=20.0)
     assert w.spike == (20.0, 40.0)
     trace = w.trace()
-    tokens = burst.kv_tokens(trace, scale)
+    tokens = kv_tokens(trace, scale.max_context, scale.max_output)
     inside = np.array([w.inside(t) for t in trace.arrival_s])
     assert inside.sum() == w.spike_requests and tokens[inside].sum() == w.spike_kv_tokens
     # The spike: several times the trace's mean KV arrival, and no other 20 s of the window more.
@@ -48,7 +40,7 @@ def test_window_is_the_scaled_traces_spike_placed_lead_s_in() -> None:
     np.testing.assert_allclose(full.arrival_s[index], at, atol=1e-6)
     scaled = np.maximum(1, np.rint(full.prompt_tokens[index] * scale.prompt_scale))
     np.testing.assert_array_equal(trace.prompt_tokens, scaled)
-    assert burst.kv_tokens(trace, scale).max() <= scale.max_context
+    assert kv_tokens(trace, scale.max_context, scale.max_output).max() <= scale.max_context
     with pytest.raises(ValueError, match="inside the 30 s window"):
         burst.burst_window(scale, duration_s=30.0, spike_s=20.0, lead_s=20.0)
 
@@ -83,7 +75,7 @@ def _scrape(**set_: float) -> str:
 
 
 def test_a_scrape_gives_the_timelines_columns_and_the_reclaim_histograms() -> None:
-    sample = burst.read_sample(_scrape(serving=12, rollout=30, tokens=7, trigger=1000.5))
+    sample = read_pool_sample(_scrape(serving=12, rollout=30, tokens=7, trigger=1000.5))
     assert (sample["serving_pages"], sample["rollout_pages"], sample["rollout_tokens"]) == (12, 30, 7)
     assert sample["normal_to_burst"] == 1000.5 and sample["burst_to_frozen"] == 0.0
     text = _scrape(reclaims=[(0.0002, 0), (0.0003, 0), (0.003, 1)])
@@ -96,12 +88,12 @@ def test_a_scrape_gives_the_timelines_columns_and_the_reclaim_histograms() -> No
 
 def test_the_bursts_course_and_harvest_from_the_timeline() -> None:
     wall0 = 1000.0
-    samples = [{"t": float(t), **burst.read_sample(_scrape(
+    samples = [{"t": float(t), **read_pool_sample(_scrape(
         tokens=10 * t if t < 20 or t >= 35 else 200 + (t - 20),
         **({"trigger": wall0 + 20.25} if t >= 21 else {}),
         **({"frozen": wall0 + 24.0} if t >= 25 else {}),
         **({"normal": wall0 + 35.0} if t >= 36 else {})))} for t in range(60)]
-    events = burst.transitions(samples, wall0)
+    events = transitions(samples, wall0)
     assert events == [(20.25, "normal", "burst"), (24.0, "burst", "frozen"), (35.0, "frozen", "normal")]
     course = burst.burst_figures(events, [{"t": 35.0}])
     assert course["bursts"] == 1 and course["trigger_s"] == 20.25
@@ -114,13 +106,14 @@ def test_the_bursts_course_and_harvest_from_the_timeline() -> None:
 
 
 def _report() -> dict:
-    samples = [{"t": t / 10, **burst.read_sample(_scrape(serving=t % 40, rollout=100 - t % 40))}
+    samples = [{"t": t / 10, **read_pool_sample(_scrape(serving=t % 40, rollout=100 - t % 40))}
                for t in range(300)]
     events = [(10.0, "normal", "burst"), (20.0, "frozen", "normal")]
     mode = {"timeline": {"samples": samples, "events": events}, "pool_pages": 128.0}
     requests = [{"scheduled_s": float(t), "ttft_s": 0.1 * (1 + t % 3), "tpot_s": 0.02 if t % 4 else None}
                 for t in range(30)]
-    return {"modes": dict.fromkeys(burst.MODES, mode), "requests": dict.fromkeys(burst.MODES, requests),
+    modes = burst.ENGINE_MODES["native"]
+    return {"modes": dict.fromkeys(modes, mode), "requests": dict.fromkeys(modes, requests),
             "summary": {"window": {"spike_s": [8.0, 18.0]}, "slo": {"ttft_ms": 500.0, "tpot_ms": 50.0},
                         "pool": {"watermark_pages": 115.2}}}
 
@@ -143,11 +136,11 @@ def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2
     and their trajectories finish them after the next RL step."""
     scale = burst.Scale(load=0.5, prompt_scale=0.25, max_output=200, max_context=512)
     window = burst.burst_window(scale, duration_s=24.0, spike_s=4.0, lead_s=8.0)
-    args = argparse.Namespace(trajectories=8, next_step_s=6.0)
+    args = argparse.Namespace(trajectories=8, next_step_s=6.0, engine="native")
     slo = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     extra = ("--pool-mb", "0.5", "--chunk-tokens", "64", "--no-profile")
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(_server(tiny_qwen2, tiny_qwen3, "rose", slo, None, extra))
+        url = stack.enter_context(bench_server(tiny_qwen2, tiny_qwen3, "rose", slo, None, extra))
         result, requests = asyncio.run(burst._measure(url, "rose", window, args, slo))
     assert result["bursts"] >= 1 and result["burst_cuts"] >= 1
     assert result["rollout_turns_cut"] >= 1 and result["rollout_pages_cut"] > 0

@@ -13,6 +13,7 @@ import torch
 from rose.contracts import TokenLoad, Turn
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.latency import FittedLatencyModel, TailLatency, nonnegative_lstsq
+from rose.coserve.metrics import read_pool_sample, transitions
 from rose.coserve.settings import MB, ExecutorConfig, Policy
 from rose.engine import KVSpec, SamplingParams
 from rose.model import preset_config, random_model
@@ -107,6 +108,12 @@ def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> N
     # new_rl_step's own transition
     assert 'rose:burst_transitions_total{from_state="frozen",to_state="normal"} 1.0' in metrics
     assert "rose:rollout_aborted_turns_total" in metrics
+    # The pool timeline's sample, in process as a scrape reads it: the burst's course in it.
+    sample = ex.metrics.pool_sample()
+    assert sample == read_pool_sample(metrics)
+    assert sample["state"] == 0 and sample["rollout_turns_cut"] >= len(aborted)
+    assert [(a, b) for _, a, b in transitions([sample], 0.0)] == [
+        ("normal", "burst"), ("burst", "frozen"), ("frozen", "normal")]
 
 
 def _samples(ex: CoServingExecutor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from rose.rollout.manager import Placement
 from rose.runtime.config import Mode, load_config
-from rose.runtime.report import TrainStep, describe, outcome
+from rose.runtime.report import TrainStep, burst_spans, describe, outcome, write_plot
 
 CPU = ["train.device=cpu", "rollout.device=cpu", "serving.device=cpu"]
 
@@ -23,7 +24,8 @@ def step(n: int, success: float, dedicated: int = 10, serving: int = 5) -> Train
     return TrainStep(step=n, version=n + 1, wall_start_s=3.0 * n, step_s=3.0, rollout_s=2.0, train_s=1.0,
                      sync_s=0.0, sync_bytes=0, success_rate=success, heldout_success=None, eval_s=0.0,
                      serving_token_share=0.3, serving_tokens=serving, dedicated_tokens=dedicated,
-                     serving_turns=serving, dedicated_turns=dedicated, resumed_turns=0, lost_trajectories=0,
+                     serving_turns=serving, dedicated_turns=dedicated, resumed_turns=0, handed_back_turns=0,
+                     bursts=0, lost_trajectories=0,
                      failed_trajectories=0, placements=[], serving={}, trainer={}, elastic_devices=0)
 
 
@@ -58,6 +60,31 @@ def test_the_outcome_says_how_success_moved_and_where_turns_ran() -> None:
         "SLOs 100.0% of the time (p99 TTFT 66.0 ms, TPOT 3.5 ms)"]
     assert outcome(records, {})[1] == "turns: 30 on dedicated workers, 17 on serving devices"
     assert outcome([], {}) == []
+    records[1].bursts, records[1].handed_back_turns = 2, 5
+    assert outcome(records, serving)[2] == ("bursts: serving took its KV pages back 2 times; 5 turns handed "
+                                            "back with their tokens and resumed elsewhere")
+
+
+def _pool(states: list[int]) -> list[tuple[float, dict[str, float]]]:
+    return [(0.25 * i, {"serving_pages": 10.0 * state, "cached_serving_pages": 0.0, "rollout_pages": 50.0,
+                        "cached_rollout_pages": 5.0, "rollout_budget": 60.0, "state": float(state)})
+            for i, state in enumerate(states)]
+
+
+def test_the_report_shades_each_burst_and_freeze_of_a_serving_device(tmp_path: Path) -> None:
+    """The pool panel's spans: a burst (state 1) from its first sample to the freeze's, the
+    freeze (2) until the next RL step's sample; normal runs are not shaded."""
+    timeline = _pool([0, 0, 1, 1, 2, 2, 2, 0, 0, 1])
+    assert burst_spans(timeline) == [(0.5, 1.0, 1), (1.0, 1.75, 2), (2.25, 2.25, 1)]
+    assert burst_spans(_pool([0, 0])) == [] and burst_spans([]) == []
+    records = [step(0, 0.0), step(1, 0.5)]
+    for r in records:
+        r.trainer = {"reward_mean": r.success_rate}
+    records[1].placements = [Placement("t0", 0, 0, "serving-0", "serving", 0.5, 0.75, 3, "abort"),
+                             Placement("t0", 0, 1, "dedicated-0", "dedicated", 0.75, 2.0, 5, "done")]
+    serving = load_config(None, CPU).serving
+    path = write_plot(tmp_path / "report.png", records, [], {"serving-0": timeline}, serving, Mode.ROSE)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""The multi-turn text environment interface.
+"""The multi-turn text environment interface (`TextEnv`) and discrete-action environments
+(`ActionEnv`).
 
 `reset(seed)` returns the first observation; `step(text)` takes the model's whole reply and
-returns the next observation, a reward, whether the episode is over, and an `info` dict with at
-least `valid` (the reply named a legal action), `success`, `turn` and `truncated` (a turn
+returns the next observation, a reward, whether the episode is over, and an `info` dict. An
+`ActionEnv`'s has at least `valid` (the reply named a legal action), `success`, `turn` and `truncated` (a turn
 limit ended the episode). A reply that names no legal action is never an error: the agent gets
 an observation that says so, the `invalid_penalty` is subtracted, and the turn counts.
 
@@ -43,6 +44,25 @@ def check_non_negative(owner: str, name: str, value: object) -> float:
 
 
 class TextEnv(ABC):
+    """An environment played in text, turn by turn: `reset(seed)` gives the first observation,
+    `step(reply)` the next one, the reward, whether the episode is over and an `info` dict (with
+    at least `success` at the end)."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def system_prompt(self) -> str:
+        """The rules and the answer format."""
+
+    @abstractmethod
+    def reset(self, seed: int | None = None) -> str: ...
+
+    @abstractmethod
+    def step(self, text: str) -> StepResult: ...
+
+
+class ActionEnv(TextEnv):
     """A discrete-action environment played in text, turn by turn, up to `max_turns` turns.
 
     Subclasses set `name` and `actions` (names, in id order) and implement `system_prompt`,
@@ -51,7 +71,6 @@ class TextEnv(ABC):
     `success`.
     """
 
-    name: str
     actions: tuple[str, ...]
 
     def __init__(self, max_turns: int, invalid_penalty: float, ask: bool = False) -> None:
@@ -63,11 +82,6 @@ class TextEnv(ABC):
         self.question = f"\nWhich action do you take: {named}?" if ask else ""
         self.turn = 0
         self.done = True  # until the first reset
-
-    @property
-    @abstractmethod
-    def system_prompt(self) -> str:
-        """The rules, the legend of the rendering and the answer format."""
 
     @property
     @abstractmethod

@@ -30,7 +30,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 
-from rose.rl.envs.base import TextEnv, check_non_negative
+from rose.rl.envs.base import ActionEnv, check_non_negative
 from rose.rl.envs.heldout import check_split, draw
 
 # gymnasium's `MAPS["4x4"]` and `MAPS["8x8"]`.
@@ -83,7 +83,7 @@ def _check_desc(desc: Sequence[str]) -> tuple[str, ...]:
     return rows
 
 
-class FrozenLake(TextEnv):
+class FrozenLake(ActionEnv):
     name = "frozenlake"
     actions = ("Left", "Down", "Right", "Up")
 

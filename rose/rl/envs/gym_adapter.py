@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rose.rl.envs.base import TextEnv
+from rose.rl.envs.base import ActionEnv
 
 
 def _reached_reward(reward: float, terminated: bool, info: dict[str, Any]) -> bool:
     return terminated and reward > 0
 
 
-class GymEnvAdapter(TextEnv):
+class GymEnvAdapter(ActionEnv):
     def __init__(self, env: Any, actions: Sequence[str], system_prompt: str,
                  render: Callable[[Any, dict[str, Any]], str] | None = None,
                  success: Callable[[float, bool, dict[str, Any]], bool] = _reached_reward,

@@ -8,7 +8,9 @@ from typing import Any
 
 from rose.rl.envs.base import TextEnv
 from rose.rl.envs.frozen_lake import FrozenLake
+from rose.rl.envs.reasoning import ReasoningGymTask
 from rose.rl.envs.sokoban import Sokoban
+from rose.rl.envs.textworld_env import TextWorldGame
 
 _FACTORIES: dict[str, Callable[..., TextEnv]] = {}
 
@@ -49,3 +51,5 @@ def make_env(name: str, **kwargs: Any) -> TextEnv:
 
 register_env(FrozenLake.name, FrozenLake)
 register_env(Sokoban.name, Sokoban)
+register_env(ReasoningGymTask.name, ReasoningGymTask)
+register_env(TextWorldGame.name, TextWorldGame)

@@ -21,7 +21,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 
-from rose.rl.envs.base import TextEnv, check_non_negative, check_positive_int
+from rose.rl.envs.base import ActionEnv, check_non_negative, check_positive_int
 from rose.rl.envs.heldout import check_split, draw
 
 Cell = tuple[int, int]
@@ -148,7 +148,7 @@ def generate_level(size: int, num_boxes: int, seed: int, steps: int = 40) -> tup
         return tuple(Level((size, size), walls, targets, boxes, player).render().split("\n"))
 
 
-class Sokoban(TextEnv):
+class Sokoban(ActionEnv):
     name = "sokoban"
     actions = ("Up", "Down", "Left", "Right")
 

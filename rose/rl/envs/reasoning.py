@@ -1,0 +1,90 @@
+"""reasoning-gym's verifiable tasks as environments (`make_env("reasoning-gym", task=...)`).
+
+reasoning-gym (open-thought/reasoning-gym, Apache-2.0) generates problems procedurally from a
+seed, with an answer checker per task (`dataset.score_answer`): nothing is downloaded, every
+seed is a new problem. Each reset draws one problem of `task` (any of reasoning-gym's, with its
+`config` options); the policy answers inside `<answer>...</answer>` (reasoning-gym's own
+convention, `reasoning_gym.utils.extract_answer`; a reply without the tags is read whole), and
+the checker's score (0 to 1) is the reward. A wrong answer gets "Not quite. Try again." while
+turns are left (`max_turns`, default 1), so with tools (`rose.rollout.agent.tool_episode`) the
+policy can compute before it answers.
+
+Held-out problems: with `split`, a problem belongs to the evaluation split when a checksum of
+its question text says so (rose.rl.envs.heldout), as generated maps do.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from rose.rl.envs.base import StepResult, TextEnv, check_positive_int
+from rose.rl.envs.heldout import check_split, draw
+
+ANSWER_FORMAT = "Give your final answer inside <answer></answer>, for example <answer>42</answer>."
+
+
+class ReasoningGymTask(TextEnv):
+    name = "reasoning-gym"
+
+    def __init__(self, task: str = "basic_arithmetic", max_turns: int = 1, split: str | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        """`task`: a reasoning-gym dataset name; `config`: its options (e.g. for
+        basic_arithmetic `{"min_terms": 2, "max_terms": 2, "max_digits": 2}`)."""
+        try:
+            import reasoning_gym
+        except ImportError:
+            raise ValueError("reasoning-gym: the reasoning-gym package is not installed (`make install` "
+                             "installs it)") from None
+        if task not in reasoning_gym.factory.DATASETS:
+            known = ", ".join(sorted(reasoning_gym.factory.DATASETS)[:12])
+            raise ValueError(f"reasoning-gym: no task {task!r}; tasks include {known}, ...")
+        self.task, self.config = task, dict(config or {})
+        self.max_turns = check_positive_int(self.name, "max_turns", max_turns)
+        self.split = check_split(self.name, split, generated=True)
+        try:  # the options are checked here, once, not at the first reset
+            reasoning_gym.create_dataset(task, size=1, seed=0, **self.config)
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise ValueError(f"reasoning-gym: task {task!r} refuses config {self.config}: {exc}") from None
+        self._rng = random.Random()
+        self._dataset: Any = None
+        self._entry: dict[str, Any] = {}
+        self.turn, self.done = 0, True
+
+    @property
+    def system_prompt(self) -> str:
+        return f"Solve the problem. {ANSWER_FORMAT}"
+
+    @property
+    def question(self) -> str:
+        return str(self._entry.get("question", ""))
+
+    def _problem(self, seed: int) -> tuple[str]:
+        import reasoning_gym
+
+        self._dataset = reasoning_gym.create_dataset(self.task, size=1, seed=seed, **self.config)
+        self._entry = self._dataset[0]
+        return (self.question,)
+
+    def reset(self, seed: int | None = None) -> str:
+        self._rng = random.Random(seed) if seed is not None else self._rng
+        draw(self.name, self._problem, self._rng, self.split)
+        self.turn, self.done = 0, False
+        return self.question
+
+    def step(self, text: str) -> StepResult:
+        from reasoning_gym.utils import extract_answer
+
+        if self.done:
+            raise RuntimeError(f"{self.name}: step() after the episode ended; call reset() first")
+        self.turn += 1
+        answer = extract_answer(text, tag_name="answer")
+        score = float(self._dataset.score_answer(answer=answer if answer is not None else text.strip(),
+                                                 entry=self._entry) or 0.0)
+        success = score >= 1.0
+        truncated = not success and self.turn >= self.max_turns
+        self.done = success or truncated
+        observation = "" if self.done else f"Not quite. Try again. {ANSWER_FORMAT}"
+        info = {"success": success, "score": score, "answer": answer, "expected": self._entry.get("answer"),
+                "turn": self.turn, "truncated": truncated}
+        return StepResult(observation, score, self.done, info)

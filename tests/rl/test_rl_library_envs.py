@@ -1,0 +1,101 @@
+"""Environments from libraries nobody here wrote, behind the registry: reasoning-gym's verifiable
+tasks and TextWorld's generated quests (made locally by `tw-make`, played by the game's own
+interpreter)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rose.rl import make_env
+from rose.rl.envs.textworld_env import make_game, match_command
+
+pytest.importorskip("reasoning_gym")
+pytest.importorskip("textworld")
+
+ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+
+
+def test_a_reasoning_gym_task_scores_the_answer_in_its_tags() -> None:
+    env = make_env("reasoning-gym", task="basic_arithmetic", config=ARITHMETIC)
+    question = env.reset(3)
+    assert question == make_env("reasoning-gym", task="basic_arithmetic", config=ARITHMETIC).reset(3)
+    expected = env._entry["answer"]
+    result = env.step(f"Let me add them up. <answer>{expected}</answer>")
+    assert result.done and result.reward == 1.0 and result.info["success"]
+    assert result.info["answer"] == expected
+    env.reset(3)
+    wrong = env.step("<answer>not a number</answer>")
+    assert wrong.done and wrong.reward < 1.0 and not wrong.info["success"] and wrong.info["truncated"]
+
+
+def test_a_wrong_answer_may_be_tried_again_while_turns_are_left() -> None:
+    env = make_env("reasoning-gym", task="basic_arithmetic", config=ARITHMETIC, max_turns=2)
+    env.reset(0)
+    first = env.step("<answer>nope</answer>")
+    assert not first.done and "Try again" in first.observation
+    second = env.step(f"<answer>{env._entry['answer']}</answer>")
+    assert second.done and second.info["success"] and second.info["turn"] == 2
+
+
+def test_reasoning_gym_splits_hold_out_problems_and_bad_settings_are_refused() -> None:
+    train = {make_env("reasoning-gym", config=ARITHMETIC, split="train").reset(s) for s in range(40)}
+    held = {make_env("reasoning-gym", config=ARITHMETIC, split="eval").reset(s) for s in range(40)}
+    assert train and held and not train & held
+    with pytest.raises(ValueError, match="reasoning-gym: no task 'no_such_task'"):
+        make_env("reasoning-gym", task="no_such_task")
+    with pytest.raises(ValueError, match="reasoning-gym: task 'basic_arithmetic' refuses config"):
+        make_env("reasoning-gym", config={"min_terms": 5, "max_terms": 2})
+
+
+@pytest.fixture(scope="module")
+def games(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("textworld")
+
+
+@pytest.fixture
+def games_here(games: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("ROSE_TEXTWORLD_GAMES", str(games))
+    return games
+
+
+def test_tw_make_makes_a_game_once_and_its_walkthrough_wins(games_here: Path) -> None:
+    games = games_here
+    path = make_game(2, 4, 2, seed=1, directory=games)
+    assert path.is_file() and make_game(2, 4, 2, seed=1, directory=games) == path  # kept
+    walkthrough = json.loads(path.with_suffix(".json").read_text())["metadata"]["walkthrough"]
+    env = make_env("textworld", games=2)
+    env.seeds = [1]  # the game above
+    observation = env.reset(0)
+    assert "Commands: " in observation
+    total = 0.0
+    for command in walkthrough:
+        result = env.step(f"I will {command}.")
+        assert result.info["command"] == command
+        total += result.reward
+        if result.done:
+            break
+    assert result.done and result.info["success"] and total == pytest.approx(1.0)
+    assert env._env is None  # the interpreter ended with the game
+
+
+def test_a_reply_the_game_does_not_know_is_an_observation(games_here: Path) -> None:
+    make_game(2, 4, 2, seed=1, directory=games_here)
+    env = make_env("textworld", games=2, max_turns=2)
+    env.seeds = [1]
+    env.reset(0)
+    first = env.step("xyzzy frobnicate")
+    assert not first.done and first.reward == 0.0 and first.observation
+    last = env.step("")
+    assert last.done and last.info["truncated"] and not last.info["success"]
+
+
+def test_textworld_holds_out_games_by_seed() -> None:
+    train, held = (make_env("textworld", games=10, split=s).seeds for s in ("train", "eval"))
+    assert held == [0, 5] and train == [1, 2, 3, 4, 6, 7, 8, 9]
+    with pytest.raises(ValueError, match="no train game among 1"):
+        make_env("textworld", games=1, split="train")
+    assert match_command("I open the chest now", ["open chest", "open the chest", "look"]) == "open the chest"
+    assert match_command("  go west\nthen east", ["look"]) == "go west"
