@@ -65,7 +65,7 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
     assert any(line.startswith("serving-0 restarted") for line in restarts), restarts
     assert f"trainer restarted from {tmp_path / 'step-2'} at version 2" in result.steps[2].restarts
     # The restarted replicas took turns in the later steps: capacity came back.
-    assert all(any(kind == "dedicated" for _, _, kind in r.placements) for r in result.steps[1:])
+    assert all(any(p.kind == "dedicated" for p in r.placements) for r in result.steps[1:])
     assert [Path(c).name for c in result.checkpoints] == ["step-2", "step-3"]
     assert all(is_complete(c) for c in result.checkpoints)
     assert resume_checkpoint(tmp_path) == tmp_path / "step-3"

@@ -69,7 +69,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: 
     played: list[str] = []
 
     async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
-                  timeout_s: float | None = None) -> RolloutReport:
+                  timeout_s: float | None = None, agent: object = None) -> RolloutReport:
         played.append(prefix)
         return RolloutReport(_trajectories(rounds[prefix]), [], 1.0)
 
@@ -91,7 +91,7 @@ def test_heldout_rollout_plays_the_same_heldout_maps(tiny_qwen3: Path, tmp_path:
     played: list[tuple[str, list, float]] = []
 
     async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
-                  timeout_s: float | None = None) -> RolloutReport:
+                  timeout_s: float | None = None, agent: object = None) -> RolloutReport:
         played.append((prefix, episodes, self.params.temperature))
         return RolloutReport([], [], 1.0)
 
