@@ -54,6 +54,7 @@ class VllmServing(VllmEngine):
         self.max_model_len: int = model_config.max_model_len
         self.page_bytes = KVSpec.of(config, model_config.dtype, BLOCK_SIZE).block_bytes
         self.last_step = EngineStep()
+        self.num_preemptions = 0  # requests vLLM preempted (their KV freed, recomputed later)
 
     def sampling_params(self, params: SamplingParams) -> vllm.SamplingParams:
         """Every field, as vLLM's server takes it (a temperature under ROSE's MIN_TEMPERATURE
@@ -73,13 +74,16 @@ class VllmServing(VllmEngine):
         """One vLLM iteration; `last_step` its serving load: a request that advanced by one token
         it had sampled decoded, any other advance was prefill (a request that finished computed
         everything it had)."""
-        before = {rid: (r.num_computed_tokens, r.num_tokens) for rid, r in self.scheduler.requests.items()}
+        before = {rid: (r.num_computed_tokens, r.num_tokens, r.num_preemptions)
+                  for rid, r in self.scheduler.requests.items()}
         start = time.perf_counter()
         outputs = super().step()
         seconds = time.perf_counter() - start
         prefill = decodes = context = 0
-        for rid, (computed, tokens) in before.items():
+        for rid, (computed, tokens, preemptions) in before.items():
             after = self.scheduler.requests.get(rid)
+            if after is not None:
+                self.num_preemptions += after.num_preemptions - preemptions
             advanced = (after.num_computed_tokens if after is not None else tokens) - computed
             if advanced == 1 and computed + 1 == tokens:
                 decodes += 1

@@ -216,6 +216,24 @@ def test_a_burst_on_vllm_cuts_rollout_turns_with_their_partial_tokens(executor: 
     assert 'rose:burst_transitions_total{from_state="normal",to_state="burst"} 1.0' in metrics
 
 
+def _preemptions_metric(ex: CoServingExecutor) -> float:
+    return next(float(line.split()[-1]) for line in ex.metrics.expose().decode().splitlines()
+                if line.startswith("vllm:num_preemptions_total"))
+
+
+def test_vllms_own_preemptions_are_counted(executor: CoServingExecutor) -> None:
+    """Prompts that together outgrow vLLM's cache as they decode: vLLM preempts (frees a request's
+    KV, recomputes it later), and `vllm:num_preemptions_total` counts it as vLLM's server does."""
+    engine, metric = executor.serving.num_preemptions, _preemptions_metric(executor)
+    for i in range(3):
+        executor.add_serving(_ids(VLLM_BLOCKS * BLOCK_SIZE * 3 // 10, 50 + i), SamplingParams(
+            max_tokens=VLLM_BLOCKS * BLOCK_SIZE // 5, ignore_eos=True), f"p{i}")
+    done = {out.request_id for step in _until_done(executor) for out in step if out.finished}
+    assert done == {"p0", "p1", "p2"}
+    preempted = executor.serving.num_preemptions - engine
+    assert preempted > 0 and _preemptions_metric(executor) - metric == preempted
+
+
 def test_a_serving_engine_with_its_own_cache_needs_a_rollout_model(executor: CoServingExecutor) -> None:
     with pytest.raises(ValueError, match="beside a rollout model"):
         CoServingExecutor(executor.serving, None)
