@@ -210,8 +210,14 @@ class Config:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The embedded default, then the YAML file, then `key=value` overrides; validated."""
-    config = load(Config, [path] if path is not None else [], overrides)
+    """The embedded default, then the YAML file, then `key=value` overrides; validated. The
+    default `env.options` apply to the default environment only."""
+    files = [path] if path is not None else []
+    config = load(Config, files, overrides)
+    if config.env.name != EnvConfig.name:
+        # The default options are the FrozenLake recipe's: another environment starts from its own.
+        given = load(Config(env=EnvConfig(options={})), files, overrides).env.options
+        config.env = dataclasses.replace(config.env, options=given)
     validate(config)
     return config
 

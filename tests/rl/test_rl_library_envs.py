@@ -78,7 +78,7 @@ def test_tw_make_makes_a_game_once_and_its_walkthrough_wins(games_here: Path) ->
         if result.done:
             break
     assert result.done and result.info["success"] and total == pytest.approx(1.0)
-    assert env._env is None  # the interpreter ended with the game
+    assert env._game is None  # its process ended with the game
 
 
 def test_a_reply_the_game_does_not_know_is_an_observation(games_here: Path) -> None:

@@ -411,3 +411,13 @@ def test_a_local_ray_is_sized_by_this_machine(monkeypatch: pytest.MonkeyPatch) -
     init_ray(None, num_cpus=2)
     assert seen["address"] == "local" and seen["num_cpus"] == 2  # its own, not a `ray start` cluster
     assert seen["_system_config"] == {"worker_niceness": 0}
+
+
+def test_the_default_env_options_belong_to_the_default_env() -> None:
+    """FrozenLake's recipe options are the embedded default's: another environment starts from
+    its own defaults and the options its config gives."""
+    assert load_config(None).env.options["progress_reward"] == 0.5
+    assert load_config(None, ["env.name=sokoban"]).env.options == {}
+    textworld = load_config("recipes/textworld.yaml").env
+    assert textworld.name == "textworld" and "size" not in textworld.options
+    assert textworld.options["games"] == 16

@@ -6,7 +6,9 @@ table, unlock the chest, put the apple in the chest"). Its generated games are t
 ALFWorld, the paper's second workload. Games are made here, on first use, by TextWorld's own
 `tw-make custom` (nothing is downloaded), one per game seed, and kept in `games_dir`
 (`ROSE_TEXTWORLD_GAMES`, default `~/.cache/rose/textworld`): a pool of `games` games of the
-given size; each reset plays one of them, from the start. The game's own interpreter runs it.
+given size; each reset plays one of them, from the start. The game's own interpreter (Jericho)
+runs it in a child process of its own, as TextWorld's batch environments do: Jericho keeps
+process-wide state, and a rollout plays many games at once.
 
 The observation is the game's text, then the commands the game accepts now (TextWorld's
 `admissible_commands`, as ALFWorld's text agents get them). A reply is matched to the longest
@@ -20,6 +22,8 @@ Held-out games: with `split`, a game seed belongs to the evaluation split when i
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import random
 import shutil
@@ -33,6 +37,8 @@ from rose.rl.envs.base import StepResult, TextEnv, check_positive_int
 from rose.rl.envs.heldout import HELDOUT_EVERY, check_split
 
 GAME_TIMEOUT_S = 300.0  # tw-make compiles the game with Inform 7: seconds, more on a loaded machine
+STEP_TIMEOUT_S = 60.0  # a game's answer to one command (milliseconds, unless something is wrong)
+_STATE = ("feedback", "admissible_commands", "score", "max_score", "won", "lost")
 
 
 def games_dir() -> Path:
@@ -80,6 +86,64 @@ def match_command(text: str, commands: list[str]) -> str:
     return lines[0].strip() if lines else ""
 
 
+def _play(path: str, pipe: Any) -> None:
+    """A child process's loop: start the game, answer each command with the new state (and
+    whether the game is over), until None."""
+    import textworld
+
+    with warnings.catch_warnings():
+        # Jericho knows TextWorld's games by no table of its own; TextWorld keeps the score.
+        warnings.filterwarnings("ignore", message=".*is not fully supported")
+        infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, max_score=True, score=True)
+        env = textworld.start(path, request_infos=infos)
+        state, over = env.reset(), False
+    try:
+        while True:
+            pipe.send(({key: state[key] for key in _STATE}, over))
+            command = pipe.recv()
+            if command is None:
+                return
+            state, _, over = env.step(command)
+    finally:
+        env.close()
+
+
+class _Game:
+    """One game played in a child process, forked by a server that has imported this module,
+    TextWorld and Jericho once (a game starts in a fraction of a second, not the seconds of
+    their imports)."""
+
+    context = multiprocessing.get_context("forkserver")
+
+    def __init__(self, path: Path) -> None:
+        # This module too: a child unpickles `_play` from it, which imports rose.rl (and torch).
+        self.context.set_forkserver_preload([__name__, "textworld.envs.zmachine.jericho"])
+        self.pipe, child = self.context.Pipe()
+        self.process = self.context.Process(target=_play, args=(str(path), child), daemon=True)
+        self.process.start()
+        child.close()
+
+    def answer(self) -> tuple[dict[str, Any], bool]:
+        if not self.pipe.poll(STEP_TIMEOUT_S):
+            self.close()
+            raise RuntimeError(f"textworld: the game did not answer within {STEP_TIMEOUT_S:g} s")
+        return self.pipe.recv()
+
+    def step(self, command: str) -> tuple[dict[str, Any], bool]:
+        self.pipe.send(command)
+        return self.answer()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):  # it went already
+                self.pipe.send(None)
+            self.process.join(5.0)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
+        self.pipe.close()
+
+
 class TextWorldGame(TextEnv):
     name = "textworld"
 
@@ -100,8 +164,8 @@ class TextWorldGame(TextEnv):
             raise ValueError(f"textworld: no {split} game among {games} (one in {HELDOUT_EVERY} is held out)")
         self.seeds, self.max_turns = seeds, check_positive_int(self.name, "max_turns", max_turns)
         self.show_commands = show_commands
-        self._env: Any = None
-        self._state: Any = None
+        self._game: _Game | None = None
+        self._state: dict[str, Any] = {}
         self._rng = random.Random()
         self.turn, self.done, self.won = 0, True, False
 
@@ -111,27 +175,21 @@ class TextWorldGame(TextEnv):
                 "with one command the game accepts, for example: open the door.")
 
     def reset(self, seed: int | None = None) -> str:
-        import textworld
-
         self._rng = random.Random(seed) if seed is not None else self._rng
-        game = make_game(*self.settings, self._rng.choice(self.seeds), games_dir())
+        path = make_game(*self.settings, self._rng.choice(self.seeds), games_dir())
         self.close()
-        infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, max_score=True, score=True)
-        with warnings.catch_warnings():
-            # Jericho knows TextWorld's games by no table of its own; TextWorld keeps the score.
-            warnings.filterwarnings("ignore", message=".*is not fully supported")
-            self._env = textworld.start(str(game), request_infos=infos)
-            self._state = self._env.reset()
+        self._game = _Game(path)
+        self._state, _ = self._game.answer()
         self.turn, self.done, self.won = 0, False, False
-        return self._observation(self._state["feedback"])
+        return self._observation()
 
     def step(self, text: str) -> StepResult:
-        if self.done:
+        if self.done or self._game is None:
             raise RuntimeError(f"{self.name}: step() after the episode ended; call reset() first")
         self.turn += 1
         command = match_command(text, list(self._state["admissible_commands"] or []))
         before = self._state["score"]
-        self._state, _, over = self._env.step(command)
+        self._state, over = self._game.step(command)
         reward = (self._state["score"] - before) / max(self._state["max_score"], 1)
         self.won = bool(self._state["won"])
         truncated = not over and self.turn >= self.max_turns
@@ -140,16 +198,20 @@ class TextWorldGame(TextEnv):
             self.close()
         info = {"command": command, "success": self.won, "lost": bool(self._state["lost"]), "turn": self.turn,
                 "truncated": truncated}
-        return StepResult(self._observation(self._state["feedback"]), float(reward), self.done, info)
+        return StepResult(self._observation(), float(reward), self.done, info)
 
-    def _observation(self, feedback: str) -> str:
-        text = feedback.strip()
+    def _observation(self) -> str:
+        text = str(self._state["feedback"]).strip()
         if self.show_commands and not self.done:
             text += "\nCommands: " + ", ".join(self._state["admissible_commands"] or [])
         return text
 
     def close(self) -> None:
-        """End the game's interpreter (each reset starts one)."""
-        if self._env is not None:
-            self._env.close()
-            self._env = None
+        """End the game's process (each reset starts one)."""
+        if self._game is not None:
+            self._game.close()
+            self._game = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_game", None) is not None:  # not when __init__ refused the settings
+            self.close()
