@@ -83,11 +83,13 @@ def test_tw_make_makes_a_game_once_and_its_walkthrough_wins(games_here: Path) ->
 
 def test_a_reply_the_game_does_not_know_is_an_observation(games_here: Path) -> None:
     make_game(2, 4, 2, seed=1, directory=games_here)
-    env = make_env("textworld", games=2, max_turns=2)
+    env = make_env("textworld", games=2, max_turns=3)
     env.seeds = [1]
     env.reset(0)
     first = env.step("xyzzy frobnicate")
     assert not first.done and first.reward == 0.0 and first.observation
+    escaped = env.step("\\x\\help")  # the interpreter's own escapes: typed as letters, answered
+    assert not escaped.done and escaped.info["command"] == "x help"
     last = env.step("")
     assert last.done and last.info["truncated"] and not last.info["success"]
 
@@ -99,3 +101,4 @@ def test_textworld_holds_out_games_by_seed() -> None:
         make_env("textworld", games=1, split="train")
     assert match_command("I open the chest now", ["open chest", "open the chest", "look"]) == "open the chest"
     assert match_command("  go west\nthen east", ["look"]) == "go west"
+    assert match_command("\\help \x00me", ["look"]) == "help  me"  # no escape reaches the interpreter

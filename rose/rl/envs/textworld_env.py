@@ -26,6 +26,7 @@ import contextlib
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,8 @@ from rose.rl.envs.heldout import HELDOUT_EVERY, check_split
 GAME_TIMEOUT_S = 300.0  # tw-make compiles the game with Inform 7: seconds, more on a loaded machine
 STEP_TIMEOUT_S = 60.0  # a game's answer to one command (milliseconds, unless something is wrong)
 _STATE = ("feedback", "admissible_commands", "score", "max_score", "won", "lost")
+_TYPED = re.compile(r"[^A-Za-z0-9 ,.'!?-]+")
+MAX_COMMAND_CHARS = 100
 
 
 def games_dir() -> Path:
@@ -77,13 +80,15 @@ def make_game(world_size: int, nb_objects: int, quest_length: int, seed: int, di
 
 
 def match_command(text: str, commands: list[str]) -> str:
-    """The longest accepted command the reply contains, else its first line as typed."""
+    """The longest accepted command the reply contains, else its first line as typed, in
+    letters, digits and plain punctuation only (the interpreter reads a backslash as an escape
+    of its own and then waits for more)."""
     lowered = text.lower()
     found = [c for c in commands if c.lower() in lowered]
     if found:
         return max(found, key=len)
     lines = text.strip().splitlines()
-    return lines[0].strip() if lines else ""
+    return _TYPED.sub(" ", lines[0])[:MAX_COMMAND_CHARS].strip() if lines else ""
 
 
 def _play(path: str, pipe: Any) -> None:
