@@ -7,6 +7,7 @@ calls and scores the answer; a bad agent fails its trajectory, not the step."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from rose.contracts import Heartbeat, Turn, TurnOutput, WorkerKind
 from rose.engine import SamplingParams
 from rose.model import load_tokenizer
-from rose.rl import Conversation, Episode, StepResult, TextEnv, Trajectory
+from rose.rl import Conversation, Episode, StepResult, TextEnv, Trajectory, make_env
 from rose.rollout.agent import MAX_TOOL_ROUNDS, TurnHandle, load_agent, tool_episode
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
@@ -219,3 +220,27 @@ def test_the_tools_are_named_from_the_sandbox() -> None:
         load_config(None, ["rollout.tools=[shell]"])
     config = load_config(None, ["rollout.agent=rose.rollout.agent:tool_episode", "rollout.tools=[python]"])
     assert config.rollout.tools == ["python"]
+
+
+def test_a_reasoning_gym_task_played_with_the_calculator(tokenizer) -> None:
+    """reasoning-gym's arithmetic through `tool_episode`: the policy computes the question with
+    the calculator (run in the sandbox), then answers in the task's tags; its checker scores it."""
+    pytest.importorskip("reasoning_gym")
+    env = make_env("reasoning-gym", task="basic_arithmetic",
+                   config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    episode = Episode(env, tokenizer, seed=7, tools=[TOOLS["calculator"]])
+    expression = re.sub(r"[^0-9+\-*/() .]", "", env.question).strip().rstrip(".")  # "Calculate -61 * 14."
+    expected = env._entry["answer"]
+
+    def script(turn_id: str, prompt: list[int]) -> list[int]:
+        if turn_id.split(":")[1] == "0":
+            arguments = json.dumps({"expression": expression})
+            call = f'<tool_call>\n{{"name": "calculator", "arguments": {arguments}}}\n</tool_call>'
+            return [*spelled(tokenizer, call), tokenizer.eos_token_id]
+        result = tokenizer.decode(prompt, skip_special_tokens=False).rsplit("<tool_response>\n", 1)[1]
+        return [*spelled(tokenizer, f"<answer>{result.split(chr(10))[0]}</answer>"), tokenizer.eos_token_id]
+
+    report = run([ScriptedWorker("a", script)], [episode], tool_episode, max_tokens=300)
+    [trajectory] = report.trajectories
+    assert trajectory.success and trajectory.reward == 1.0 and len(trajectory.turns) == 2
+    assert trajectory.turns[1].info["answer"] == expected
