@@ -14,6 +14,7 @@ leaves the manager every token it had sent. Each names its role (`trainer`, `ded
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import socket
@@ -51,7 +52,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
-POOL_SAMPLE_S = 0.25  # a serving device's pool timeline: a sample of its executor's pool this often
+POOL_SAMPLE_S = 0.25  # a serving device's pool timeline: a sample of its executor's pool this often,
+POOL_SAMPLES_KEPT = 28_800  # the last two hours of them (report.png draws what is kept)
 
 
 def meta_model(path: str | Path) -> CausalLM:
@@ -264,7 +266,8 @@ class ServingDeviceActor(_HttpReplica):
         log.info("serving %s (%s engine) at %s", Path(serving_path).name, engine.value, self.url)
         self.spec, self.executor = replay_spec, executor
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
-        self.pool: list[tuple[float, dict[str, float]]] = []  # (wall clock, `ExecutorMetrics.pool_sample`)
+        self.pool: collections.deque[tuple[float, dict[str, float]]] = collections.deque(
+            maxlen=POOL_SAMPLES_KEPT)  # (wall clock, `ExecutorMetrics.pool_sample`)
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
         self._join(relay, group, worker_id, executor.rollout.model, loop, executor.load_weights)
