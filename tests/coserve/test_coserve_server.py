@@ -20,10 +20,10 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save
+from servers import running
 
 from rose.contracts import Turn
 from rose.coserve.executor import CoServingExecutor
@@ -34,30 +34,6 @@ from rose.coserve.settings import ExecutorConfig, ServerLimits
 from rose.engine import SamplingParams
 from rose.model import Tokenizer, init_model, load_tokenizer, random_model
 from rose.steploop import StepLoop
-
-
-@contextlib.contextmanager
-def running(app: FastAPI) -> Iterator[str]:
-    """Serve `app` on a free local port from a thread; yield its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                        timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    try:
-        yield url
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,7 @@ calls parsed from the reply, tool-call conversations accepted, bad tool requests
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
+from servers import running
 
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.openai_api import _Delta, _tool_delta, tool_reply
@@ -42,23 +38,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def url(checkpoint: tuple[Path, Path]) -> Iterator[str]:
     executor = CoServingExecutor.from_pretrained(*checkpoint, ExecutorConfig(pool_mb=8))
     executor.profile()
-    app = build_app(StepLoop(executor), executor, load_tokenizer(checkpoint[0]), MODEL, None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                        timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        time.sleep(0.05)
-    yield base
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with running(build_app(StepLoop(executor), executor, load_tokenizer(checkpoint[0]), MODEL, None)) as base:
+        yield base
 
 
 @pytest.fixture
