@@ -31,7 +31,7 @@ from rose.tools.sandbox import run_tool
 Task = TypeVar("Task")
 # (turn index, prompt ids, max tokens) -> the finished turn
 TurnRunner = Callable[[int, list[int], int], Awaitable[TurnOutput]]
-# A tool call's answers per reply before the reply goes to the environment as it is.
+# Rounds of tool calls answered before one answer; the reply after them goes to the environment as it is.
 MAX_TOOL_ROUNDS = 3
 
 
