@@ -81,15 +81,19 @@ def test_tw_make_makes_a_game_once_and_its_walkthrough_wins(games_here: Path) ->
     assert env._game is None  # its process ended with the game
 
 
-def test_a_reply_the_game_does_not_know_is_an_observation(games_here: Path) -> None:
+def test_a_reply_the_game_does_not_know_is_an_observation(games_here: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     make_game(2, 4, 2, seed=1, directory=games_here)
-    env = make_env("textworld", games=2, max_turns=3)
+    monkeypatch.chdir(tmp_path)
+    env = make_env("textworld", games=2, max_turns=4)
     env.seeds = [1]
     env.reset(0)
     first = env.step("xyzzy frobnicate")
     assert not first.done and first.reward == 0.0 and first.observation
     escaped = env.step("\\x\\help")  # the interpreter's own escapes: typed as letters, answered
     assert not escaped.done and escaped.info["command"] == "x help"
+    saved = env.step("save")  # the interpreter writes its save file in the game's scratch directory
+    assert not saved.done and list(tmp_path.iterdir()) == []
     last = env.step("")
     assert last.done and last.info["truncated"] and not last.info["success"]
 

@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -93,24 +94,28 @@ def match_command(text: str, commands: list[str]) -> str:
 
 def _play(path: str, pipe: Any) -> None:
     """A child process's loop: start the game, answer each command with the new state (and
-    whether the game is over), until None."""
+    whether the game is over), until None. It runs in a scratch directory of its own: the
+    interpreter writes the file a `save` or `script` command names where it runs."""
     import textworld
 
-    with warnings.catch_warnings():
-        # Jericho knows TextWorld's games by no table of its own; TextWorld keeps the score.
-        warnings.filterwarnings("ignore", message=".*is not fully supported")
-        infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, max_score=True, score=True)
-        env = textworld.start(path, request_infos=infos)
-        state, over = env.reset(), False
-    try:
-        while True:
-            pipe.send(({key: state[key] for key in _STATE}, over))
-            command = pipe.recv()
-            if command is None:
-                return
-            state, _, over = env.step(command)
-    finally:
-        env.close()
+    with tempfile.TemporaryDirectory(prefix="rose-textworld-") as scratch:
+        os.chdir(scratch)
+        with warnings.catch_warnings():
+            # Jericho knows TextWorld's games by no table of its own; TextWorld keeps the score.
+            warnings.filterwarnings("ignore", message=".*is not fully supported")
+            infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, max_score=True,
+                                       score=True)
+            env = textworld.start(path, request_infos=infos)
+            state, over = env.reset(), False
+        try:
+            while True:
+                pipe.send(({key: state[key] for key in _STATE}, over))
+                command = pipe.recv()
+                if command is None:
+                    return
+                state, _, over = env.step(command)
+        finally:
+            env.close()
 
 
 class _Game:
@@ -124,7 +129,7 @@ class _Game:
         # This module too: a child unpickles `_play` from it, which imports rose.rl (and torch).
         self.context.set_forkserver_preload([__name__, "textworld.envs.zmachine.jericho"])
         self.pipe, child = self.context.Pipe()
-        self.process = self.context.Process(target=_play, args=(str(path), child), daemon=True)
+        self.process = self.context.Process(target=_play, args=(str(path.resolve()), child), daemon=True)
         self.process.start()
         child.close()
 
