@@ -2,9 +2,10 @@
 
 `python -m rose.bench.calibrate` prints what `rose/sim/costs.py` and `rose/sim/workloads.py`
 hold for `cpu`:
-- each tiny engine's iteration time as a linear model (fixed + per token + per cached token),
+- each engine's iteration time as a linear model (fixed + per token + per cached token),
   fitted to the per-iteration minima of three identical runs (the minimum drops the time other
-  processes on the shared machine took);
+  processes on the shared machine took): `rose bench train`'s tiny models and `rose bench
+  coserve`'s small ones;
 - the CPU one streamed chunk (one generated token of one turn) costs a Ray actor and the
   driver (the rollout manager's process), 16 turns in flight, as a dedicated worker streams;
 - the shape of `rose bench train`'s rollout (prompt, observation and reply tokens, turns) and
@@ -27,7 +28,7 @@ import torch
 from rose.bench.train import bench_config
 from rose.coserve.latency import nonnegative_lstsq
 from rose.engine import LLMEngine, SamplingParams
-from rose.model import load_tokenizer
+from rose.model import init_model, load_tokenizer
 from rose.rl import Episode, Objective, Trainer, TrainerConfig, make_env
 from rose.runtime.config import Config, trainer_options
 from rose.runtime.devices import init_ray
@@ -141,7 +142,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         policy = config.model.checkpoint(Path(tmp) / "policy")
         serving = config.serving.model.checkpoint(Path(tmp) / "serving")
-        for label, path in (("policy", policy), ("serving", serving)):
+        # `rose bench coserve`'s models (`default_models`): the `cpu-bench-burst` scenario's.
+        small = {f"small {arch}": init_model(arch, "small", Path(tmp) / arch, seed=seed)
+                 for arch, seed in (("qwen3", 2), ("qwen2", 1))}
+        for label, path in (("policy", policy), ("serving", serving), *small.items()):
             fixed, per_token, per_ctx = engine_fit(path)
             print(f"{label} engine iteration: fixed {fixed * 1e3:.3f} ms, per token "
                   f"{per_token * 1e6:.2f} us, per cached token {per_ctx * 1e9:.1f} ns")

@@ -27,14 +27,22 @@ from rose.coserve.loadgen import fit_lengths
 from rose.sim.burst import BurstMemory
 from rose.sim.costs import Device, Efficiency, ModelShape, RooflineLatency, forward_cost
 from rose.sim.rollout import ActiveView, Round, TickRates
-from rose.sim.scenarios import Scenario
+from rose.sim.scenarios import Scenario, ServingFleetConfig
 from rose.sim.serving import ServingFleet
 from rose.sim.workers import Workers
-from rose.traces import Trace, diurnal_for_peak, load_trace
+from rose.traces import Trace, densest, diurnal_for_peak, load_trace
 
 # Per serving replica: (prefill-iteration time, decode-iteration time, serving prefill tokens per
 # prefill iteration), what `ServingFleet.advance` runs a tick with.
 ServingTimes = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def spike_start(trace: Trace, s: ServingFleetConfig) -> float:
+    """The trace time (unscaled) a replay starts at so that its spike (`s.spike_s` seconds of the
+    most KV tokens, as replayed at `s.load`) comes `s.spike_at_s` seconds into the run (sooner
+    where the trace has less before it), on a flat day (the scenario's check)."""
+    at, _ = densest(trace.arrival_s / s.load, trace.prompt_tokens + trace.output_tokens, s.spike_s)
+    return max(0.0, at - s.spike_at_s) * s.load
 
 
 class CoServing:
@@ -51,33 +59,41 @@ class CoServing:
         self.dt, self.chunk = sc.sim.tick_s, e.chunk_tokens
         self.policy, self.serving_model = policy, serving_model
         self.slo = SLOBudgets.of(e)
-        trace = load_trace(s.trace).scaled(tokens=s.token_scale)
+        trace = load_trace(s.trace).scaled(prompt_tokens=s.prompt_scale, output_tokens=s.output_scale)
         if s.max_context:
             # Lengths clipped as the runtime's trace replay clips them to the serving model's context.
             prompts, outputs = fit_lengths(trace, s.max_context, s.max_output)
             trace = Trace(trace.name, trace.arrival_s, prompts, outputs)
-        self.fleet = ServingFleet(n, trace, trace.mean_rate * s.load,
-                                  diurnal_for_peak(s.trace, s.minute_peak_to_mean), s.start_hour * 3600.0,
-                                  e.chunk_tokens, sc.sim.seed + 1)
+        diurnal = diurnal_for_peak(s.trace, s.minute_peak_to_mean)
+        self.fleet = ServingFleet(n, trace, trace.mean_rate * s.load, diurnal, s.start_hour * 3600.0,
+                                  e.chunk_tokens, sc.sim.seed + 1,
+                                  None if s.spike_at_s is None else spike_start(trace, s))
         self.serve_cost = forward_cost(serving_model, device, c.serving_tp, eff)
         self.cs_cost = forward_cost(policy, device, c.serving_tp, eff)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
         rollout_weights = 0.0 if alone else policy.weight_bytes
-        # One page pool in bytes holds both models' KV (two KV shapes).
-        self.pool = int(device.memory * c.serving_tp * eff.memory_utilization
-                        - serving_model.weight_bytes - rollout_weights)
+        # One page pool in bytes holds both models' KV (two KV shapes): the executor's pool_mb
+        # where the scenario sets it, else what the GPUs' memory leaves beside the weights.
+        self.pool = (e.pool_bytes if "pool_mb" in e.changed() else
+                     int(device.memory * c.serving_tp * eff.memory_utilization
+                         - serving_model.weight_bytes - rollout_weights))
         if self.pool <= 0:
             raise ValueError(f"scenario {sc.name}: {serving_model.name} and {policy.name} do "
                              f"not fit together on {c.serving_tp} x {device.name}; raise serving_tp")
         self.memory = BurstMemory(n, self.pool, e.headroom, e.high_watermark, naive,
-                                  policy.kv_bytes_per_token, serving_model.kv_bytes_per_token)
+                                  policy.kv_bytes_per_token, serving_model.kv_bytes_per_token,
+                                  sc.rl.step_after_burst_s)
 
     # -- serving alone ---------------------------------------------------------------------------
+    def prefill_chunk(self) -> np.ndarray:
+        """Each replica's serving prefill chunk: what waits, up to `chunk_tokens` (at least 1)."""
+        return np.clip(self.fleet.prefill_backlog(), 1.0, float(self.chunk))
+
     def alone_times(self) -> tuple[np.ndarray, np.ndarray]:
         """(prefill-iteration, decode-iteration) times of every serving replica, no rollout."""
         f = self.fleet
         dec, ctx = f.decode_seqs(), f.decode_context()
-        t_p = self.serve_cost.time(self.chunk, dec, ctx)
+        t_p = self.serve_cost.time(self.prefill_chunk(), dec, ctx)
         t_d = self.serve_cost.time(0, dec, ctx)
         return t_p, np.maximum(t_d, 1e-4)
 
@@ -85,7 +101,7 @@ class CoServing:
         """Serving runs the tick from t: at `times` (a tick's plan), or alone."""
         if times is None:
             self.fleet.arrivals_until(t + self.dt)
-            times = (*self.alone_times(), np.full(self.n, float(self.chunk)))
+            times = (*self.alone_times(), self.prefill_chunk())
         self.fleet.advance(t, self.dt, *times)
 
     def idle_until(self, t: float, t_end: float) -> float:
@@ -125,7 +141,7 @@ class CoServing:
         rollout work run serving alone."""
         f, chunk = self.fleet, self.chunk
         t_p, t_d = self.alone_times()
-        serve_pf = np.full(self.n, float(chunk))
+        serve_pf = self.prefill_chunk()   # as admission sees serving's share (`ServingState.load`)
         wids_all = self.first_wid + np.arange(self.n)
         contexts = view.decode_contexts(rnd, wids_all)
         busy = np.flatnonzero([bool(c) for c in contexts] | (pending[wids_all] > 0))

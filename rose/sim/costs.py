@@ -46,10 +46,11 @@ DEVICES: dict[str, Device] = {
                    "NVIDIA A100 80GB SXM4 datasheet; 200 Gb/s HDR IB per GPU"),
     # One core of this machine (Intel Xeon, AVX-512 at 2.1 GHz, /proc/cpuinfo), float32, as
     # `rose train` pins a device to its cores: peak 2 FMA units x 16 lanes x 2 FLOPs x 2.1 GHz =
-    # 134 GFLOP/s. Memory bandwidth (used only by roofline models, not by the measured tiny
-    # engines below): batch-1 decode of the 34 M `small` model streams its 136 MB of fp32 weights
-    # at 32-37 tokens/s (the design's reference figures), about 5 GB/s. Memory: the 64 MB KV
-    # budgets `rose train` gives its engines are far from binding for the tiny models.
+    # 134 GFLOP/s. Memory bandwidth (used only by roofline models, such as SmolLM2's, not by the
+    # measured engines below): batch-1 decode of the 34 M `small` model streams its 136 MB of fp32
+    # weights at 32-37 tokens/s (the design's reference figures), about 5 GB/s. Memory: the 64 MB
+    # KV budgets `rose train` gives its engines are far from binding for the tiny models (a
+    # scenario's serving.executor.pool_mb sets a serving device's pool).
     "cpu": Device("cpu", 134e9, 5 * GB, 1 * GB, 5 * GB, 2 * GB,
                   "one core of this machine: AVX-512 peak; engines measured (rose.bench.calibrate)"),
 }
@@ -87,7 +88,7 @@ class Efficiency:
 # is the trainer: `python -m rose.bench.calibrate` measured the tiny Qwen3's GRPO step over
 # `rose bench train`'s trajectories at TRAIN_FLOPS_CPU achieved (6 + 2 x 2 FLOPs per parameter
 # and token), a fraction TRAIN_FLOPS_CPU / 134e9 of one core's peak. The other factors only
-# matter for roofline models on the CPU (`small`): the design's reference figures.
+# matter for roofline models on the CPU (SmolLM2's): the design's reference figures.
 TRAIN_FLOPS_CPU = 1.8e10
 CPU_EFFICIENCY = Efficiency(prefill_mfu=0.1, decode_bw=1.0, train_mfu=TRAIN_FLOPS_CPU / 134e9,
                             forward_overhead_s=1e-3, allreduce_latency_s=1e-4, memory_utilization=0.9)
@@ -126,13 +127,15 @@ class ModelShape:
 
 
 # Shapes from each model's Hugging Face config.json (Qwen/Qwen3-8B, Qwen/Qwen3-32B,
-# Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen2.5-32B-Instruct); `small` is this project's CPU preset.
+# Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen2.5-32B-Instruct).
 MODELS: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936),
     "qwen3-32b": ModelShape("Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936),
     "qwen2.5-7b": ModelShape("Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064),
     "qwen2.5-32b": ModelShape("Qwen2.5-32B", 64, 5120, 40, 8, 128, 27648, 152064),
-    "small": ModelShape("small (34M)", 8, 512, 8, 4, 64, 1536, 8192, bytes_per_param=4),
+    # `rose bench coserve`'s serving and rollout models (rose.model.presets "small", float32).
+    "small-qwen3": ModelShape("small Qwen3", 8, 512, 8, 4, 64, 1536, 8192, bytes_per_param=4),
+    "small-qwen2": ModelShape("small Qwen2", 8, 512, 8, 4, 64, 1536, 8192, bytes_per_param=4),
     # `rose train`'s default policy and serving model (rose.model.presets "tiny", float32).
     "tiny-qwen3": ModelShape("tiny Qwen3", 2, 64, 4, 2, 16, 128, 512, tied=True, bytes_per_param=4),
     "tiny-qwen2": ModelShape("tiny Qwen2", 2, 64, 4, 2, 16, 128, 512, tied=True, bytes_per_param=4),
@@ -197,7 +200,7 @@ class ForwardCost:
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads
 # 1), `python -m rose.bench.calibrate`: a linear model of each engine's per-iteration minima
-# (fixed + per token + per cached token read). Every sampled sequence also streams its token to
+# (fixed + per token + per cached token read); the small models' on 2026-12-05. Every sampled sequence also streams its token to
 # the rollout manager: CHUNK_S, one Ray streaming-generator chunk, measured by the same script
 # (16 turns in flight); serving streams over HTTP, assumed to cost the same.
 CHUNK_S = 0.29e-3
@@ -206,6 +209,10 @@ MEASURED_COSTS: dict[tuple[str, str], ForwardCost] = {
                                        s_kv=0.0, fixed=1.16e-3, prefill_attn=0.0),
     ("cpu", "tiny Qwen2"): ForwardCost(s_token=30.6e-6, s_attn=235e-9, s_head=CHUNK_S, s_weights=0.0,
                                        s_kv=0.0, fixed=1.23e-3, prefill_attn=0.0),
+    ("cpu", "small Qwen3"): ForwardCost(s_token=572.6e-6, s_attn=934e-9, s_head=CHUNK_S, s_weights=0.0,
+                                        s_kv=0.0, fixed=10.57e-3, prefill_attn=0.0),
+    ("cpu", "small Qwen2"): ForwardCost(s_token=568.1e-6, s_attn=868e-9, s_head=CHUNK_S, s_weights=0.0,
+                                        s_kv=0.0, fixed=10.95e-3, prefill_attn=0.0),
 }
 # The rollout manager's (driver's) CPU per streamed chunk, measured by the same script. Where the
 # manager runs on the dedicated devices' cores (cluster.manager_on_dedicated) it comes out of

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from rose.rollout.routing import RoutingTable
+from rose.sim.burst import Cut
 from rose.sim.coserving import CoServing, ServingTimes
 from rose.sim.costs import (
     DRIVER_CHUNK_S,
@@ -76,6 +77,7 @@ class SimRun:
     routes: dict[str, int]
     aborted_turns: int
     bursts: int
+    cuts: list[Cut]                     # every emergency cut on a serving replica
     wall_s: float
 
     @property
@@ -111,7 +113,7 @@ class Simulation:
         self.dt = sc.sim.tick_s
         # Dedicated rollout replicas: all the job's GPUs when colocated, else the rollout share.
         if system.colocated:
-            ded_gpus = c.train_gpus + c.rollout_gpus
+            ded_gpus = c.rollout_gpus + (c.train_gpus if c.trainer_rolls_out else 0)
             self.train_gpus = c.train_gpus
         else:
             ded_gpus = c.rollout_gpus or _async_split(sc)
@@ -152,10 +154,16 @@ class Simulation:
         weights_at = self._serving_sync_s(0) if self.coserving else 0.0     # the initial full load
         for step, demand in enumerate(self._demands()):
             start = self._align(self._policy_ready(t, steps))
+            if self._over(start):
+                break
             self.provisioning.acquire(start, weights_at)
             if self.coserving:
                 self.coserving.memory.new_rl_step()
             rollout_end = self._align(self.run_round(Round(demand, start, id_base), start, step))
+            if self._over(rollout_end):  # cut short: it trained nothing
+                steps.append(SimStep(step, start, rollout_end - start, 0.0, 0.0, 0.0, rollout_end, 0,
+                                     demand.trajectories, demand.generated_tokens))
+                break
             id_base += demand.trajectories
             self.dispatch.unregister(np.flatnonzero(self.workers.kind == ELASTIC))
             final = self.provisioning.release()
@@ -173,6 +181,10 @@ class Simulation:
                                  self.provisioning.waited(start, rollout_end) + final, end,
                                  self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
         return self._result(steps, time.perf_counter() - wall0)
+
+    def _over(self, t: float) -> bool:
+        """Whether the run has reached `sim.duration_s` (when set)."""
+        return 0 < self.sc.sim.duration_s <= t + 1e-9
 
     def _demands(self) -> Iterator[RoundDemand]:
         """Each step's rollout demand: it varies in how many groups DAPO samples, and in
@@ -224,7 +236,7 @@ class Simulation:
         return SimRun(self.system.name, self.system.label, steps, max(s.end_s for s in steps), tick_t,
                       tick_tok, cs.fleet.log.arrays() if cs else None,
                       {k.value: v for k, v in d.table.counts.items()}, d.aborted,
-                      cs.memory.bursts if cs else 0, wall_s)
+                      cs.memory.bursts if cs else 0, cs.memory.cuts if cs else [], wall_s)
 
     def idle_until(self, t: float, t_end: float) -> float:
         """Serving runs alone (no rollout) until t_end; returns the tick time reached."""
@@ -236,7 +248,7 @@ class Simulation:
         d, cs = self.dispatch, self.coserving
         d.begin_round(rnd, t)
         view = self.workers.view(rnd)           # the last tick's, until this tick's is taken
-        while not rnd.all_done():
+        while not rnd.all_done() and not self._over(t):
             if cs:
                 cs.fleet.arrivals_until(t + self.dt)
                 self._memory(cs, rnd, view, t)
@@ -264,12 +276,13 @@ class Simulation:
             t += self.dt
             if t > 1e6:
                 raise RuntimeError(f"{self.system.name}: a rollout round did not finish (stuck turns)")
-        return float(np.nanmax(rnd.finished))
+        return float(np.nanmax(rnd.finished)) if rnd.all_done() else t
 
     def _memory(self, cs: CoServing, rnd: Round, view: ActiveView, t: float) -> None:
         """Each serving replica's burst state machine sets its rollout KV budget; sequences cut in
         a burst are aborted and routed again with the tokens they produced."""
-        caps, aborts = cs.memory.observe(rnd, view.held(self.first_cs), self.first_cs, cs.fleet.kv_tokens())
+        held = view.held(self.first_cs)
+        caps, aborts = cs.memory.observe(t, rnd, held, self.first_cs, cs.fleet.allocated_tokens())
         self.workers.kv_cap[self.first_cs:] = caps
         for wid, row in aborts:
             self.dispatch.abort(rnd, wid, row, t)

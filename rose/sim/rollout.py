@@ -134,12 +134,12 @@ class Round:
         self.holding[row] = False
         return produced
 
-    def active_view(self, kv_cap: np.ndarray, max_seqs: np.ndarray, pinned: np.ndarray,
-                    only_fresh: bool = False) -> ActiveView:
+    def active_view(self, kv_cap: np.ndarray, max_seqs: np.ndarray, only_fresh: bool = False) -> ActiveView:
         """Sequences on workers, per worker those already holding pages first, then by age;
-        those that fit run, the others wait for pages (as an engine's scheduler keeps them).
-        On `pinned` workers (co-serving executors) a sequence holding pages keeps them whatever
-        the budget: only the burst state machine takes pages back, by aborting it.
+        those that fit run, the others wait for pages (as an engine's scheduler keeps them: it
+        preempts the latest running sequence when the pages within its budget run out, so a
+        co-serving executor's rollouts shrink to a budget cut by serving's growth by the next
+        tick, and the burst state machine, observing first, sees what they held).
         `only_fresh`: the view of the turns placed since the tick's main pass (which fit
         beside the ones already running), for a sub-pass of the same tick."""
         idx = np.flatnonzero((self.phase == PREFILL) | (self.phase == DECODE))
@@ -149,7 +149,6 @@ class Round:
         w = self.worker[idx]
         order = np.lexsort((self.age[idx], ~self.holding[idx], w))
         idx, w = idx[order], w[order]
-        hold = self.holding[idx]
         kv = self.ctx[idx] + np.where(self.phase[idx] == PREFILL, self.prefill_left[idx], 0.0)
         first = np.r_[True, w[1:] != w[:-1]]
         start = np.maximum.accumulate(np.where(first, np.arange(len(idx)), 0))
@@ -157,7 +156,6 @@ class Round:
         kv_in_group = ckv - (ckv - kv)[start]
         rank = np.arange(len(idx)) - start
         fits = (kv_in_group <= kv_cap[w]) & (rank < max_seqs[w])
-        fits |= hold & pinned[w]
         fits[first & (kv <= kv_cap[w])] = True         # a lone sequence always fits if it can
         if only_fresh:
             fits &= self.fresh[idx]

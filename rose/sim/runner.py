@@ -55,6 +55,16 @@ def serving_stats(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario,
         minutes=len(starts), minute_t=np.array(starts), minute_ttft_ms=p_t, minute_tpot_ms=p_o)
 
 
+def spike_parts(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario
+                ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The requests of `log` that arrive inside the scenario's spike (`serving.spike_at_s`) and
+    the rest."""
+    s = sc.serving
+    arrival = log[0]
+    inside = (arrival >= s.spike_at_s) & (arrival < s.spike_at_s + s.spike_s)
+    return {"inside": tuple(x[inside] for x in log), "outside": tuple(x[~inside] for x in log)}
+
+
 @dataclasses.dataclass
 class ScenarioResult:
     scenario: Scenario
@@ -62,6 +72,8 @@ class ScenarioResult:
     serving: dict[str, ServingStats]     # "serving-alone" and every co-serving system
     wall_s: float
     cpu_s: float                         # this process's CPU time (the machine may be shared)
+    # With serving.spike_at_s: the same per system, inside the spike and outside it.
+    spike: dict[str, dict[str, ServingStats]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         runs, sv = self.runs, self.serving
@@ -93,10 +105,50 @@ class ScenarioResult:
             "sim_wall_s": round(self.wall_s, 1),
             "sim_cpu_s": round(self.cpu_s, 1),
         }
+        if self.spike:
+            out["spike"] = self.spike_summary()
         if rose is not None:
             out["rollout_share_fixed_sync"] = (round(runs["fixed-sync"].mean_rollout_s
                                                      / runs["fixed-sync"].mean_step_s, 3)
                                                if "fixed-sync" in runs else None)
+        return out
+
+    def spike_summary(self) -> dict[str, Any]:
+        """Per co-serving system: serving's P99s inside the spike and outside it against serving
+        alone's over the same requests, and the burst state machine's cuts."""
+        alone = self.spike["serving-alone"]
+        out: dict[str, Any] = {}
+        for name, parts in self.spike.items():
+            fig: dict[str, Any] = {}
+            for part, st in parts.items():
+                fig[part] = {"p99_ttft_ms": round(st.p99_ttft_ms, 1), "p99_tpot_ms": round(st.p99_tpot_ms, 1),
+                             "ttft_vs_alone": round(st.p99_ttft_ms / alone[part].p99_ttft_ms, 3),
+                             "tpot_vs_alone": round(st.p99_tpot_ms / alone[part].p99_tpot_ms, 3),
+                             "slo_attainment": round(st.attainment, 4)}
+            if name in self.runs:
+                fig.update(self._cut_figures(self.runs[name]))
+            out[name] = fig
+        return out
+
+    def _cut_figures(self, run: SimRun) -> dict[str, Any]:
+        """A co-serving run's bursts and cuts, and its rollout tokens per second before the first
+        trigger, from it to the next RL step (`rl.step_after_burst_s` later) and after."""
+        cuts = run.cuts
+        triggers = [c.t for c in cuts if c.trigger]
+        out: dict[str, Any] = {
+            "bursts": len(triggers), "burst_cuts": len(cuts),
+            "first_trigger_s": round(triggers[0], 2) if triggers else None,
+            "rollout_turns_cut": sum(c.turns for c in cuts),
+            "rollout_mb_cut": round(sum(c.rollout_bytes for c in cuts) / 2**20, 1)}
+        step_after = self.scenario.rl.step_after_burst_s
+        if triggers and step_after:
+            bounds = [0.0, triggers[0], triggers[0] + step_after, run.total_s]
+            tokens = run.tick_tokens.sum(axis=1)
+            out["harvest_tokens_per_s"] = {
+                part: round(float(tokens[(run.tick_t >= lo) & (run.tick_t < hi)].sum()) / (hi - lo), 2)
+                if hi > lo else None
+                for part, lo, hi in zip(("before_trigger", "until_next_step", "after_next_step"),
+                                        bounds, bounds[1:], strict=False)}
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +160,7 @@ class ScenarioResult:
                 "mean_train_s": round(float(np.mean([s.train_s for s in r.steps])), 1),
                 "trajectories_per_hour": round(r.throughput * 3600 * self.scenario.sim.slice, 1),
                 "allocation_overhead": round(r.allocation_overhead, 4),
+                "rollout_tokens_per_s": round(float(r.tick_tokens.sum()) / r.total_s, 2),
                 "routes": r.routes, "aborted_turns": r.aborted_turns, "bursts": r.bursts,
                 "wall_s": round(r.wall_s, 2),
                 "steps": [dataclasses.asdict(s) for s in r.steps],
@@ -130,13 +183,16 @@ def run_scenario(sc: Scenario, progress: Callable[[str, SimRun], None] | None = 
         if progress:
             progress(name, runs[name])
     serving: dict[str, ServingStats] = {}
+    spike: dict[str, dict[str, ServingStats]] = {}
     coserving = [n for n, r in runs.items() if SYSTEMS[n].extra is Extra.COSERVE]
     if coserving and sc.cluster.serving_gpus:
         span = min(runs[n].total_s for n in coserving)
-        serving["serving-alone"] = serving_stats(serving_alone(sc, span), sc, span)
-        for n in coserving:
-            serving[n] = serving_stats(runs[n].serving, sc, span)
-    return ScenarioResult(sc, runs, serving, time.perf_counter() - wall0, time.process_time() - cpu0)
+        logs = {"serving-alone": serving_alone(sc, span), **{n: runs[n].serving for n in coserving}}
+        for n, log in logs.items():
+            serving[n] = serving_stats(log, sc, span)
+            if sc.serving.spike_at_s is not None:
+                spike[n] = {part: serving_stats(p, sc, span) for part, p in spike_parts(log, sc).items()}
+    return ScenarioResult(sc, runs, serving, time.perf_counter() - wall0, time.process_time() - cpu0, spike)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ from typing import Any
 from rose.config import load, read_named_config
 from rose.coserve.settings import ExecutorConfig
 from rose.sim.costs import DEVICES, MODELS, WeightSync
-from rose.sim.systems import SYSTEMS
+from rose.sim.systems import SYSTEMS, Extra
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
 from rose.traces import TRACE_FILES
 
@@ -30,11 +30,13 @@ FROZENLAKE_THINKING_MEDIAN = 2400.0
 # that order).
 PAPER_TRAJECTORIES_PER_GPU = 16
 ENV_FIELDS = ("prompt_tokens", "obs_tokens", "response_median", "max_response", "max_turns", "env_step_s")
-# The executor settings each simulated serving replica follows (its admission and burst control);
-# the others are the device's own (its pool: the GPU's memory; its latency model: the roofline,
-# exact; its lease slots: rl.fixed_concurrency) or the system's (policy: rose, naive-share).
-SIMULATED_SETTINGS = ("slo_ttft_ms", "slo_tpot_ms", "tpot_inflation", "ttft_inflation", "chunk_tokens",
-                      "headroom", "high_watermark", "arrival_reserve_tokens", "idle_min_rollout_tokens")
+# The executor settings each simulated serving replica follows (its pool, where set, else what
+# the GPU's memory leaves beside both models' weights; its admission and burst control); the
+# others are the device's own (its latency model: the roofline, exact; its lease slots:
+# rl.fixed_concurrency) or the system's (policy: rose, naive-share).
+SIMULATED_SETTINGS = ("pool_mb", "slo_ttft_ms", "slo_tpot_ms", "tpot_inflation", "ttft_inflation",
+                      "chunk_tokens", "headroom", "high_watermark", "arrival_reserve_tokens",
+                      "idle_min_rollout_tokens")
 
 
 @dataclasses.dataclass
@@ -49,6 +51,10 @@ class ClusterConfig:
     # fixed-async: share of the job's GPUs that generate; -1 balances them against training
     # with the rollout/training times of one synchronous step of the same workload.
     async_rollout_fraction: float = -1.0
+    # Synchronous systems roll out on the training GPUs between steps (and on rollout_gpus). False:
+    # the training GPUs only train, as in `rose bench coserve`, whose rollouts have the serving
+    # device alone.
+    trainer_rolls_out: bool = True
     # The rollout manager runs on the dedicated devices' cores, as `rose train` pins its driver
     # to the trainer's: its CPU per token any worker streams comes out of their time. False: it
     # has CPUs of its own, as on GPU clusters.
@@ -68,11 +74,18 @@ class ServingFleetConfig:
 
     trace: str = "azure-conv"
     load: float = 1.0                # x the trace's own mean request rate, per serving replica
-    token_scale: float = 1.0         # x the trace's prompt and output lengths
+    prompt_scale: float = 1.0        # x the trace's prompt lengths
+    output_scale: float = 1.0        # x the trace's output lengths
     minute_peak_to_mean: float = 1.7   # ROSE paper's 24 h trace; sets the diurnal amplitude
     start_hour: float = 9.0          # time of day the run starts
     max_context: int = 0             # clip prompt + output to this (0: no clipping), as a replay does
     max_output: int = 0              # ... and outputs to this (used with max_context)
+    # A spike on purpose, as `rose train`'s serving.spike_at_s: every replica replays the trace
+    # from where its spike (the `spike_s` seconds in which the most KV tokens arrive, as replayed)
+    # comes `spike_at_s` seconds into the run, and the serving figures are also given inside the
+    # spike and outside it. None: each replica starts at a random point of the trace.
+    spike_at_s: float | None = None
+    spike_s: float = 20.0
     # Each replica's executor, as `rose serve`'s and with its defaults; the scenarios state their
     # SLOs. Only SIMULATED_SETTINGS may differ from the defaults.
     executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
@@ -94,6 +107,9 @@ class RLConfig:
     # What the cap counts: turns in flight (`rose train`'s manager), or trajectories, which keep
     # their slot between turns (the paper's evaluation, ROLL's environment managers).
     cap_counts: str = "turns"
+    # > 0: a burst's freeze ends this long after its trigger, as if the next RL step began then
+    # (`rose bench coserve --burst --next-step-s`); 0: when the run's next step begins.
+    step_after_burst_s: float = 0.0
     # Optional overrides of the environment profile (rose.sim.workloads.ENVS); None keeps it.
     prompt_tokens: int | None = None
     obs_tokens: int | None = None
@@ -146,6 +162,9 @@ class SyncConfig:
 class SimConfig:
     tick_s: float = 2.0
     seed: int = 0
+    # > 0: the run stops at this simulated time, the step under way cut short there (and
+    # counted, having trained nothing); 0: after rl.steps.
+    duration_s: float = 0.0
     # Simulate 1/slice of the cluster with 1/slice of the batch: replicas of one kind are
     # statistically identical, so per-replica load is unchanged. (The inter-cluster link is not
     # sliced: one copy of the weights crosses it whatever the number of receivers.)
@@ -214,7 +233,8 @@ def validate(sc: Scenario) -> Scenario:
     need(r.trajectories >= r.group and r.trajectories % r.group == 0, "rl.trajectories",
          f"a positive multiple of rl.group ({r.group})", r.trajectories)
     for key, value in (("cluster.cross_gbps", c.cross_gbps), ("serving.load", s.load),
-                       ("serving.token_scale", s.token_scale),
+                       ("serving.prompt_scale", s.prompt_scale), ("serving.output_scale", s.output_scale),
+                       ("serving.spike_s", s.spike_s),
                        ("sim.tick_s", sc.sim.tick_s), ("rl.demand_sigma", r.demand_sigma + 1e-12),
                        ("elastic.spot_mean_lifetime_h", sc.elastic.spot_mean_lifetime_h),
                        ("elastic.serverless_storage_gbps", sc.elastic.serverless_storage_gbps),
@@ -225,6 +245,17 @@ def validate(sc: Scenario) -> Scenario:
         raise ValueError(f"scenario {sc.name}: serving.executor.{unmodelled[0]} is not simulated (only "
                          f"{', '.join(SIMULATED_SETTINGS)} are); leave it at its default")
     need(r.fixed_concurrency >= 0, "rl.fixed_concurrency", ">= 0", r.fixed_concurrency)
+    need(s.spike_at_s is None or s.spike_at_s >= 0, "serving.spike_at_s", ">= 0 or null", s.spike_at_s)
+    need(s.spike_at_s is None or s.minute_peak_to_mean == 1, "serving.minute_peak_to_mean",
+         "1.0 with serving.spike_at_s (a flat day: the diurnal curve would move the spike)",
+         s.minute_peak_to_mean)
+    need(r.step_after_burst_s >= 0, "rl.step_after_burst_s", ">= 0", r.step_after_burst_s)
+    need(sc.sim.duration_s >= 0, "sim.duration_s", ">= 0", sc.sim.duration_s)
+    idle = [x for x in sc.sim.systems if SYSTEMS.get(x) and SYSTEMS[x].colocated
+            and SYSTEMS[x].extra is Extra.NONE]
+    need(c.trainer_rolls_out or c.rollout_gpus or not idle, "cluster.trainer_rolls_out",
+         f"true where a system has no other rollout GPUs (cluster.rollout_gpus 0; {', '.join(idle)})",
+         c.trainer_rolls_out)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
          "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
     need(0 < sc.sync.changed_fraction < 1, "sync.changed_fraction", "in (0, 1)", sc.sync.changed_fraction)
@@ -328,7 +359,8 @@ def _cpu_bench_train() -> Scenario:
                               cross_gbps=16.0, manager_on_dedicated=True),
         models=ModelsConfig(policy=f"{m['preset']}-{m['arch']}",
                             serving=f"{s['model']['preset']}-{s['model']['arch']}"),
-        serving=ServingFleetConfig(trace=s["trace"], load=s["load"], token_scale=s["prompt_scale"],
+        serving=ServingFleetConfig(trace=s["trace"], load=s["load"], prompt_scale=s["prompt_scale"],
+                                   output_scale=s["output_scale"],
                                    max_context=s["max_context"], max_output=s["max_output"],
                                    minute_peak_to_mean=1.0, executor=ExecutorConfig(**executor)),
         # frozenlake-tiny: the measured profile of these episodes (rose.sim.workloads); a worker
@@ -344,7 +376,34 @@ def _cpu_bench_train() -> Scenario:
     )
 
 
-SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b, "cpu-bench-train": _cpu_bench_train}
+def _cpu_bench_burst() -> Scenario:
+    # `rose bench coserve --burst` on this machine, its defaults (rose/bench/burst.py; a test
+    # holds the two together): one core serves the small Qwen2 over the 90 s window of the Azure
+    # conversation trace (0.35 requests/s, prompts x 0.125, outputs at most 64, within 1,024
+    # tokens) whose densest 20 s of KV tokens come 20 s in, on a 48 MiB pool, and lends it to 16
+    # trajectories of the small Qwen3's 64-token turns; the next RL step begins 10 s after each
+    # burst's trigger. No training device rolls out: the benchmark has the serving device alone.
+    # Its SLOs: the quiet run's (serving alone's P99s over the window x 1.5, docs/benchmarks.md).
+    return Scenario(
+        name="cpu-bench-burst",
+        description="rose bench coserve --burst on this machine: one core serves the small Qwen2 through the "
+                    "trace's densest 20 s on a 48 MiB pool and lends it to 16 rollout trajectories of the "
+                    "small Qwen3",
+        cluster=ClusterConfig(device="cpu", train_gpus=1, serving_gpus=1, cross_gbps=16.0,
+                              trainer_rolls_out=False),
+        models=ModelsConfig(policy="small-qwen3", serving="small-qwen2"),
+        serving=ServingFleetConfig(load=0.35 / 5.53, prompt_scale=0.125, max_context=1024, max_output=64,
+                                   minute_peak_to_mean=1.0, spike_at_s=20.0, spike_s=20.0,
+                                   executor=ExecutorConfig(pool_mb=48.0, slo_ttft_ms=622.8,
+                                                           slo_tpot_ms=31.2)),
+        rl=RLConfig(env="coserve-backlog", steps=1, trajectories=16, group=16, demand_sigma=0.0,
+                    fixed_concurrency=16, rollout_max_seqs=16, step_after_burst_s=10.0),
+        sim=SimConfig(tick_s=0.02, duration_s=90.0, systems=["naive-share", "rose"]),
+    )
+
+
+SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b, "cpu-bench-train": _cpu_bench_train,
+             "cpu-bench-burst": _cpu_bench_burst}
 SWEEPS: dict[str, Sweep] = {s.name: s for s in (
     Sweep("sweep-bandwidth", "cross-cluster bandwidth 10-200 Gb/s: sparse deltas against full weights",
           "paper-8b", "cluster.cross_gbps", (10, 25, 50, 100, 200),

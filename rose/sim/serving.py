@@ -42,13 +42,18 @@ class ServingLog:
 
 
 class ServingFleet:
-    """`n` serving replicas. Time is simulation time; day time is `day_start_s` later."""
+    """`n` serving replicas. Time is simulation time; day time is `day_start_s` later. Each
+    replica starts its replay at a random point of the trace, or all of them at `start_s` (trace
+    time; on a flat day)."""
 
     def __init__(self, n: int, trace: Trace, rate_per_replica: float, diurnal: Diurnal,
-                 day_start_s: float, chunk_tokens: int, seed: int) -> None:
+                 day_start_s: float, chunk_tokens: int, seed: int, start_s: float | None = None) -> None:
         self.n, self.trace, self.rate, self.diurnal = n, trace, rate_per_replica, diurnal
         self.day_start_s, self.chunk = day_start_s, chunk_tokens
-        self.phase = np.random.default_rng(seed).uniform(0, trace.period_s, size=n)
+        if start_s is None:
+            self.phase = np.random.default_rng(seed).uniform(0, trace.period_s, size=n)
+        else:  # `day_arrivals` maps trace time a to day time (a - phase) x mean rate / rate
+            self.phase = np.full(n, start_s - day_start_s * rate_per_replica / trace.mean_rate)
         self._generated_to = 0.0
         z = np.zeros(0)
         zi = np.zeros(0, np.int64)
@@ -105,6 +110,12 @@ class ServingFleet:
         """KV tokens held per replica: decoding contexts plus prompts already prefilled."""
         return self.decode_context() + np.bincount(self.w_rep, weights=self.w_prompt - self.w_left,
                                                    minlength=self.n)
+
+    def allocated_tokens(self) -> np.ndarray:
+        """KV tokens whose pages each replica has allocated: `kv_tokens` and its prefill chunk in
+        progress, whose pages an engine takes before computing it (counted whole: the fluid
+        prefill does not say how much of the chunk is done)."""
+        return self.kv_tokens() + np.minimum(self.prefill_backlog(), float(self.chunk))
 
     def first_waiting_prompt(self) -> np.ndarray:
         """Prompt tokens of each replica's head-of-line waiting request (0 if none)."""

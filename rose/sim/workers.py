@@ -30,6 +30,5 @@ class Workers:
                    np.where(kind == DEDICATED, 0.0, np.inf), np.full(n, np.inf), np.zeros(n, bool))
 
     def view(self, rnd: Round, only_fresh: bool = False) -> ActiveView:
-        """The round's sequences on these workers now, and which of them fit (`Round.active_view`;
-        a co-serving executor keeps the pages a sequence holds)."""
-        return rnd.active_view(self.kv_cap, self.max_seqs, self.kind == COSERVE, only_fresh)
+        """The round's sequences on these workers now, and which of them fit (`Round.active_view`)."""
+        return rnd.active_view(self.kv_cap, self.max_seqs, only_fresh)

@@ -54,6 +54,13 @@ ENVS: dict[str, EnvProfile] = {
                                   response_sigma=0.05, max_response=24, end_prob=0.0073, max_turns=8,
                                   env_step_s=0.0011,
                                   note="rose bench train's rollout: 8 turns of 24 tokens, measured"),
+    # `rose bench coserve`'s rollout backlog (rose.bench.coserve and .burst): a 128-token first
+    # prompt, turns of exactly 64 tokens (ignore_eos), a 32-token observation after each, the next
+    # turn sent at once; a trajectory starts afresh once its context passes 1,500 tokens (after
+    # 14 turns).
+    "coserve-backlog": EnvProfile("coserve-backlog", prompt_tokens=128, obs_tokens=32, response_median=64,
+                                  response_sigma=0.0, max_response=64, end_prob=1e-9, max_turns=14,
+                                  env_step_s=0.0, note="rose bench coserve's backlog: 64-token turns"),
 }
 
 # Demand varies up to 5.7x between training steps (ROSE paper, Figure 1d: the trajectories DAPO

@@ -29,7 +29,7 @@ def test_parameter_counts_match_model_cards(name, billions):
 
 
 def test_small_preset_matches_the_projects_34m_model():
-    assert MODELS["small"].params / 1e6 == pytest.approx(34, rel=0.02)
+    assert MODELS["small-qwen3"].params / 1e6 == pytest.approx(34, rel=0.02)
 
 
 def test_kv_bytes_per_token():
@@ -53,7 +53,7 @@ def test_decode_is_memory_bound_and_prefill_compute_bound():
 def test_scalar_and_vectorised_forms_agree_exactly():
     # One formula, two ways of taking min/max: the figures must not depend on which path ran.
     loads = [TokenLoad(p, d, c) for p in (0, 1, 512, 4096) for d in (0, 1, 37) for c in (0, 999, 64_000)]
-    for model, tp in (("qwen3-8b", 1), ("qwen2.5-32b", 4), ("small", 1)):
+    for model, tp in (("qwen3-8b", 1), ("qwen2.5-32b", 4), ("small-qwen3", 1)):
         cost = ForwardCost.of(MODELS[model], DEVICES["H800"], tp, Efficiency())
         vector = cost.time(*(np.array([getattr(x, f) for x in loads], dtype=float)
                              for f in ("prefill_tokens", "decode_seqs", "context_tokens")))

@@ -38,11 +38,11 @@ def test_cpu_bench_train_is_derived_from_the_bench_train_workload(monkeypatch: p
 def test_cpu_bench_train_agrees_where_the_workload_has_no_figure_for_it():
     sc, config = load_scenario("cpu-bench-train"), bench_config()
     r, s, d = config.rollout, config.serving, config.devices
-    # The scenario has one turn cap for both kinds of worker, one scale for both token lengths,
-    # and colocates the trainer with the first dedicated worker.
+    # The scenario has one turn cap for both kinds of worker and colocates the trainer with the
+    # first dedicated worker.
     assert r.serving_concurrency == r.dedicated_concurrency
-    assert s.output_scale == s.prompt_scale
     assert d.trainer == d.dedicated[0]
+    assert (sc.serving.prompt_scale, sc.serving.output_scale) == (s.prompt_scale, s.output_scale)
     # The executor's settings the simulator models, whether the workload states them or not.
     assert all(getattr(sc.serving.executor, k) == getattr(s.executor, k)
                for k in scenarios.SIMULATED_SETTINGS)

@@ -65,11 +65,13 @@ def test_rose_without_serving_gpus_is_fixed_sync():
 
 
 def test_bursts_cut_rollouts_and_lose_nothing():
-    # Long rollout contexts fill the rollout budget; Mooncake's 12k-token prompts then burst
-    # into the serving headroom: emergency cuts abort rollout turns, which resume elsewhere.
+    # Long rollout contexts fill the rollout budget of an 8 GB pool (a headroom of 28k tokens);
+    # Mooncake's prompts of up to 12k tokens, prefilled within a tick, then burst into the serving
+    # headroom: emergency cuts abort rollout turns, which resume elsewhere.
     sc = load_scenario("paper-8b", [*SMALL, "serving.trace=mooncake", "serving.load=0.5",
                                     "cluster.serving_gpus=4", "rl.steps=1", "rl.trajectories=512",
-                                    "rl.response_median=3000", "rl.max_response=8192"])
+                                    "rl.response_median=3000", "rl.max_response=8192",
+                                    "serving.executor.pool_mb=8000"])
     sim = Simulation(sc, SYSTEMS["rose"])
     in_burst, report = [], sim.dispatch.report
 

@@ -51,11 +51,17 @@ def test_overrides_apply_with_types():
     ("serving.executor.headroom=1.5", "scenario paper-8b: serving.executor.headroom must be in (0, 1)"),
     ("serving.headroom=0.3", "serving.headroom: Key 'headroom' not in 'ServingFleetConfig' (did you mean "
                              "serving.executor.headroom"),
-    ("serving.executor.policy=naive", "serving.executor.policy is not simulated (only slo_ttft_ms"),
-    ("serving.executor.policy=priority", "serving.executor.policy is not simulated (only slo_ttft_ms"),
+    ("serving.executor.policy=naive", "serving.executor.policy is not simulated (only pool_mb, slo_ttft_ms"),
+    ("serving.executor.policy=priority", "serving.executor.policy is not simulated (only pool_mb"),
     ("sim.systems=[rose,bogus]", "sim.systems must be"),
     ("rl.trajectories=100", "multiple of rl.group"),
     ("elastic.availability=some", "elastic.availability must be measured or full"),
+    ("serving.spike_at_s=-1", "serving.spike_at_s must be >= 0 or null"),
+    ("serving.prompt_scale=0", "serving.prompt_scale must be positive"),
+    ("sim.duration_s=-5", "sim.duration_s must be >= 0"),
+    ("serving.spike_at_s=20", "serving.minute_peak_to_mean must be 1.0 with serving.spike_at_s"),
+    ("cluster.trainer_rolls_out=false", "cluster.trainer_rolls_out must be true where a system has no other "
+                                        "rollout GPUs (cluster.rollout_gpus 0; fixed-sync"),
 ])
 def test_bad_overrides_are_one_line_errors(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
@@ -79,4 +85,4 @@ def test_a_simulated_replica_is_configured_as_an_executor_with_its_defaults():
     # The scenarios state every setting in which they differ from the executor's defaults.
     s8, bench = load_scenario("paper-8b").serving.executor, load_scenario("cpu-bench-train").serving.executor
     assert s8.changed() == ["slo_ttft_ms", "slo_tpot_ms", "tpot_inflation", "ttft_inflation"]
-    assert bench.changed() == []  # bench-train's SLOs, 1,000 / 200 ms, are the defaults
+    assert bench.changed() == ["pool_mb"]  # bench-train's SLOs, 1,000 / 200 ms, are the defaults
