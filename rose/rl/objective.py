@@ -7,7 +7,8 @@ is 0, as in most recent recipes, which saves the reference model). `Objective.dr
 et al.'s Dr. GRPO: GRPO without the std division and without the per-sequence 1/|o_i|
 (`seq-mean-token-sum-norm`). `Objective.dapo()` is Yu et al.'s DAPO: clip-higher (eps_low 0.2,
 eps_high 0.28), dynamic sampling, token-level averaging (`token-mean`), the soft overlong penalty
-per response (the paper's L_max 20480 with a 4096-token cache) and no KL.
+per response, averaged over a trajectory's turns (the paper's L_max 20480 with a 4096-token
+cache; `rose train` sets them from rollout.max_tokens) and no KL.
 
 Every objective guards off-policy tokens (losses.py): the log-ratio clamp and dual clip always;
 with `recompute_old_logprobs` the trainer recomputes the old policy's logprobs and weights each
@@ -127,8 +128,11 @@ class Objective:
         if self.overlong_max_tokens is not None:  # each response (turn) on its own length
             for i, t in enumerate(trajectories):
                 lengths = [len(turn.output_ids) for turn in t.turns]
-                rewards[i] += float(overlong_penalty(lengths, self.overlong_max_tokens,
-                                                     self.overlong_cache_tokens).sum())
+                # Averaged over the turns: a sum would grow with the episode's length, so that a
+                # long success could score below a short failure.
+                if lengths:
+                    rewards[i] += float(overlong_penalty(lengths, self.overlong_max_tokens,
+                                                         self.overlong_cache_tokens).mean())
         # Dynamic sampling judges the outcome: a group that differs only by shaping has no signal.
         keep = (informative_groups(outcome, groups) if self.dynamic_sampling
                 else torch.ones(len(trajectories), dtype=torch.bool, device="cpu"))

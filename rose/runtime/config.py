@@ -79,9 +79,10 @@ class RolloutConfig:
     kv_cache_mb: int = 64
     # The dedicated workers' engines (None: cuda if there is one, else cpu; bfloat16 on cuda).
     device: str | None = None
-    # DAPO's dynamic sampling: sample up to this many rounds of `groups` until that many groups
-    # have outcomes that differ (1: one round, the trainer drops the uninformative groups).
-    max_sampling_rounds: int = 1
+    # Dynamic sampling: sample up to this many rounds of `groups` until that many groups have
+    # outcomes that differ (1: one round, the trainer drops the uninformative groups). None:
+    # DAPO_SAMPLING_ROUNDS with train.objective dapo (its dynamic sampling refills the batch), else 1.
+    max_sampling_rounds: int | None = None
     # The step's rollout, `package.module:function` (rose.runtime.rollouts): a user's own is one
     # async function of a RolloutContext returning a RolloutReport.
     function: str = "rose.runtime.rollouts:multi_turn_rollout"
@@ -120,7 +121,9 @@ class TrainConfig:
     recompute_old_logprobs: bool | None = None  # and truncated importance sampling
     tis_cap: float | None = None
     max_version_lag: int | None = None  # tokens sampled more versions ago do not train (None: all do)
-    overlong_max_tokens: int | None = None  # DAPO's overlong penalty, per response
+    # DAPO's overlong penalty, per response (None: with objective dapo, rollout.max_tokens, the
+    # cap a response meets; else none) and its soft ramp (None: a fifth of it, DAPO's 4,096 of 20,480).
+    overlong_max_tokens: int | None = None
     overlong_cache_tokens: int | None = None
     step_advantage_weight: float = 0.0  # GiGPO's step-level credit (rose.rl.objective); 0: off
     discount: float = 0.95  # of the returns-to-go the step level compares
@@ -249,11 +252,29 @@ _OBJECTIVE_KEYS = ("scale_advantages", "kl_coef", "clip_ratio_c", "recompute_old
                    "discount")
 
 
+# Sampling rounds DAPO's dynamic sampling may play to fill a step's batch with informative groups:
+# a step whose groups keep agreeing trains on what it has after at most this many times its rollouts.
+DAPO_SAMPLING_ROUNDS = 8
+
+
 def objective_options(config: Config) -> dict[str, Any]:
     """The settings the config gives `train.objective` (Dr. GRPO's length normaliser: the
-    longest trajectory, rollout.max_context_tokens)."""
+    longest trajectory, rollout.max_context_tokens; DAPO's overlong limit: the responses' cap,
+    rollout.max_tokens, where the paper's 20,480 would never apply)."""
     given = {k: getattr(config.train, k) for k in _OBJECTIVE_KEYS if getattr(config.train, k) is not None}
-    return {"norm_tokens": config.rollout.max_context_tokens, **given}
+    dapo = config.train.objective == "dapo"
+    limit = given.get("overlong_max_tokens", config.rollout.max_tokens if dapo else None)
+    overlong = {} if limit is None else {
+        "overlong_max_tokens": limit, "overlong_cache_tokens": given.get("overlong_cache_tokens", limit // 5)}
+    return {"norm_tokens": config.rollout.max_context_tokens, **given, **overlong}
+
+
+def sampling_rounds(config: Config) -> int:
+    """`rollout.max_sampling_rounds`, or its default for `train.objective`."""
+    rounds = config.rollout.max_sampling_rounds
+    if rounds is not None:
+        return rounds
+    return DAPO_SAMPLING_ROUNDS if config.train.objective == "dapo" else 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rose.config import import_function
 from rose.engine import SamplingParams
@@ -21,10 +21,8 @@ from rose.rl import Episode, Trajectory, informative_groups, make_env
 from rose.rollout.agent import load_agent
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
+from rose.runtime.config import Config, sampling_rounds
 from rose.tools.sandbox import TOOLS
-
-if TYPE_CHECKING:
-    from rose.runtime.config import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +85,13 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
     """Every episode played to its end, each turn routed on its own (the default). With
     `rollout.max_sampling_rounds` > 1 (DAPO's dynamic sampling, section 3.2) more groups are
     sampled while fewer than `rollout.groups` groups have outcomes that differ; a later round's
-    informative groups join the batch up to that count."""
+    informative groups join the batch up to that count (by default with `train.objective` dapo:
+    `sampling_rounds`)."""
     r, seed = ctx.config.rollout, ctx.config.train.seed * 7919 + ctx.step
     manager, agent = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=seed), load_agent(r.agent)
     report = await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s,
                                agent=agent)
-    for sampling_round in range(1, r.max_sampling_rounds):
+    for sampling_round in range(1, sampling_rounds(ctx.config)):
         missing = r.groups - len(informative(report.trajectories))
         if missing <= 0:
             break

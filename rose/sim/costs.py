@@ -200,9 +200,10 @@ class ForwardCost:
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads
 # 1), `python -m rose.bench.calibrate`: a linear model of each engine's per-iteration minima
-# (fixed + per token + per cached token read); the small models' on 2026-12-05. Every sampled sequence also streams its token to
-# the rollout manager: CHUNK_S, one Ray streaming-generator chunk, measured by the same script
-# (16 turns in flight); serving streams over HTTP, assumed to cost the same.
+# (fixed + per token + per cached token read); the small models' on 2026-12-05. Every sampled
+# sequence also streams its token to the rollout manager: CHUNK_S, one Ray streaming-generator
+# chunk, measured by the same script (16 turns in flight); serving streams over HTTP, assumed to
+# cost the same.
 CHUNK_S = 0.29e-3
 MEASURED_COSTS: dict[tuple[str, str], ForwardCost] = {
     ("cpu", "tiny Qwen3"): ForwardCost(s_token=31.9e-6, s_attn=244e-9, s_head=CHUNK_S, s_weights=0.0,

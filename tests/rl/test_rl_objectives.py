@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -158,12 +159,22 @@ def test_dapo_prepare_shapes_overlong_per_response_and_drops_groups_without_outc
     assert [t.group_id for t in prepared.trajectories] == ["c", "c"]
     assert [a for (a,) in prepared.advantages] == pytest.approx([0.70710678, -0.70710678], abs=2e-6)
     assert prepared.stats["groups_kept"] == 1
-    # Per response: turns of 8 and 2 tokens cost -0.5 + 0, where their sum (10) would cost -1.
+    # Per response, averaged over the turns: turns of 8 and 2 tokens cost (-0.5 + 0) / 2, where
+    # their sum (10 tokens) would cost -1.
     two_turns = Trajectory("d", [TurnRecord([1], [3] * 8, [0.0] * 8, [0] * 8, 1.0),
                                  TurnRecord([1], [3] * 2, [0.0] * 2, [0] * 2, 0.0)], done=True)
     shaped = Objective.grpo(overlong_max_tokens=10, overlong_cache_tokens=4, scale_advantages=False).prepare(
         [two_turns, _trajectory("d", 0, 2)])
-    assert [a for a, _ in shaped.advantages[:1]] == pytest.approx([(0.5 - 0.0) / 2])
+    assert [a for a, _ in shaped.advantages[:1]] == pytest.approx([(0.75 - 0.0) / 2])
+
+
+def test_a_long_success_never_scores_below_a_short_failure() -> None:
+    # Every one of a success's 6 turns overlong (-1 each) costs it -1 in all, not -6.
+    overlong = TurnRecord([1], [3] * 11, [0.0] * 11, [0] * 11, 0.0)
+    success = Trajectory("g", [*[overlong] * 5, dataclasses.replace(overlong, reward=1.0)], done=True)
+    failure = _trajectory("g", 0, 2)
+    prepared = Objective.dapo(overlong_max_tokens=10, overlong_cache_tokens=4).prepare([success, failure])
+    assert prepared.advantages[0][0] >= prepared.advantages[1][0]
 
 
 def test_returns_to_go_by_hand() -> None:

@@ -12,12 +12,15 @@ import torch
 from rose.cli import main
 from rose.coserve.settings import Engine
 from rose.runtime.config import (
+    DAPO_SAMPLING_ROUNDS,
     Config,
     Mode,
     chosen_defaults,
     load_config,
+    objective_options,
     rank_device,
     resume_checkpoint,
+    sampling_rounds,
     trainer_options,
     validate,
 )
@@ -421,3 +424,20 @@ def test_the_default_env_options_belong_to_the_default_env() -> None:
     textworld = load_config("recipes/textworld.yaml").env
     assert textworld.name == "textworld" and "size" not in textworld.options
     assert textworld.options["games"] == 16
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (["train.objective=dapo", "rollout.max_tokens=40"], (40, 8, DAPO_SAMPLING_ROUNDS)),
+    (["train.objective=dapo", "rollout.max_tokens=40", "train.overlong_cache_tokens=4"], (40, 4,
+                                                                                         DAPO_SAMPLING_ROUNDS)),
+    (["train.objective=dapo", "train.overlong_max_tokens=30", "rollout.max_sampling_rounds=2"], (30, 6, 2)),
+    (["train.objective=grpo"], (None, None, 1)),
+    (["train.objective=grpo", "train.overlong_max_tokens=30"], (30, 6, 1)),
+])
+def test_dapo_limits_responses_at_their_cap_and_refills_its_batch_by_default(
+        overrides: list[str], expected: tuple[int | None, int | None, int]) -> None:
+    # The paper's 20,480-token limit would never penalise a response capped at rollout.max_tokens.
+    config = load_config(None, overrides)
+    options = objective_options(config)
+    assert (options.get("overlong_max_tokens"), options.get("overlong_cache_tokens"),
+            sampling_rounds(config)) == expected

@@ -83,6 +83,29 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: 
     assert report.seconds == 2.0
 
 
+def test_dapo_refills_its_batch_by_default(tiny_qwen3: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With train.objective dapo and no rollout.max_sampling_rounds, rounds go on until the
+    batch holds `rollout.groups` informative groups; with grpo, one round."""
+    rounds = {"s0-": {"a": [1, 1]}, "s0r1-": {"b": [0, 0]}, "s0r2-": {"c": [0, 1]}}
+    played: list[str] = []
+
+    async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
+                  timeout_s: float | None = None, agent: object = None) -> RolloutReport:
+        played.append(prefix)
+        return RolloutReport(_trajectories(rounds[prefix]), [], 1.0)
+
+    monkeypatch.setattr(RolloutManager, "run", run)
+    for objective, expected in (("dapo", ["s0-", "s0r1-", "s0r2-"]), ("grpo", ["s0-"])):
+        played.clear()
+        config = load_config(None, ["rollout.groups=1", f"train.objective={objective}",
+                                    f"train.out_dir={tmp_path}"])
+        ctx = RolloutContext(config, 0, 0, load_tokenizer(tiny_qwen3), WorkerRegistry())
+        report = asyncio.run(multi_turn_rollout(ctx))
+        assert played == expected
+        assert {t.group_id for t in report.trajectories} == ({"a", "c"} if objective == "dapo" else {"a"})
+
+
 def test_heldout_rollout_plays_the_same_heldout_maps(tiny_qwen3: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With eval.every on, the step's episodes draw training maps and the evaluation the same
