@@ -236,7 +236,11 @@ class Trainer:
             self.ref_model, c.temperature, self.compute_dtype, c.logprob_chunk_tokens)
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            weight_decay=self.config.weight_decay)
-        self.version = 0
+        # `steps`: optimizer steps taken, which the learning-rate schedule and a resumed run's
+        # position follow; `version`: the name of the weights the rollout replicas sample from.
+        # They are equal unless a restart rolled the weights back to a checkpoint, which then
+        # took a version number of their own (`TrainerActor.renumber`).
+        self.steps = self.version = 0
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -281,6 +285,7 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             updates += 1
+        self.steps += 1
         self.version += 1
         keys = list(sums) + list(prepared.stats)
         totals = dict(zip(keys, self._all_reduce([*sums.values(), *prepared.stats.values()]), strict=True))
@@ -302,18 +307,19 @@ class Trainer:
             "groups": totals["groups"],
             "groups_kept": totals["groups_kept"],
             "version": float(self.version),
+            "steps": float(self.steps),
             "lr": self.optimizer.param_groups[0]["lr"],
         }
 
     @property
     def lr(self) -> float:
-        """This step's learning rate (the schedule is a function of the version, so it resumes)."""
+        """This step's learning rate (the schedule is a function of the steps taken, so it resumes)."""
         c = self.config
-        if self.version < c.warmup_steps:
-            return c.lr * (self.version + 1) / c.warmup_steps
+        if self.steps < c.warmup_steps:
+            return c.lr * (self.steps + 1) / c.warmup_steps
         if c.lr_decay_steps == 0:
             return c.lr
-        progress = min(self.version / c.lr_decay_steps, 1.0)
+        progress = min(self.steps / c.lr_decay_steps, 1.0)
         return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def _flatten(self, t: Trajectory) -> list[TokenSequence]:
@@ -434,8 +440,8 @@ class Trainer:
             if self.ref_model is not None:
                 save_model(self.ref_model, tmp / REFERENCE_DIR)
                 fsync_dir(tmp / REFERENCE_DIR)
-            torch.save({"optimizer": optimizer, "version": self.version, "sharding": self.config.sharding},
-                       tmp / STATE_FILE)
+            torch.save({"optimizer": optimizer, "version": self.version, "steps": self.steps,
+                        "sharding": self.config.sharding}, tmp / STATE_FILE)
             for asset in map(Path, assets):
                 shutil.copyfile(asset, tmp / asset.name)
             (tmp / COMPLETE_FILE).write_text(json.dumps({"version": self.version}) + "\n")
@@ -455,9 +461,9 @@ class Trainer:
         return path
 
     def load_state(self, path: str | Path) -> None:
-        """Resume the optimizer, the version and the KL reference saved by `save` (the weights
-        come with the model). The reference is never silently replaced by the resumed policy: a
-        checkpoint without one cannot resume a run with a KL penalty."""
+        """Resume the optimizer, the version, the steps and the KL reference saved by `save` (the
+        weights come with the model). The reference is never silently replaced by the resumed
+        policy: a checkpoint without one cannot resume a run with a KL penalty."""
         file = Path(path) / STATE_FILE
         if not file.is_file():
             raise ValueError(f"{path}: no {STATE_FILE}; expected a directory written by Trainer.save")
@@ -478,3 +484,4 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
+        self.steps = int(state.get("steps", self.version))  # written before steps were kept apart

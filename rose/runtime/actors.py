@@ -119,9 +119,9 @@ class TrainerActor(_Role):
 
     def start(self, checkpoint: Checkpoint, objective: str, objective_options: dict[str, Any],
               config: dict[str, Any], relay: str, group: str, resume: bool = False, rank: int = 0,
-              world: int = 1, master: str | None = None) -> int:
+              world: int = 1, master: str | None = None) -> tuple[int, int]:
         """Join the ranks' process group (every rank's `start` runs at once), load the policy; the
-        version it starts from."""
+        version and the steps it starts from."""
         model_path = open_checkpoint(checkpoint)
         if world > 1:
             device = torch.device(config["device"])
@@ -139,7 +139,7 @@ class TrainerActor(_Role):
         self.weights = dict(self.trainer.export_weights())
         self.sender = (Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
                        if rank == 0 else None)
-        return self.trainer.version
+        return self.trainer.version, self.trainer.steps
 
     def probe_dir(self, path: str) -> str | BaseException:
         """Whether this node can write checkpoints under `path` (`checkpoints.probe_dir`)."""
@@ -163,10 +163,11 @@ class TrainerActor(_Role):
         """Send the current version to every replica (again, for one that just joined)."""
         return dataclasses.asdict(self.sender.publish(self.trainer.version))
 
-    def set_version(self, version: int) -> None:
-        """Go on counting from `version` (a restart from an older checkpoint: versions only move
-        forward, and the learning-rate schedule follows the run's steps)."""
-        self.trainer.version = version
+    def renumber(self, version: int, steps: int) -> None:
+        """After a restart: the checkpoint's weights are `version` (a number no other weights had,
+        where they are older than the run's: each version names one set of weights, and tokens
+        sampled since lag behind them), and the learning-rate schedule goes on from `steps`."""
+        self.trainer.version, self.trainer.steps = version, steps
 
     def save(self, path: str) -> str:
         """A complete checkpoint, with the tokenizer's files: `--resume` starts from it alone."""

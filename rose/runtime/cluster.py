@@ -65,7 +65,13 @@ class Cluster:
 
     @property
     def version(self) -> int:
+        """The trainer's weights' version: what the rollouts sample from."""
         return self.trainers.version
+
+    @property
+    def steps(self) -> int:
+        """RL steps trained so far (a resumed run's too): where the driver goes on."""
+        return self.trainers.steps
 
     # -- start and stop -------------------------------------------------------------------------
 
@@ -98,7 +104,8 @@ class Cluster:
                 r.start_serving(f"serving-{i}", cores)
             for i, url in enumerate(c.serving.endpoints):
                 r.attach(f"endpoint-{i}", url)
-        self.trainers.version = ray.get(starts)[0]  # a resumed run goes on from its checkpoint's
+        # A resumed run goes on from its checkpoint's version and steps.
+        self.trainers.version, self.trainers.steps = ray.get(starts)[0]
         if not self.placement.local:  # the trainer writes the checkpoints on its node
             probe = ray.get(self.trainers.leader.probe_dir.remote(str(self.out_dir.resolve())))
             if warning := check_checkpoint_dir(self.out_dir, probe):

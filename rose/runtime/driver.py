@@ -39,8 +39,8 @@ def train(config: Config, mode: Mode, resume: Path | None = None) -> TrainRun:
     run_start = time.time()
     try:  # a start that fails half-way also releases what it started (actors, pinned cores)
         cluster.start()
-        loggers = Loggers(config, first_step=cluster.version)
-        steps = range(cluster.version, t.steps)  # a resumed run goes on from its checkpoint
+        loggers = Loggers(config, first_step=cluster.steps)
+        steps = range(cluster.steps, t.steps)  # a resumed run goes on from its checkpoint
         with bar(f"train ({mode.value})", len(steps)) as progress:
             for step in steps:
                 clock = StepClock.start(run_start, len(cluster.restarts))

@@ -37,7 +37,7 @@ class TrainerGroup:
         self.bundles: Any = None  # the ranks' placement group, on a cluster
         self.restarts = restarts  # the run's log of what died and came back, shared
         self.ranks: list[Any] = []
-        self.version = 0
+        self.version = self.steps = 0  # the weights' version, the optimizer steps taken (Trainer's)
         self.first_checkpoint: Checkpoint = ""  # the one the run started from
         self.checkpoints: list[Path] = []  # complete ones this run wrote, oldest first
 
@@ -49,7 +49,7 @@ class TrainerGroup:
     async def launch(self, checkpoint: Checkpoint) -> list[Any]:
         """Start the ranks on `checkpoint` (its optimizer state too, if it is one of ours); the
         refs of their `start` calls, each resolving to the version it starts from (the caller
-        starts the rollout replicas meanwhile, then sets `version`)."""
+        starts the rollout replicas meanwhile, then sets `version` and `steps`)."""
         import ray
 
         self.first_checkpoint = self.first_checkpoint or checkpoint
@@ -119,17 +119,21 @@ class TrainerGroup:
             ray.kill(t)
         # The newest checkpoint this run wrote is on the trainer's node (rose/runtime/checkpoints.py).
         checkpoint = str(self.checkpoints[-1]) if self.checkpoints else self.first_checkpoint
-        await asyncio.gather(*await self.launch(checkpoint))
-        # Weights go back to the checkpoint's; the version goes on, so versions only move forward.
-        await asyncio.gather(*(t.set_version.remote(self.version) for t in self.ranks))
-        self.restarts.append(f"trainer restarted from {written_at(checkpoint)} at version {self.version}")
+        restored, _ = (await asyncio.gather(*await self.launch(checkpoint)))[0]
+        # Weights rolled back to an older checkpoint take a version of their own (the newer
+        # tokens then lag behind them); the steps, and with them the schedule, go on.
+        if restored != self.version:
+            self.version += 1
+        await asyncio.gather(*(t.renumber.remote(self.version, self.steps) for t in self.ranks))
+        self.restarts.append(f"trainer restarted from {written_at(checkpoint)} (version {restored}): its "
+                             f"weights are version {self.version}, at step {self.steps}")
 
     async def train(self, trajectories: list) -> dict[str, float]:
         """One optimizer step over the trajectories, whole GRPO groups per rank; rank 0's metrics."""
         shards = shard_by_group(trajectories, len(self.ranks))
         metrics = (await self.call(
             lambda ranks: [t.step.remote(s) for t, s in zip(ranks, shards, strict=True)]))[0]
-        self.version = int(metrics["version"])
+        self.version, self.steps = int(metrics["version"]), int(metrics["steps"])
         return metrics
 
     async def publish(self) -> int:

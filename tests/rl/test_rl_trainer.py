@@ -249,6 +249,21 @@ def test_save_and_resume(tiny_qwen3: Path, tmp_path: Path) -> None:
         resumed.load_state(tmp_path)
 
 
+def test_the_schedule_follows_the_steps_taken_not_the_weights_version(tiny_qwen3: Path,
+                                                                       tmp_path: Path) -> None:
+    """A restart's renumbering moves the version, not the learning-rate schedule; both resume."""
+    trainer = Trainer(tiny_qwen3, config=TrainerConfig(lr=1e-2, warmup_steps=4))
+    assert trainer.step(random_batch())["steps"] == 1
+    trainer.version = 7  # rolled-back weights named anew
+    assert trainer.lr == pytest.approx(1e-2 * 2 / 4)  # the second warmup step
+    m = trainer.step(random_batch(seed=1))
+    assert (m["version"], m["steps"]) == (8, 2)
+    trainer.save(tmp_path / "ckpt")
+    resumed = Trainer(tmp_path / "ckpt", config=TrainerConfig(lr=1e-2, warmup_steps=4))
+    resumed.load_state(tmp_path / "ckpt")
+    assert (resumed.version, resumed.steps) == (8, 2)
+
+
 def test_a_llama_policy_trains_and_saves_as_llama(tmp_path: Path) -> None:
     policy = init_model("llama", "tiny", tmp_path / "initial", seed=3)
     trainer = Trainer(policy, config=TrainerConfig(lr=1e-2))

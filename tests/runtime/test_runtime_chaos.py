@@ -63,7 +63,9 @@ def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: 
     restarts = [line for r in result.steps for line in r.restarts]
     assert any(line.startswith("dedicated-0 restarted") for line in restarts), restarts
     assert any(line.startswith("serving-0 restarted") for line in restarts), restarts
-    assert f"trainer restarted from {tmp_path / 'step-2'} at version 2" in result.steps[2].restarts
+    # The checkpoint holds the weights it died with: they keep their version.
+    assert (f"trainer restarted from {tmp_path / 'step-2'} (version 2): its weights are version 2, at step 2"
+            in result.steps[2].restarts)
     # The restarted replicas took turns in the later steps: capacity came back.
     assert all(any(p.kind == "dedicated" for p in r.placements) for r in result.steps[1:])
     assert [Path(c).name for c in result.checkpoints] == ["step-2", "step-3"]

@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -117,6 +118,45 @@ def test_a_dead_trainer_restarts_and_retrains_or_the_run_stops(dies_again: bool,
     else:  # the same step's batch, trained on the restarted trainer
         assert asyncio.run(call) == [{"version": 4.0, "sequences": 3.0}]
     assert restarts == [3]
+
+
+class _Restarted:
+    """A restarted rank's handle: its checkpoint's (version, steps), and how the group renumbers it."""
+
+    def __init__(self, checkpoint: tuple[int, int]) -> None:
+        self.checkpoint, self.renumbered = checkpoint, None
+        self.renumber = SimpleNamespace(remote=self._renumber)
+
+    async def start(self) -> tuple[int, int]:
+        return self.checkpoint
+
+    async def _renumber(self, version: int, steps: int) -> None:
+        self.renumbered = (version, steps)
+
+
+@pytest.mark.parametrize(("checkpoint", "version_after"), [((5, 5), 5), ((4, 4), 6), ((0, 0), 6)])
+def test_a_restarted_trainer_names_rolled_back_weights_with_a_new_version(
+        checkpoint: tuple[int, int], version_after: int, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At version 5 after 5 steps the trainer dies. From a checkpoint of the same weights the
+    version stays; from older ones (step 4's, the run's start) the weights take version 6, a
+    number no weights had, so the tokens sampled at 5 lag one behind them. The steps go on."""
+    group = TrainerGroup(load_config(None, [f"train.out_dir={tmp_path}"]), "relay", "rollout", tmp_path, [],
+                         PlacementPolicy())
+    group.version = group.steps = 5
+    group.checkpoints = [tmp_path / "step-4"]
+    rank = _Restarted(checkpoint)
+    monkeypatch.setattr(ray, "kill", lambda actor: None)
+
+    async def launch(path: str) -> list[Any]:
+        group.ranks = [rank]
+        return [rank.start()]
+
+    monkeypatch.setattr(group, "launch", launch)
+    asyncio.run(group._restart())
+    assert (group.version, group.steps, rank.renumbered) == (version_after, 5, (version_after, 5))
+    assert group.restarts == [f"trainer restarted from {tmp_path / 'step-4'} (version {checkpoint[0]}): its "
+                              f"weights are version {version_after}, at step 5"]
 
 
 class _DeadHandle:
