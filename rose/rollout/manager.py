@@ -119,6 +119,19 @@ class RolloutReport:
         return sum(t.success for t in self.trajectories) / max(len(self.trajectories), 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Play:
+    """One task being played: `task` resolves to its Trajectory or the reason it failed; `turns`,
+    the turns its agent has generated so far."""
+
+    task: asyncio.Task[Trajectory | str]
+    handle: TurnHandle
+
+    @property
+    def turns(self) -> int:
+        return self.handle.turns
+
+
 @dataclasses.dataclass
 class _Turn:
     """A turn in progress: its routing request, its prompt and what its attempts produced."""
@@ -151,7 +164,7 @@ class RolloutManager:
         self._turns: dict[str, _Turn] = {}
         self._placements: list[Placement] = []
         self._tasks: set[asyncio.Task[None]] = set()  # attempts and rebalance aborts in flight
-        self._t0 = 0.0
+        self._t0 = time.perf_counter()  # `run` starts its own clock; a stream uses this one
 
     @property
     def table(self) -> RoutingTable:
@@ -164,31 +177,46 @@ class RolloutManager:
         among the runs a worker sees)."""
         self._placements, self._t0 = [], time.perf_counter()
         ids = [f"{prefix}{i}" for i in range(len(tasks))]
-        handles = {tid: TurnHandle(functools.partial(self._agent_turn, tid, policy_version),
-                                   self.params.max_tokens) for tid in ids}
         ticker = asyncio.create_task(self._tick())
-        plays = [asyncio.create_task(self._play(tid, task, agent, handles[tid]))
-                 for tid, task in zip(ids, tasks, strict=True)]
+        plays = [self.play(tid, task, policy_version, agent) for tid, task in zip(ids, tasks, strict=True)]
         late: dict[str, str] = {}
         try:
-            _, pending = await asyncio.wait(plays, timeout=timeout_s)
+            _, pending = await asyncio.wait([p.task for p in plays], timeout=timeout_s)
             late = {tid: f"unfinished at the {timeout_s} s timeout: {self._whereabouts(tid)}"
-                    for tid, p in zip(ids, plays, strict=True) if p in pending}
+                    for tid, p in zip(ids, plays, strict=True) if p.task in pending}
         finally:
-            await self._stop([ticker, *plays])
-        report = RolloutReport([], self._placements, self._elapsed())
+            await self.stop([ticker, *(p.task for p in plays)])
+        report = RolloutReport([], self._placements, self.elapsed())
         for tid, play in zip(ids, plays, strict=True):
             if tid in late:
-                report.lost.append(Unfinished(tid, handles[tid].turns, late[tid]))
-            elif isinstance(got := play.result(), str):
-                report.failed.append(Unfinished(tid, handles[tid].turns, got))
+                report.lost.append(Unfinished(tid, play.turns, late[tid]))
+            elif isinstance(got := play.task.result(), str):
+                report.failed.append(Unfinished(tid, play.turns, got))
             else:
                 report.trajectories.append(got)
         return report
 
-    async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:
-        """Cancel the run's tasks and wait for them all: each play takes its trajectory out of
-        the routing table, and no call to a worker outlives the run."""
+    def play(self, tid: str, task: Task, policy_version: int, agent: Agent[Task] = play_episode) -> Play:
+        """Start playing one task as trajectory `tid` (its turns need workers on at least
+        `policy_version`): a task resolving to its Trajectory or the reason it failed. The caller
+        runs the manager's `tick` meanwhile and `stop`s what it started."""
+        handle = TurnHandle(functools.partial(self._agent_turn, tid, policy_version), self.params.max_tokens)
+        play = asyncio.create_task(self._play(tid, task, agent, handle))
+        return Play(play, handle)
+
+    def placements_since(self, since_s: float) -> list[Placement]:
+        """The attempts that ended at or after `since_s` (seconds since the manager started),
+        their times counted from `since_s`."""
+        return [dataclasses.replace(p, start_s=p.start_s - since_s, end_s=p.end_s - since_s)
+                for p in self._placements if p.end_s >= since_s]
+
+    def tick(self) -> asyncio.Task[None]:
+        """The periodic half (heartbeats, dead workers, queued turns, rebalancing), as a task."""
+        return asyncio.create_task(self._tick())
+
+    async def stop(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
+        """Cancel `tasks` (plays, the ticker) and wait for them all: each play takes its
+        trajectory out of the routing table, and no call to a worker outlives them."""
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -254,7 +282,7 @@ class RolloutManager:
         return task
 
     async def _attempt(self, t: _Turn, wid: str, req: RoutedTurn) -> None:
-        got, start = TurnOutput(), self._elapsed()
+        got, start = TurnOutput(), self.elapsed()
         seed = zlib.crc32(f"{self.seed}:{req.trajectory_id}:{req.turn}:{req.attempt}".encode())
         params = dataclasses.replace(self.params, max_tokens=req.max_tokens, seed=seed)
         turn_id = f"{req.trajectory_id}:{req.turn}:{req.attempt}"
@@ -275,7 +303,7 @@ class RolloutManager:
             if outcome == Failure.WORKER.value:
                 self.table.suspect(wid)
         t.out.extend(got)
-        end, produced = self._elapsed(), len(got.token_ids)
+        end, produced = self.elapsed(), len(got.token_ids)
         self._placements.append(Placement(req.trajectory_id, req.turn, req.attempt, wid, worker.kind.value,
                                           start, end, produced, outcome))
         if produced and wid in self.table.workers:
@@ -353,5 +381,6 @@ class RolloutManager:
         """The routing table's clock."""
         return self.registry.clock()
 
-    def _elapsed(self) -> float:
+    def elapsed(self) -> float:
+        """Seconds since this manager's clock started (its last `run`'s start, or its creation)."""
         return time.perf_counter() - self._t0

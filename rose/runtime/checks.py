@@ -28,7 +28,7 @@ from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import SHARDINGS
 from rose.rollout.agent import load_agent
-from rose.runtime.config import BACKENDS, Config, Mode, ModelSource, objective_options
+from rose.runtime.config import BACKENDS, Config, Mode, ModelSource, RolloutConfig, objective_options
 from rose.runtime.devices import available_cores, cluster_address
 from rose.runtime.loggers import LOGGERS, missing_package
 from rose.runtime.placement import ROLES
@@ -75,6 +75,13 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
         Objective.named(t.objective, **objective_options(config))
     except ValueError as exc:  # "objective: NAME must ...": NAME is the train key of that name
         raise ValueError(f"config: {str(exc).replace('objective: ', 'train.', 1)}") from None
+    if t.max_staleness:
+        _check(mode is not Mode.ELASTIC, "train.max_staleness: asynchronous RL runs in fixed or rose mode; "
+                                         "elastic mode adds devices for one step's rollouts")
+        _check(config.rollout.function == RolloutConfig().function,
+               "train.max_staleness: asynchronous RL plays the default rollout's episodes as a stream "
+               "(rose.rollout.stream); a rollout.function of your own is for synchronous runs (set "
+               "rollout.agent to change how one trajectory is played)")
     _check_loggers(t.logger)
     _check(t.sharding in SHARDINGS,
            f"train.sharding must be one of {', '.join(SHARDINGS)}, got {t.sharding!r}")
@@ -137,6 +144,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"train.{k}": (1, math.inf, True) for k in (
         "steps", "checkpoint_every", "micro_batch_size", "data_parallel", "mini_batches")},
     "train.lr": (0, math.inf, False),
+    "train.max_staleness": (0, math.inf, True),
+    "rollout.extra_groups": (0, math.inf, True),
     "train.warmup_steps": (0, math.inf, True),
     "train.max_grad_norm": (0, math.inf, False),
     "train.weight_decay": (0, math.inf, True),

@@ -21,14 +21,21 @@ from pathlib import Path
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.settings import ServerLimits
 from rose.model import load_tokenizer
-from rose.rollout.manager import RolloutReport
+from rose.rollout.manager import RolloutReport, Unfinished
 from rose.rollout.registry import WorkerRegistry
+from rose.rollout.stream import RolloutStream
 from rose.runtime.checkpoints import check_checkpoint_dir, for_actors
 from rose.runtime.config import Config, Mode, actor_device
 from rose.runtime.devices import available_cores, cluster_address, init_ray, pinned
 from rose.runtime.placement import Demand, PlacementPolicy, check_placeable
 from rose.runtime.replicas import Replicas
-from rose.runtime.rollouts import RolloutContext, RolloutFunction, heldout_rollout, load_rollout_function
+from rose.runtime.rollouts import (
+    RolloutContext,
+    RolloutFunction,
+    heldout_rollout,
+    load_rollout_function,
+    stream_rollouts,
+)
 from rose.runtime.trainers import TrainerGroup, rank_cores
 from rose.transfer import RayRelay
 
@@ -59,6 +66,11 @@ class Cluster:
         self.replicas = Replicas(config, self.registry, self.trainers, relay, group, limits, self.restarts,
                                  out_dir / PROMETHEUS_TARGETS, self.placement)
         self.rollout_function = load_rollout_function(config.rollout.function)
+        # Asynchronous RL (train.max_staleness >= 1): the groups in play across steps, and the
+        # watcher that starts dead replicas again all along (synchronous runs watch per step).
+        self._stream: RolloutStream | None = None
+        self._watching: tuple[asyncio.Event, asyncio.Task[None]] | None = None
+        self.unfinished_at_end: list[Unfinished] = []  # the stream's groups in play when the run ended
         self._pinned = contextlib.ExitStack()
         self._relay: RayRelay | None = None
         self._relay_name = relay
@@ -129,6 +141,7 @@ class Cluster:
                 for role, device, listed in roles for cores in listed]
 
     def shutdown(self) -> None:
+        self.loop.run_until_complete(self._stop_stream())
         self.loop.run_until_complete(self.replicas.close())
         self.trainers.kill()
         if self._relay is not None:
@@ -140,8 +153,29 @@ class Cluster:
 
     def rollout(self, step: int) -> RolloutReport:
         """The step's rollouts (`rollout.function`), with the serving budgets renewed, dead
-        replicas started again meanwhile and, in elastic mode, devices added for their length."""
-        return self._run(self.rollout_function, step)
+        replicas started again meanwhile and, in elastic mode, devices added for their length.
+        Asynchronous (train.max_staleness >= 1): the step's batch, taken from the groups in play,
+        which go on playing while the driver trains."""
+        if not self.config.train.max_staleness:
+            return self._run(self.rollout_function, step)
+        return self.loop.run_until_complete(self._take())
+
+    async def _take(self) -> RolloutReport:
+        if self._stream is None:
+            self._stream = stream_rollouts(RolloutContext(self.config, 0, self.version, self.tokenizer,
+                                                          self.registry), lambda: self.version)
+            stop = asyncio.Event()
+            self._watching = (stop, asyncio.create_task(self.replicas.watch(stop)))
+        await self.replicas.new_rl_step()
+        return await self._stream.take(self.config.rollout.timeout_s)
+
+    async def _stop_stream(self) -> None:
+        if self._stream is not None:
+            self.unfinished_at_end = await self._stream.close()
+        if self._watching is not None:
+            stop, watch = self._watching
+            stop.set()
+            await watch
 
     def evaluate(self, step: int) -> RolloutReport:
         """The held-out evaluation of the current policy, run as the rollouts are."""
@@ -154,7 +188,8 @@ class Cluster:
     async def _rollout(self, function: RolloutFunction, ctx: RolloutContext) -> RolloutReport:
         await self.replicas.new_rl_step()
         stop = asyncio.Event()
-        watch = asyncio.create_task(self.replicas.watch(stop))
+        # One watcher at a time: an asynchronous run's watches all along.
+        watch = asyncio.create_task(self.replicas.watch(stop)) if self._watching is None else None
         try:
             run = function(ctx)
             if self.mode is not Mode.ELASTIC:
@@ -162,16 +197,25 @@ class Cluster:
             return await self.replicas.with_elastic(run)
         finally:
             stop.set()
-            await watch  # a restart under way finishes: the replica is registered, not half started
+            if watch is not None:
+                await watch  # a restart under way finishes: the replica is registered, not half started
 
     def train(self, trajectories: list) -> dict[str, float]:
         return self.loop.run_until_complete(self.trainers.train(trajectories))
 
     def sync_weights(self) -> SyncReport:
-        """Publish the trainer's weights; every replica pulls and applies them."""
+        """Publish the trainer's weights; every replica pulls and applies them (between two of
+        its engine's iterations: an asynchronous run's turns go on). Groups the staleness window
+        held back may then start."""
         start = time.perf_counter()
-        sent = self.loop.run_until_complete(self.replicas.sync(self.replicas.all()))
+        sent = self.loop.run_until_complete(self._sync())
         return SyncReport(time.perf_counter() - start, sent)
+
+    async def _sync(self) -> int:
+        sent = await self.replicas.sync(self.replicas.all())
+        if self._stream is not None:
+            self._stream.refill()
+        return sent
 
     def save(self, step: int) -> str:
         path = self.out_dir / f"step-{step}"

@@ -79,6 +79,10 @@ class RolloutConfig:
     kv_cache_mb: int = 64
     # The dedicated workers' engines (None: cuda if there is one, else cpu; bfloat16 on cuda).
     device: str | None = None
+    # Asynchronous RL (train.max_staleness >= 1): groups a step starts beyond the `groups` it
+    # trains on; a step closes when `groups` have finished, and the rest carry over to the next
+    # (None: a quarter of `groups`, at least 1).
+    extra_groups: int | None = None
     # Dynamic sampling: sample up to this many rounds of `groups` until that many groups have
     # outcomes that differ (1: one round, the trainer drops the uninformative groups). None:
     # DAPO_SAMPLING_ROUNDS with train.objective dapo (its dynamic sampling refills the batch), else 1.
@@ -114,6 +118,11 @@ class EvalConfig:
 class TrainConfig:
     steps: int = 100
     objective: str = "grpo"  # grpo, dr_grpo or dapo (docs/rl.md, "The objective")
+    # 0: synchronous (rollouts, then training, then the weight sync). K >= 1: asynchronous: groups
+    # keep playing on every device while the trainer trains (rose.rollout.stream), none starting
+    # more than K versions before the step meant to train on it; then recompute_old_logprobs
+    # (truncated importance sampling) is on and max_version_lag is K unless given.
+    max_staleness: int = 0
     # The objective's settings; None keeps the named objective's own (docs/rl.md).
     scale_advantages: bool | None = None  # divide by the group's reward std (GRPO; not Dr. GRPO)
     kl_coef: float | None = None
@@ -262,11 +271,20 @@ def objective_options(config: Config) -> dict[str, Any]:
     longest trajectory, rollout.max_context_tokens; DAPO's overlong limit: the responses' cap,
     rollout.max_tokens, where the paper's 20,480 would never apply)."""
     given = {k: getattr(config.train, k) for k in _OBJECTIVE_KEYS if getattr(config.train, k) is not None}
-    dapo = config.train.objective == "dapo"
+    dapo, k = config.train.objective == "dapo", config.train.max_staleness
     limit = given.get("overlong_max_tokens", config.rollout.max_tokens if dapo else None)
     overlong = {} if limit is None else {
         "overlong_max_tokens": limit, "overlong_cache_tokens": given.get("overlong_cache_tokens", limit // 5)}
-    return {"norm_tokens": config.rollout.max_context_tokens, **given, **overlong}
+    # Off-policy tokens under asynchronous RL: weighed against the trainer's own old policy, and
+    # masked beyond the staleness bound.
+    off_policy = {"recompute_old_logprobs": True, "max_version_lag": k} if k else {}
+    return {"norm_tokens": config.rollout.max_context_tokens, **off_policy, **given, **overlong}
+
+
+def extra_groups(config: Config) -> int:
+    """`rollout.extra_groups`, or its default: a quarter of `rollout.groups`, at least 1."""
+    r = config.rollout
+    return max(1, r.groups // 4) if r.extra_groups is None else r.extra_groups
 
 
 def sampling_rounds(config: Config) -> int:

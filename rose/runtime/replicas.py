@@ -62,6 +62,9 @@ class Replicas:
         self.serving_model: Checkpoint = ""
         self.elastic_alloc_s: list[float] = []  # allocations that arrived: seconds from request to routable
         self.elastic_cancelled_s: list[float] = []  # still pending when a step's rollouts ended: time wasted
+        # One publish at a time: an asynchronous run's watcher may start a replica again (and
+        # sync it) while the driver syncs every replica.
+        self._publishing = asyncio.Lock()
 
     def all(self) -> dict[str, Any]:
         return {**self.dedicated, **self.serving, **self.endpoints}
@@ -175,7 +178,8 @@ class Replicas:
         sent, todo, errors = 0, dict(replicas), {}
         for _ in range(SYNC_ROUNDS):
             pulls = [h.sync_weights.remote(SYNC_TIMEOUT_S) for h in todo.values()]
-            sent += await self.trainers.publish()
+            async with self._publishing:
+                sent += await self.trainers.publish()
             got = await asyncio.gather(*(asyncio.wait_for(p, SYNC_TIMEOUT_S) for p in pulls),
                                        return_exceptions=True)
             errors = {wid: g for wid, g in zip(todo, got, strict=True)

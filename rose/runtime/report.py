@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from rose.coserve.loadgen import RequestResult
 from rose.coserve.loadgen import summarize as summarize_requests
 from rose.coserve.metrics import transitions
 from rose.coserve.settings import Engine
+from rose.rl import Trajectory
 from rose.rollout.manager import Placement, RolloutReport
 from rose.runtime.config import Config, Mode, ModelSource, ServingDeviceConfig, actor_device
 from rose.runtime.devices import cluster_address
@@ -56,6 +58,9 @@ class TrainStep:
     trainer: dict[str, float]  # all of `Trainer.step`'s metrics: loss, KL, entropy, grad norm, lr, ...
     elastic_devices: int
     restarts: list[str] = dataclasses.field(default_factory=list)  # actors that died and came back
+    # Generated tokens trained on, by how many versions before the trained weights' they were
+    # sampled ("0": on-policy; more under asynchronous RL, train.max_staleness).
+    staleness: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> float:
@@ -120,7 +125,14 @@ def step_record(step: int, cluster: Cluster, clock: StepClock, rollout: RolloutR
                     for p in rollout.placements],
         serving=serving_summary(served, cluster.config.serving) if cluster.replicas.serving else {},
         trainer=metrics, elastic_devices=len(cluster.replicas.elastic_alloc_s),
-        restarts=cluster.restarts[clock.restarts:])
+        restarts=cluster.restarts[clock.restarts:],
+        staleness=staleness(rollout.trajectories, int(metrics["version"]) - 1))
+
+
+def staleness(trajectories: list[Trajectory], trained: int) -> dict[str, int]:
+    """Generated tokens by versions between the one that sampled them and `trained`."""
+    lags = Counter(trained - v for t in trajectories for turn in t.turns for v in turn.versions)
+    return {str(lag): n for lag, n in sorted(lags.items())}
 
 
 def serving_summary(results: list[RequestResult], s: ServingDeviceConfig) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from rose.rl import Episode, Trajectory, informative_groups, make_env
 from rose.rollout.agent import load_agent
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
-from rose.runtime.config import Config, sampling_rounds
+from rose.rollout.stream import RolloutStream
+from rose.runtime.config import Config, extra_groups, sampling_rounds
 from rose.tools.sandbox import TOOLS
 
 
@@ -62,12 +63,17 @@ def _params(ctx: RolloutContext, temperature: float) -> SamplingParams:
 def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
     """The step's episodes: `rollout.groups` environment seeds, `rollout.group_size` each (a
     later sampling round draws new seeds)."""
-    c, r = ctx.config, ctx.config.rollout
-    first = c.train.seed * 100003 + ctx.step * r.groups + sampling_round * ROUND_SEED_STRIDE
-    return [Episode(make_env(c.env.name, **env_kwargs(c, "train")), ctx.tokenizer, seed=first + g,
-                    group_id=(ctx.step, sampling_round, g), max_context_tokens=r.max_context_tokens,
-                    tools=_tools(c))
-            for g in range(r.groups) for _ in range(r.group_size)]
+    first = ctx.step * ctx.config.rollout.groups + sampling_round * ROUND_SEED_STRIDE
+    return [e for g in range(ctx.config.rollout.groups)
+            for e in group(ctx, first + g, (ctx.step, sampling_round, g))]
+
+
+def group(ctx: RolloutContext, k: int, group_id: Hashable) -> list[Episode]:
+    """One group: `rollout.group_size` episodes of the k-th environment seed of the run."""
+    c, seed = ctx.config, ctx.config.train.seed * 100003 + k
+    return [Episode(make_env(c.env.name, **env_kwargs(c, "train")), ctx.tokenizer, seed=seed,
+                    group_id=group_id, max_context_tokens=c.rollout.max_context_tokens, tools=_tools(c))
+            for _ in range(c.rollout.group_size)]
 
 
 def _tools(config: Config) -> list[dict[str, Any]] | None:
@@ -100,6 +106,19 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
         wanted = set(informative(more.trajectories)[:missing])
         report = report.extend(more, keep=lambda t, wanted=wanted: t.group_id in wanted)
     return report
+
+
+def stream_rollouts(ctx: RolloutContext, version: Callable[[], int]) -> RolloutStream:
+    """Asynchronous RL's rollouts: the run's groups, the k-th from its k-th seed (the seeds a
+    synchronous run's steps draw, in the same order), played without pause across steps
+    (`RolloutStream`); with dynamic sampling (DAPO) only groups whose outcomes differ fill a
+    step. `version()` is the trainer's."""
+    c, r = ctx.config, ctx.config.rollout
+    manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=c.train.seed * 7919)
+    keep = (lambda trajectories: bool(informative(trajectories))) if c.train.objective == "dapo" \
+        else (lambda trajectories: True)
+    return RolloutStream(manager, load_agent(r.agent), lambda k: group(ctx, k, ("a", k)), version, r.groups,
+                         extra_groups(c), c.train.max_staleness, keep)
 
 
 async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:

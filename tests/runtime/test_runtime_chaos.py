@@ -1,5 +1,6 @@
-"""Fault injection (`pytest -m chaos`): a short `rose train` in rose mode in which a dedicated
-worker, a serving executor and the trainer are each killed in the middle of a step. The run
+"""Fault injection (`pytest -m chaos`): a short `rose train` in rose mode, synchronous and
+asynchronous, in which a dedicated worker, a serving executor and the trainer are each killed in
+the middle of a step. The run
 completes every step with 0 lost trajectories; each dead actor is started again (the trainer
 from the newest complete checkpoint, its step's trajectories trained on, not dropped)."""
 
@@ -19,7 +20,7 @@ from rose.runtime.driver import train
 
 ray = pytest.importorskip("ray")
 
-# In `make test`: the two runs take about a minute on 2 cores.
+# In `make test`: the three runs take about a minute and a half on 2 cores.
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 # Step -> what dies during that step's rollouts; the replicas once they are running turns.
@@ -35,11 +36,13 @@ def _kill_when_busy(cluster: Cluster, step: int, victim: str) -> Any:
     return rollout_with_fault(cluster, step, None if victim == "trainer" else victim, kill)
 
 
-def test_a_run_survives_killed_workers_and_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("max_staleness", [0, 1])  # synchronous, and asynchronous RL's rollout stream
+def test_a_run_survives_killed_workers_and_trainer(max_staleness: int, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(None, [
         "train.steps=3", "train.checkpoint_every=2", "rollout.groups=2", "rollout.group_size=4",
         "rollout.max_tokens=16", "rollout.dedicated_concurrency=4", "rollout.serving_concurrency=4",
-        f"train.out_dir={tmp_path}"])
+        f"train.max_staleness={max_staleness}", f"train.out_dir={tmp_path}"])
     seen: dict[str, Any] = {"killed": []}
     rollout = Cluster.rollout
 
