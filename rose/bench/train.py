@@ -1,8 +1,10 @@
-"""`rose bench train`: the same `rose train` job in fixed, elastic and rose modes, side by side.
+"""`rose bench train`: the same `rose train` job in fixed, elastic and rose modes, side by side,
+and asynchronous (`train.max_staleness=1`) in fixed and rose modes: `fixed-async`, `rose-async`.
 
 Equal dedicated resources in every mode (the config's dedicated devices); elastic adds its
 devices on demand each step (paying the provisioning delay and a real start-up), rose borrows
-the serving devices, which serve a real trace replay meanwhile. The workload is the named config
+the serving devices, which serve a real trace replay meanwhile; the asynchronous variants keep
+their rollouts going while the trainer trains. The workload is the named config
 `bench-train` (rose/data/configs/bench-train.yaml), which the simulator's `cpu-bench-train`
 scenario reads too: its rollouts are heavier than the learning default's (longer turns), as
 agentic rollouts are, the part ROSE speeds up.
@@ -11,14 +13,23 @@ agentic rollouts are, the part ROSE speeds up.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from rose.config import named_config
 from rose.progress import bar
 from rose.reporting import write_report
 from rose.runtime.config import Config, Mode, load_config, validate
+from rose.runtime.report import TrainStep
 
 WORKLOAD = "bench-train"
+# What each variant runs: a mode and its overrides.
+ASYNC = ("train.max_staleness=1",)
+VARIANTS: dict[str, tuple[Mode, tuple[str, ...]]] = {
+    "fixed": (Mode.FIXED, ()), "elastic": (Mode.ELASTIC, ()), "rose": (Mode.ROSE, ()),
+    "fixed-async": (Mode.FIXED, ASYNC), "rose-async": (Mode.ROSE, ASYNC),
+}
 
 
 def bench_config(overrides: Sequence[str] = ()) -> Config:
@@ -36,29 +47,66 @@ def add_workload_arguments(p: argparse.ArgumentParser, each: str, out_dir: str) 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p, "mode", "runs/bench-train")
+    p.add_argument("--modes", default=",".join(VARIANTS),
+                   help=f"comma-separated variants to run (default: all of {', '.join(VARIANTS)})")
 
 
 def run(args: argparse.Namespace) -> int:
     from rose.runtime.driver import train
 
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"--modes: {', '.join(unknown) or 'none given'}; expected some of "
+                         f"{', '.join(VARIANTS)}")
     quick = ["train.steps=3"] if args.quick else []
     runs = {}
-    with bar("bench train", len(Mode)) as progress:
-        for mode in Mode:
-            progress.describe(mode.value)
-            config = bench_config([*quick, f"train.out_dir={args.out_dir}/{mode.value}", *args.overrides])
+    with bar("bench train", len(names)) as progress:
+        for name in names:
+            progress.describe(name)
+            mode, variant = VARIANTS[name]
+            config = bench_config([*quick, f"train.out_dir={args.out_dir}/{name}", *variant, *args.overrides])
             validate(config, mode)
             result = train(config, mode)
-            runs[mode.value] = {**result.summary, "elastic_alloc_s": result.elastic_alloc_s,
-                                "elastic_cancelled_s": result.elastic_cancelled_s}
-            print(mode.value, runs[mode.value], flush=True)
+            runs[name] = {**result.summary, **step_figures(result.steps),
+                          "elastic_alloc_s": result.elastic_alloc_s,
+                          "elastic_cancelled_s": result.elastic_cancelled_s}
+            print(name, runs[name], flush=True)
             progress.advance()
-    fixed, elastic, rose = runs["fixed"], runs["elastic"], runs["rose"]
     summary = {
-        "speedup_rose_vs_fixed": round(fixed["mean_step_s"] / rose["mean_step_s"], 3),
-        "rollout_speedup_rose_vs_elastic": round(elastic["mean_rollout_s"] / rose["mean_rollout_s"], 3),
-        "serving_slo_attainment_rose": rose["serving_slo_attainment"],
+        **{f"speedup_{a}_vs_{b}".replace("-", "_"): ratio(runs, b, a, "mean_step_s")
+           for a, b in (("rose", "fixed"), ("rose-async", "rose"), ("rose-async", "fixed-async"),
+                        ("fixed-async", "fixed"))},
+        "rollout_speedup_rose_vs_elastic": ratio(runs, "elastic", "rose", "mean_rollout_s"),
+        **{f"serving_slo_attainment_{m}".replace("-", "_"): runs[m]["serving_slo_attainment"]
+           for m in ("rose", "rose-async") if m in runs},
         "lost_trajectories": sum(r["lost_trajectories"] for r in runs.values()),
     }
     write_report(args.json, summary, modes=runs, workload=WORKLOAD, steps=config.train.steps)
     return 0
+
+
+def ratio(runs: dict[str, dict[str, Any]], over: str, of: str, key: str) -> float | None:
+    """runs[over][key] / runs[of][key] (a speedup), where both ran."""
+    if over not in runs or of not in runs:
+        return None
+    return round(runs[over][key] / runs[of][key], 3)
+
+
+def step_figures(steps: list[TrainStep]) -> dict[str, Any]:
+    """Generated tokens per second of the run's steps, the share of them generated while the
+    trainer trained (rollouts and training overlapping), and the staleness histogram."""
+    tokens = during = 0.0
+    for r in steps:
+        train_from = r.wall_start_s + r.eval_s + r.rollout_s
+        for p in r.placements:
+            tokens += p.tokens
+            inside = max(0.0, min(p.end_s, train_from + r.train_s + r.sync_s) - max(p.start_s, train_from))
+            during += p.tokens * inside / max(p.end_s - p.start_s, 1e-9)
+    wall = sum(r.step_s for r in steps)
+    lags: Counter[str] = Counter()
+    for r in steps:
+        lags.update(r.staleness)
+    return {"tokens_per_s": round(tokens / wall, 1) if wall else None,
+            "tokens_while_training": round(during / tokens, 3) if tokens else None,
+            "staleness": dict(sorted(lags.items(), key=lambda kv: int(kv[0])))}

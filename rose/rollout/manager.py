@@ -204,10 +204,10 @@ class RolloutManager:
         play = asyncio.create_task(self._play(tid, task, agent, handle))
         return Play(play, handle)
 
-    def placements_since(self, since_s: float) -> list[Placement]:
+    def placements_since(self, since_s: float, origin_s: float) -> list[Placement]:
         """The attempts that ended at or after `since_s` (seconds since the manager started),
-        their times counted from `since_s`."""
-        return [dataclasses.replace(p, start_s=p.start_s - since_s, end_s=p.end_s - since_s)
+        their times counted from `origin_s`."""
+        return [dataclasses.replace(p, start_s=p.start_s - origin_s, end_s=p.end_s - origin_s)
                 for p in self._placements if p.end_s >= since_s]
 
     def tick(self) -> asyncio.Task[None]:

@@ -104,7 +104,10 @@ class RolloutStream:
     async def take(self, timeout_s: float | None = None) -> RolloutReport:
         """The next step's batch: the first `batch` finished groups `keep` passes, in the order
         they finished. Waits at most `timeout_s` for them; the step then has fewer (none are lost:
-        the groups still in play carry over)."""
+        the groups still in play carry over). The report's placements are the attempts that
+        ended since the last step's take, timed from this take's start (earlier ones negative:
+        they ran while the trainer trained)."""
+        start = self.manager.elapsed()
         self.refill()
         report = RolloutReport([], [], 0.0)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -133,8 +136,8 @@ class RolloutStream:
                 self.refill()  # another group in its place
         self.taken_steps, self._taking = self.taken_steps + 1, 0
         now = self.manager.elapsed()
-        report.placements = self.manager.placements_since(self._last_take_s)
-        report.seconds, self._last_take_s = now - self._last_take_s, now
+        report.placements = self.manager.placements_since(self._last_take_s, start)
+        report.seconds, self._last_take_s = now - start, now
         self.refill()
         return report
 
