@@ -44,8 +44,7 @@ def groups_to_start(taken_steps: int, in_play: int, version: int, batch: int, ex
 
 @dataclasses.dataclass
 class _Group:
-    index: int
-    plays: list[tuple[str, Play]]
+    plays: list[tuple[str, Play]]  # (trajectory id, its play)
     started_version: int
 
 
@@ -85,9 +84,8 @@ class RolloutStream:
         for _ in range(groups_to_start(self.taken_steps, self.in_play + self._taking, version, self.batch,
                                        self.extra, self.max_staleness)):
             k = self.started
-            tasks = self.new_group(k)
-            group = _Group(k, [(tid, self.manager.play(tid, task, version, self.agent))
-                               for tid, task in ((f"{self.prefix}{k}-{i}", t) for i, t in enumerate(tasks))],
+            ids = [(f"{self.prefix}{k}-{i}", task) for i, task in enumerate(self.new_group(k))]
+            group = _Group([(tid, self.manager.play(tid, task, version, self.agent)) for tid, task in ids],
                            version)
             self._in_play.append(group)
             watcher = asyncio.create_task(self._await(group))
@@ -140,6 +138,11 @@ class RolloutStream:
         report.seconds, self._last_take_s = now - start, now
         self.refill()
         return report
+
+    def counts(self) -> dict[str, int]:
+        """Groups started, taken by steps, refused by `keep`, expired, and in play now."""
+        return {"started": self.started, "taken": self.started - self.in_play - self.dropped - self.expired,
+                "dropped": self.dropped, "expired": self.expired, "in_play": self.in_play}
 
     async def close(self) -> list[Unfinished]:
         """Stop every group in play; the trajectories that were still playing, with their turns."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.settings import ServerLimits
 from rose.model import load_tokenizer
-from rose.rollout.manager import RolloutReport, Unfinished
+from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.stream import RolloutStream
 from rose.runtime.checkpoints import check_checkpoint_dir, for_actors
@@ -70,7 +70,7 @@ class Cluster:
         # watcher that starts dead replicas again all along (synchronous runs watch per step).
         self._stream: RolloutStream | None = None
         self._watching: tuple[asyncio.Event, asyncio.Task[None]] | None = None
-        self.unfinished_at_end: list[Unfinished] = []  # the stream's groups in play when the run ended
+        self.stream_groups: dict[str, int] = {}  # the stream's group counts when the run ended
         self._pinned = contextlib.ExitStack()
         self._relay: RayRelay | None = None
         self._relay_name = relay
@@ -171,7 +171,8 @@ class Cluster:
 
     async def _stop_stream(self) -> None:
         if self._stream is not None:
-            self.unfinished_at_end = await self._stream.close()
+            self.stream_groups = self._stream.counts()  # those in play are stopped: no step needs them
+            await self._stream.close()
         if self._watching is not None:
             stop, watch = self._watching
             stop.set()

@@ -75,5 +75,8 @@ def train(config: Config, mode: Mode, resume: Path | None = None) -> TrainRun:
     pools = {wid: [(at - run_start, sample) for at, sample in timeline] for wid, timeline in pools.items()}
     plot = write_plot(out_dir / "report.png", records, served, pools, config.serving, mode)
     r = cluster.replicas
-    return TrainRun(summarize(records, serving), records, serving, r.elastic_alloc_s, r.elastic_cancelled_s,
+    summary = summarize(records, serving)
+    if t.max_staleness:  # asynchronous RL's groups: started, taken, dropped, expired, in play at the end
+        summary["stream_groups"] = cluster.stream_groups
+    return TrainRun(summary, records, serving, r.elastic_alloc_s, r.elastic_cancelled_s,
                     checkpoints, str(plot))

@@ -75,7 +75,7 @@ def test_steps_take_finished_groups_and_the_rest_carry_over_with_their_versions(
         # Two whole groups of two trajectories; six groups were started (two steps' worth, and
         # an extra each): the other four play on.
         assert len(first.trajectories) == 4 and len({t.group_id for t in first.trajectories}) == 2
-        assert stream.started == 6 and stream.in_play == 4
+        assert stream.counts() == {"started": 6, "taken": 2, "dropped": 0, "expired": 0, "in_play": 4}
         assert first.placements and first.seconds > 0
         # The trainer trains meanwhile; version 1 arrives, the workers sample with it from now.
         await asyncio.sleep(0.05)

@@ -23,6 +23,9 @@ def test_rollouts_overlap_training_within_the_staleness_bound(tmp_path: Path) ->
     result = train(config, Mode.FIXED)
     assert [r.version for r in result.steps] == [1, 2, 3, 4]
     assert result.summary["lost_trajectories"] == 0 and result.summary["failed_trajectories"] == 0
+    groups = result.summary["stream_groups"]
+    assert groups["taken"] == 4 * 2 and groups["started"] == sum(groups[k] for k in (
+        "taken", "dropped", "expired", "in_play"))
     lags = {int(lag) for r in result.steps for lag in r.staleness}
     assert lags <= {0, 1} and 1 in lags  # some tokens sampled while the trainer trained the step before
     assert all(r.trainer["stale_tokens"] == 0 for r in result.steps)
