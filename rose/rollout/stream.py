@@ -54,12 +54,17 @@ class RolloutStream:
 
     def __init__(self, manager: RolloutManager, agent: Agent[Any], new_group: Callable[[int], Sequence[Any]],
                  version: Callable[[], int], batch: int, extra: int, max_staleness: int,
-                 keep: Callable[[list[Trajectory]], bool] = lambda group: True, prefix: str = "a") -> None:
+                 keep: Callable[[list[Trajectory]], bool] = lambda group: True, max_dropped: int = 0,
+                 prefix: str = "a") -> None:
+        """`keep` passes the groups a step may train on; once a step has dropped `max_dropped`
+        groups it takes the next ones whatever `keep` says (as the synchronous dynamic sampling
+        plays a bounded number of rounds), so that a step whose groups keep agreeing ends."""
         if batch < 1 or extra < 0 or max_staleness < 1:
             raise ValueError(f"a rollout stream needs batch >= 1, extra >= 0 and max_staleness >= 1, got "
                              f"{batch}, {extra}, {max_staleness}")
         self.manager, self.agent, self.new_group, self.version = manager, agent, new_group, version
         self.batch, self.extra, self.max_staleness, self.keep = batch, extra, max_staleness, keep
+        self.max_dropped = max_dropped
         self.prefix = prefix
         self.taken_steps = 0
         self.started = 0          # groups started so far: the next one's index
@@ -108,6 +113,7 @@ class RolloutStream:
         start = self.manager.elapsed()
         self.refill()
         report = RolloutReport([], [], 0.0)
+        dropped = 0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._taking < self.batch:
             left = None if deadline is None else deadline - time.monotonic()
@@ -126,11 +132,11 @@ class RolloutStream:
                 (failed.append(Unfinished(tid, play.turns, got)) if isinstance(got, str)
                  else trajectories.append(got))
             report.failed += failed
-            if self.keep(trajectories):
+            if dropped >= self.max_dropped or self.keep(trajectories):
                 report.trajectories += trajectories
                 self._taking += 1
             else:
-                self.dropped += 1
+                self.dropped, dropped = self.dropped + 1, dropped + 1
                 self.refill()  # another group in its place
         self.taken_steps, self._taking = self.taken_steps + 1, 0
         now = self.manager.elapsed()

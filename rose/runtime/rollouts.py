@@ -112,13 +112,14 @@ def stream_rollouts(ctx: RolloutContext, version: Callable[[], int]) -> RolloutS
     """Asynchronous RL's rollouts: the run's groups, the k-th from its k-th seed (the seeds a
     synchronous run's steps draw, in the same order), played without pause across steps
     (`RolloutStream`); with dynamic sampling (DAPO) only groups whose outcomes differ fill a
-    step. `version()` is the trainer's."""
+    step, up to `sampling_rounds` steps' worth of groups played for it. `version()` is the
+    trainer's."""
     c, r = ctx.config, ctx.config.rollout
     manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=c.train.seed * 7919)
     keep = (lambda trajectories: bool(informative(trajectories))) if c.train.objective == "dapo" \
         else (lambda trajectories: True)
     return RolloutStream(manager, load_agent(r.agent), lambda k: group(ctx, k, ("a", k)), version, r.groups,
-                         extra_groups(c), c.train.max_staleness, keep)
+                         extra_groups(c), c.train.max_staleness, keep, (sampling_rounds(c) - 1) * r.groups)
 
 
 async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:

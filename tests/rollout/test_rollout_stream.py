@@ -52,7 +52,7 @@ def tokenizer(tiny_qwen3: Path):
 
 
 def _stream(tokenizer, workers: list[FakeWorker], version: list[int], batch: int = 2, extra: int = 1,
-            keep=lambda group: True) -> tuple[RolloutStream, WorkerRegistry]:
+            keep=lambda group: True, max_dropped: int = 100) -> tuple[RolloutStream, WorkerRegistry]:
     registry = WorkerRegistry(2.0)
     for w in workers:
         registry.add(w)
@@ -61,7 +61,8 @@ def _stream(tokenizer, workers: list[FakeWorker], version: list[int], batch: int
     def new_group(k: int) -> list[Episode]:
         return [Episode(make_env("frozenlake", max_turns=2), tokenizer, seed=k, group_id=k) for _ in range(2)]
 
-    stream = RolloutStream(manager, play_episode, new_group, lambda: version[0], batch, extra, 1, keep)
+    stream = RolloutStream(manager, play_episode, new_group, lambda: version[0], batch, extra, 1, keep,
+                           max_dropped)
     return stream, registry
 
 
@@ -108,6 +109,21 @@ def test_groups_the_filter_drops_are_replaced_by_new_ones(tokenizer) -> None:
         report = await stream.take(timeout_s=30)
         assert sorted({t.group_id for t in report.trajectories}) == [0, 2]
         assert stream.dropped >= 1 and stream.started >= 4
+        await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_step_whose_groups_keep_agreeing_ends_after_its_bound(tokenizer) -> None:
+    worker = FakeWorker("d0", cap=64)
+    version = [0]
+
+    async def scenario() -> None:
+        # No group carries a signal: after 3 dropped, the step takes the next two as they are.
+        stream, _ = _stream(tokenizer, [worker], version, batch=2, extra=0, keep=lambda group: False,
+                            max_dropped=3)
+        report = await stream.take(timeout_s=30)
+        assert len({t.group_id for t in report.trajectories}) == 2 and stream.dropped == 3
         await stream.close()
 
     asyncio.run(scenario())
