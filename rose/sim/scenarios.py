@@ -372,7 +372,8 @@ def _cpu_bench_train() -> Scenario:
                     rollout_batched_tokens=2048, fixed_concurrency=r["dedicated_concurrency"],
                     max_response=r["max_tokens"], max_turns=bench["env"]["options"]["max_turns"]),
         sync=SyncConfig(colocated_switch_s=0.2),
-        sim=SimConfig(tick_s=0.02, systems=["fixed-sync", "rose", "naive-share"]),
+        sim=SimConfig(tick_s=0.02, systems=["fixed-sync", "rose", "naive-share", "fixed-async-shared",
+                                            "rose-async"]),
     )
 
 

@@ -30,7 +30,7 @@ class Sharing(enum.Enum):
 class System:
     name: str
     label: str
-    colocated: bool = True                 # sync: rollout then train on the same GPUs
+    colocated: bool = True                 # rollout on the training GPUs (sync: then train)
     staleness: int = 0                     # async: rollout may run this many versions ahead
     extra: Extra = Extra.NONE
     sharing: Sharing = Sharing.ROSE
@@ -41,6 +41,10 @@ class System:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("fixed-sync", "fixed (sync, ROLL-style)"),
     System("fixed-async", "fixed (async, AReaL-style)", colocated=False, staleness=1),
+    # `rose train` with train.max_staleness=1: the trainer trains on its devices while the next
+    # step's rollouts go on, on those devices too (time-shared) and, for ROSE, on serving GPUs.
+    System("fixed-async-shared", "fixed (async, devices shared with training)", staleness=1),
+    System("rose-async", "ROSE (async)", staleness=1, extra=Extra.COSERVE),
     System("elastic-spot", "elastic (spot, RLBoost-style)", extra=Extra.SPOT),
     System("elastic-serverless", "elastic (serverless)", extra=Extra.SERVERLESS),
     System("rose", "ROSE", extra=Extra.COSERVE),
