@@ -155,7 +155,7 @@ class Replicas:
 
     async def new_rl_step(self) -> None:
         """Tell every serving executor a new step begins: it may grow its rollout budget again."""
-        for worker in self.registry.workers.values():
+        for worker in list(self.registry.workers.values()):  # a replica may come back meanwhile
             if isinstance(worker, LeaseClient):
                 with contextlib.suppress(httpx.HTTPError, LeaseError):  # a dead executor has no budget
                     await worker.new_rl_step()
@@ -163,7 +163,7 @@ class Replicas:
     async def close(self) -> None:
         import ray
 
-        for worker in self.registry.workers.values():
+        for worker in list(self.registry.workers.values()):
             await worker.close()
         for handle in self.all().values():
             ray.kill(handle)

@@ -494,7 +494,7 @@ def test_an_fsdp_checkpoint_resumes_only_sharded(tiny_qwen3: Path, tmp_path: Pat
         trainer.load_state(out.with_suffix(".ckpt"))
 
 
-def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -> None:
+def test_cosine_lr_decay_follows_the_steps(tiny_qwen3: Path, tmp_path: Path) -> None:
     config = TrainerConfig(lr=1e-3, lr_decay_steps=4, min_lr_ratio=0.1)
     trainer = Trainer(tiny_qwen3, Objective.grpo(), config)
     lrs = [trainer.step(random_batch(seed=s))["lr"] for s in range(3)]
@@ -503,7 +503,7 @@ def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -
     resumed = Trainer(tmp_path / "ckpt", Objective.grpo(), config)
     resumed.load_state(tmp_path / "ckpt")
     assert resumed.lr == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4))))
-    trainer.version = 9  # past the horizon: the floor
+    trainer.steps = 9  # past the horizon: the floor
     assert trainer.lr == pytest.approx(1e-4)
     assert Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3)).lr == 1e-3
 
@@ -511,7 +511,7 @@ def test_cosine_lr_decay_follows_the_version(tiny_qwen3: Path, tmp_path: Path) -
 def test_warmup_rises_linearly_to_the_learning_rate(tiny_qwen3: Path) -> None:
     trainer = Trainer(tiny_qwen3, Objective.grpo(), TrainerConfig(lr=1e-3, warmup_steps=4))
     lrs = []
-    for version in range(6):
-        trainer.version = version
+    for steps in range(6):
+        trainer.steps = steps
         lrs.append(trainer.lr)
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
