@@ -162,8 +162,8 @@ class Cluster:
 
     async def _take(self) -> RolloutReport:
         if self._stream is None:
-            self._stream = stream_rollouts(RolloutContext(self.config, 0, self.version, self.tokenizer,
-                                                          self.registry), lambda: self.version)
+            ctx = RolloutContext(self.config, self.steps, self.version, self.tokenizer, self.registry)
+            self._stream = stream_rollouts(ctx, lambda: self.version)
             stop = asyncio.Event()
             self._watching = (stop, asyncio.create_task(self.replicas.watch(stop)))
         await self.replicas.new_rl_step()

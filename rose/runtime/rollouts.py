@@ -109,17 +109,19 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
 
 
 def stream_rollouts(ctx: RolloutContext, version: Callable[[], int]) -> RolloutStream:
-    """Asynchronous RL's rollouts: the run's groups, the k-th from its k-th seed (the seeds a
-    synchronous run's steps draw, in the same order), played without pause across steps
-    (`RolloutStream`); with dynamic sampling (DAPO) only groups whose outcomes differ fill a
-    step, up to `sampling_rounds` steps' worth of groups played for it. `version()` is the
-    trainer's."""
+    """Asynchronous RL's rollouts from step `ctx.step` on: the run's groups, the k-th from its
+    k-th seed (the seeds a synchronous run's steps draw, in the same order), played without
+    pause across steps (`RolloutStream`); with dynamic sampling (DAPO) only groups whose
+    outcomes differ fill a step, up to `sampling_rounds` steps' worth of groups played for it.
+    `version()` is the trainer's."""
     c, r = ctx.config, ctx.config.rollout
-    manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=c.train.seed * 7919)
+    manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=c.train.seed * 7919 + ctx.step)
     keep = (lambda trajectories: bool(informative(trajectories))) if c.train.objective == "dapo" \
         else (lambda trajectories: True)
-    return RolloutStream(manager, load_agent(r.agent), lambda k: group(ctx, k, ("a", k)), version, r.groups,
-                         extra_groups(c), c.train.max_staleness, keep, (sampling_rounds(c) - 1) * r.groups)
+    first = ctx.step * r.groups  # a resumed run goes on with the seeds after its steps'
+    return RolloutStream(manager, load_agent(r.agent), lambda k: group(ctx, first + k, ("a", first + k)),
+                         version, r.groups, extra_groups(c), c.train.max_staleness, keep,
+                         (sampling_rounds(c) - 1) * r.groups)
 
 
 async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:

@@ -16,7 +16,13 @@ from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.runtime.cluster import Cluster
 from rose.runtime.config import Mode, load_config
-from rose.runtime.rollouts import RolloutContext, heldout_rollout, informative, multi_turn_rollout
+from rose.runtime.rollouts import (
+    RolloutContext,
+    heldout_rollout,
+    informative,
+    multi_turn_rollout,
+    stream_rollouts,
+)
 
 CALLS: list[tuple[int, int, str]] = []
 NOT_A_FUNCTION = 42
@@ -104,6 +110,26 @@ def test_dapo_refills_its_batch_by_default(tiny_qwen3: Path, tmp_path: Path,
         report = asyncio.run(multi_turn_rollout(ctx))
         assert played == expected
         assert {t.group_id for t in report.trajectories} == ({"a", "c"} if objective == "dapo" else {"a"})
+
+
+@pytest.mark.parametrize(("objective", "max_dropped"), [("grpo", 0), ("dapo", 7 * 2)])
+def test_the_stream_draws_a_synchronous_runs_seeds_in_order_from_its_step(
+        objective: str, max_dropped: int, tiny_qwen3: Path, tmp_path: Path) -> None:
+    """Asynchronous RL's k-th group is a synchronous run's k-th seed: from step 3 (a resumed run)
+    with 2 groups a step, the first group is seed 6's; DAPO's filter and its bound are set."""
+    config = load_config(None, ["rollout.groups=2", "rollout.group_size=3", "train.max_staleness=1",
+                                f"train.objective={objective}", f"train.out_dir={tmp_path}"])
+    ctx = RolloutContext(config, 3, 3, load_tokenizer(tiny_qwen3), WorkerRegistry())
+
+    async def check() -> None:
+        stream = stream_rollouts(ctx, lambda: 3)
+        first = stream.new_group(0)
+        assert [e.trajectory.seed for e in first] == [config.train.seed * 100003 + 6] * 3
+        assert {e.trajectory.group_id for e in first} == {("a", 6)}
+        assert (stream.batch, stream.extra, stream.max_dropped) == (2, 1, max_dropped)
+        await stream.close()
+
+    asyncio.run(check())
 
 
 def test_heldout_rollout_plays_the_same_heldout_maps(tiny_qwen3: Path, tmp_path: Path,
