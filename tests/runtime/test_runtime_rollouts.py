@@ -67,11 +67,9 @@ def test_informative_groups_are_those_whose_outcomes_differ() -> None:
     assert informative([]) == []
 
 
-def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: Path, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Round 0 holds one informative group of the two wanted; round 1 adds the first informative
-    one it finds, and no third round is played."""
-    rounds = {"s0-": {"a": [1, 0], "b": [1, 1]}, "s0r1-": {"c": [0, 1], "d": [1, 0], "e": [0, 0]}}
+def _scripted_rounds(monkeypatch: pytest.MonkeyPatch, rounds: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Each sampling round (by its trajectory prefix) returns the groups given, with the rewards
+    given; the list of the prefixes played."""
     played: list[str] = []
 
     async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
@@ -80,6 +78,15 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: 
         return RolloutReport(_trajectories(rounds[prefix]), [], 1.0)
 
     monkeypatch.setattr(RolloutManager, "run", run)
+    return played
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(tiny_qwen3: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 0 holds one informative group of the two wanted; round 1 adds the first informative
+    one it finds, and no third round is played."""
+    played = _scripted_rounds(monkeypatch, {"s0-": {"a": [1, 0], "b": [1, 1]},
+                                            "s0r1-": {"c": [0, 1], "d": [1, 0], "e": [0, 0]}})
     config = load_config(None, ["rollout.groups=2", "rollout.max_sampling_rounds=3",
                                 f"train.out_dir={tmp_path}"])
     ctx = RolloutContext(config, 0, 0, load_tokenizer(tiny_qwen3), WorkerRegistry())
@@ -93,15 +100,8 @@ def test_dapo_refills_its_batch_by_default(tiny_qwen3: Path, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """With train.objective dapo and no rollout.max_sampling_rounds, rounds go on until the
     batch holds `rollout.groups` informative groups; with grpo, one round."""
-    rounds = {"s0-": {"a": [1, 1]}, "s0r1-": {"b": [0, 0]}, "s0r2-": {"c": [0, 1]}}
-    played: list[str] = []
-
-    async def run(self: RolloutManager, episodes: list, version: int, prefix: str = "t",
-                  timeout_s: float | None = None, agent: object = None) -> RolloutReport:
-        played.append(prefix)
-        return RolloutReport(_trajectories(rounds[prefix]), [], 1.0)
-
-    monkeypatch.setattr(RolloutManager, "run", run)
+    played = _scripted_rounds(monkeypatch, {"s0-": {"a": [1, 1]}, "s0r1-": {"b": [0, 0]},
+                                            "s0r2-": {"c": [0, 1]}})
     for objective, expected in (("dapo", ["s0-", "s0r1-", "s0r2-"]), ("grpo", ["s0-"])):
         played.clear()
         config = load_config(None, ["rollout.groups=1", f"train.objective={objective}",
