@@ -348,6 +348,18 @@ def test_mode_needs_its_devices() -> None:
         validate(config, Mode.ROSE)
 
 
+def test_asynchronous_rl_runs_where_a_stream_can_play() -> None:
+    config = load_config(None, ["train.max_staleness=1"])
+    validate(config, Mode.FIXED)
+    validate(config, Mode.ROSE)
+    with pytest.raises(ValueError, match=r"train\.max_staleness: asynchronous RL runs in fixed or rose mode"):
+        validate(config, Mode.ELASTIC)
+    with pytest.raises(ValueError, match=r"a rollout\.function of your own is for synchronous runs"):
+        load_config(None, ["train.max_staleness=1", "rollout.function=rose.runtime.rollouts:heldout_rollout"])
+    with pytest.raises(ValueError, match=r"train\.max_staleness must be >= 0, got -1"):
+        load_config(None, ["train.max_staleness=-1"])
+
+
 def test_data_parallel_ranks_take_one_cuda_device_each(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [rank_device("cpu", r, 2) for r in range(2)] == ["cpu", "cpu"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a machine of two GPUs
