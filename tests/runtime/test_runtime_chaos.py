@@ -69,8 +69,10 @@ def test_a_run_survives_killed_workers_and_trainer(max_staleness: int, tmp_path:
     # The checkpoint holds the weights it died with: they keep their version.
     assert (f"trainer restarted from {tmp_path / 'step-2'} (version 2): its weights are version 2, at step 2"
             in result.steps[2].restarts)
-    # The restarted replicas took turns in the later steps: capacity came back.
-    assert all(any(p.kind == "dedicated" for p in r.placements) for r in result.steps[1:])
+    # The restarted replicas took turns in the later steps: capacity came back (synchronous: in
+    # each; asynchronous: a step may take groups played while the dedicated worker restarted).
+    dedicated = [any(p.kind == "dedicated" for p in r.placements) for r in result.steps[1:]]
+    assert all(dedicated) if max_staleness == 0 else any(dedicated)
     assert [Path(c).name for c in result.checkpoints] == ["step-2", "step-3"]
     assert all(is_complete(c) for c in result.checkpoints)
     assert resume_checkpoint(tmp_path) == tmp_path / "step-3"
