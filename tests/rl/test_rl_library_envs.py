@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rose.rl import make_env
+from rose.rl.envs.reasoning import untagged_answer
 from rose.rl.envs.textworld_env import make_game, match_command
 
 pytest.importorskip("reasoning_gym")
@@ -29,6 +30,28 @@ def test_a_reasoning_gym_task_scores_the_answer_in_its_tags() -> None:
     env.reset(3)
     wrong = env.step("<answer>not a number</answer>")
     assert wrong.done and wrong.reward < 1.0 and not wrong.info["success"] and wrong.info["truncated"]
+
+
+def test_an_untagged_reply_is_scored_whole_or_by_its_last_number() -> None:
+    """reasoning-gym's convention reads a reply without tags whole; `fallback="last-number"`
+    reads its last number, as a sentence a small model answers in ("6 * 8 is 48.")."""
+    whole = make_env("reasoning-gym", task="products", config=ARITHMETIC)
+    whole.reset(5)
+    expected = whole._entry["answer"]
+    assert not whole.step(f"So the product is {expected}.").info["success"]
+    last = make_env("reasoning-gym", task="products", config=ARITHMETIC, fallback="last-number")
+    last.reset(5)
+    result = last.step(f"Multiply 3 by 4 and the product is {expected}.")
+    assert result.info["success"] and result.info["answer"] == expected
+    last.reset(5)
+    assert last.step(f"<answer>{int(expected) + 1}</answer> is {expected}").reward < 1.0  # tags win
+    last.reset(5)
+    assert not last.step("I cannot say.").info["success"]
+    assert untagged_answer("It is -1,234.5, or 1,2 and 7,", "last-number") == "7"
+    assert untagged_answer("It is -1,234.5.", "last-number") == "-1,234.5"
+    assert untagged_answer("  no number ", "last-number") == "" and untagged_answer(" 12 ", "reply") == "12"
+    with pytest.raises(ValueError, match="reasoning-gym: fallback must be one of reply, last-number"):
+        make_env("reasoning-gym", fallback="first-number")
 
 
 def test_a_wrong_answer_may_be_tried_again_while_turns_are_left() -> None:
