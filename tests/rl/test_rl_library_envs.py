@@ -73,6 +73,22 @@ def test_reasoning_gym_splits_hold_out_problems_and_bad_settings_are_refused() -
         make_env("reasoning-gym", config={"min_terms": 5, "max_terms": 2})
 
 
+def test_reasoning_gym_can_hold_out_by_answer() -> None:
+    """By question, a held-out "6 * 8" may have its twin "8 * 6" trained on; by answer, no
+    held-out problem shares its answer with a trained one."""
+    one_digit = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+    def answers(split: str, heldout: str) -> set[str]:
+        env = make_env("reasoning-gym", task="products", config=one_digit, split=split, heldout=heldout)
+        return {(env.reset(s), env._entry["answer"])[1] for s in range(300)}
+
+    assert answers("train", "question") & answers("eval", "question")
+    train, held = answers("train", "answer"), answers("eval", "answer")
+    assert train and held and not train & held
+    with pytest.raises(ValueError, match="reasoning-gym: heldout must be one of question, answer"):
+        make_env("reasoning-gym", heldout="seed")
+
+
 @pytest.fixture(scope="module")
 def games(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("textworld")

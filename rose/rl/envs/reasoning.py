@@ -12,7 +12,9 @@ A wrong answer gets "Not quite. Try again." while turns are left (`max_turns`, d
 with tools (`rose.rollout.agent.tool_episode`) the policy can compute before it answers.
 
 Held-out problems: with `split`, a problem belongs to the evaluation split when a checksum of
-its question text says so (rose.rl.envs.heldout), as generated maps do.
+its question text says so (rose.rl.envs.heldout), as generated maps do; with
+`heldout="answer"`, a checksum of its answer: no held-out problem then shares its answer with a
+trained one ("8 * 6" is not trained on when "6 * 8" is held out, as it may be by question).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rose.rl.envs.heldout import check_split, draw
 
 ANSWER_FORMAT = "Give your final answer inside <answer></answer>, for example <answer>42</answer>."
 FALLBACKS = ("reply", "last-number")  # what a reply without the tags is scored on
+HELDOUT_KEYS = ("question", "answer")  # what the held-out split's checksum is taken of
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")  # 14, -3, 1,000, 2.5
 
 
@@ -42,10 +45,12 @@ class ReasoningGymTask(TextEnv):
     name = "reasoning-gym"
 
     def __init__(self, task: str = "basic_arithmetic", max_turns: int = 1, split: str | None = None,
-                 config: dict[str, Any] | None = None, fallback: str = "reply") -> None:
+                 config: dict[str, Any] | None = None, fallback: str = "reply",
+                 heldout: str = "question") -> None:
         """`task`: a reasoning-gym dataset name; `config`: its options (e.g. for
         basic_arithmetic `{"min_terms": 2, "max_terms": 2, "max_digits": 2}`); `fallback`: what
-        a reply without the tags is scored on (FALLBACKS: the whole reply or its last number)."""
+        a reply without the tags is scored on (FALLBACKS: the whole reply or its last number);
+        `heldout`: what `split` holds out by (HELDOUT_KEYS: the question or the answer)."""
         try:
             import reasoning_gym
         except ImportError:
@@ -58,7 +63,10 @@ class ReasoningGymTask(TextEnv):
         if fallback not in FALLBACKS:
             raise ValueError(f"reasoning-gym: fallback must be one of {', '.join(FALLBACKS)}, "
                              f"got {fallback!r}")
-        self.fallback = fallback
+        if heldout not in HELDOUT_KEYS:
+            raise ValueError(f"reasoning-gym: heldout must be one of {', '.join(HELDOUT_KEYS)}, "
+                             f"got {heldout!r}")
+        self.fallback, self.heldout = fallback, heldout
         self.max_turns = check_positive_int(self.name, "max_turns", max_turns)
         self.split = check_split(self.name, split, generated=True)
         try:  # the options are checked here, once, not at the first reset
@@ -83,7 +91,7 @@ class ReasoningGymTask(TextEnv):
 
         self._dataset = reasoning_gym.create_dataset(self.task, size=1, seed=seed, **self.config)
         self._entry = self._dataset[0]
-        return (self.question,)
+        return (self.question,) if self.heldout == "question" else (str(self._entry.get("answer")),)
 
     def reset(self, seed: int | None = None) -> str:
         self._rng = random.Random(seed) if seed is not None else self._rng
