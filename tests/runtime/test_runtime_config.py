@@ -424,4 +424,5 @@ def test_the_default_env_options_belong_to_the_default_env() -> None:
     products = load_config("recipes/smollm2-products.yaml")
     assert products.model.pretrained == "smollm2-135m-instruct" and products.env.name == "reasoning-gym"
     assert products.env.options["task"] == "products" and products.env.options["fallback"] == "last-number"
+    assert products.env.options["heldout"] == "answer"
     assert "size" not in products.env.options and products.eval.every and products.train.lr == 2e-5
