@@ -8,8 +8,9 @@ convention, `reasoning_gym.utils.extract_answer`), and the checker's score (0 to
 reward. A reply without the tags is read whole (`fallback="reply"`, reasoning-gym's own), or by
 its last number (`fallback="last-number"`, lm-evaluation-harness's "flexible-extract" for GSM8K:
 SmolLM2-135M-Instruct's "The function `2 * 3` is defined as 2 times 3, which equals 6." is
-scored on the 6). A wrong answer gets "Not quite. Try again." while turns are left (`max_turns`, default 1), so
-with tools (`rose.rollout.agent.tool_episode`) the policy can compute before it answers.
+scored on the 6). A wrong answer gets "Not quite. Try again." while turns are left (`max_turns`,
+default 1), so with tools (`rose.rollout.agent.tool_episode`) the policy can compute before it
+answers.
 
 Held-out problems: with `split`, a problem belongs to the evaluation split when a checksum of
 its question text says so (rose.rl.envs.heldout), as generated maps do; with
