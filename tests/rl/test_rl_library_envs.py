@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rose.rl import make_env
+from rose.rl.envs.reasoning import untagged_answer
 from rose.rl.envs.textworld_env import make_game, match_command
 
 pytest.importorskip("reasoning_gym")
@@ -31,6 +32,28 @@ def test_a_reasoning_gym_task_scores_the_answer_in_its_tags() -> None:
     assert wrong.done and wrong.reward < 1.0 and not wrong.info["success"] and wrong.info["truncated"]
 
 
+def test_an_untagged_reply_is_scored_whole_or_by_its_last_number() -> None:
+    """reasoning-gym's convention reads a reply without tags whole; `fallback="last-number"`
+    reads its last number, as a sentence a small model answers in ("6 * 8 is 48.")."""
+    whole = make_env("reasoning-gym", task="products", config=ARITHMETIC)
+    whole.reset(5)
+    expected = whole._entry["answer"]
+    assert not whole.step(f"So the product is {expected}.").info["success"]
+    last = make_env("reasoning-gym", task="products", config=ARITHMETIC, fallback="last-number")
+    last.reset(5)
+    result = last.step(f"Multiply 3 by 4 and the product is {expected}.")
+    assert result.info["success"] and result.info["answer"] == expected
+    last.reset(5)
+    assert last.step(f"<answer>{int(expected) + 1}</answer> is {expected}").reward < 1.0  # tags win
+    last.reset(5)
+    assert not last.step("I cannot say.").info["success"]
+    assert untagged_answer("It is -1,234.5, or 1,2 and 7,", "last-number") == "7"
+    assert untagged_answer("It is -1,234.5.", "last-number") == "-1,234.5"
+    assert untagged_answer("  no number ", "last-number") == "" and untagged_answer(" 12 ", "reply") == "12"
+    with pytest.raises(ValueError, match="reasoning-gym: fallback must be one of reply, last-number"):
+        make_env("reasoning-gym", fallback="first-number")
+
+
 def test_a_wrong_answer_may_be_tried_again_while_turns_are_left() -> None:
     env = make_env("reasoning-gym", task="basic_arithmetic", config=ARITHMETIC, max_turns=2)
     env.reset(0)
@@ -48,6 +71,22 @@ def test_reasoning_gym_splits_hold_out_problems_and_bad_settings_are_refused() -
         make_env("reasoning-gym", task="no_such_task")
     with pytest.raises(ValueError, match="reasoning-gym: task 'basic_arithmetic' refuses config"):
         make_env("reasoning-gym", config={"min_terms": 5, "max_terms": 2})
+
+
+def test_reasoning_gym_can_hold_out_by_answer() -> None:
+    """By question, a held-out "6 * 8" may have its twin "8 * 6" trained on; by answer, no
+    held-out problem shares its answer with a trained one."""
+    one_digit = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+    def answers(split: str, heldout: str) -> set[str]:
+        env = make_env("reasoning-gym", task="products", config=one_digit, split=split, heldout=heldout)
+        return {(env.reset(s), env._entry["answer"])[1] for s in range(300)}
+
+    assert answers("train", "question") & answers("eval", "question")
+    train, held = answers("train", "answer"), answers("eval", "answer")
+    assert train and held and not train & held
+    with pytest.raises(ValueError, match="reasoning-gym: heldout must be one of question, answer"):
+        make_env("reasoning-gym", heldout="seed")
 
 
 @pytest.fixture(scope="module")

@@ -436,6 +436,11 @@ def test_the_default_env_options_belong_to_the_default_env() -> None:
     textworld = load_config("recipes/textworld.yaml").env
     assert textworld.name == "textworld" and "size" not in textworld.options
     assert textworld.options["games"] == 16
+    products = load_config("recipes/smollm2-products.yaml")
+    assert products.model.pretrained == "smollm2-135m-instruct" and products.env.name == "reasoning-gym"
+    assert products.env.options["task"] == "products" and products.env.options["fallback"] == "last-number"
+    assert products.env.options["heldout"] == "answer"
+    assert "size" not in products.env.options and products.eval.every and products.train.lr == 2e-5
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
