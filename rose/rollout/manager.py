@@ -204,11 +204,12 @@ class RolloutManager:
         play = asyncio.create_task(self._play(tid, task, agent, handle))
         return Play(play, handle)
 
-    def placements_since(self, since_s: float, origin_s: float) -> list[Placement]:
-        """The attempts that ended at or after `since_s` (seconds since the manager started),
-        their times counted from `origin_s`."""
-        return [dataclasses.replace(p, start_s=p.start_s - origin_s, end_s=p.end_s - origin_s)
-                for p in self._placements if p.end_s >= since_s]
+    def take_placements(self, origin_s: float) -> list[Placement]:
+        """The attempts that ended since the last call, their times counted from `origin_s`
+        (seconds since the manager started); a stream's steps report them, and the manager
+        keeps no more of them."""
+        taken, self._placements = self._placements, []
+        return [dataclasses.replace(p, start_s=p.start_s - origin_s, end_s=p.end_s - origin_s) for p in taken]
 
     def tick(self) -> asyncio.Task[None]:
         """The periodic half (heartbeats, dead workers, queued turns, rebalancing), as a task."""

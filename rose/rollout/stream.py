@@ -75,7 +75,6 @@ class RolloutStream:
         self._finished: asyncio.Queue[_Group] = asyncio.Queue()
         self._watchers: set[asyncio.Task[None]] = set()  # one per group in play, until it finishes
         self._ticker = manager.tick()
-        self._last_take_s = 0.0
 
     @property
     def in_play(self) -> int:
@@ -140,8 +139,7 @@ class RolloutStream:
                 self.refill()  # another group in its place
         self.taken_steps, self._taking = self.taken_steps + 1, 0
         now = self.manager.elapsed()
-        report.placements = self.manager.placements_since(self._last_take_s, start)
-        report.seconds, self._last_take_s = now - start, now
+        report.placements, report.seconds = self.manager.take_placements(start), now - start
         self.refill()
         return report
 
