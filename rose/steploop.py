@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class Output(Protocol):
     finish_reason: str | None  # 'error': the request failed, `error` says why
     error: str | None
 
+    def merge(self, later: Any) -> None: ...  # append a later output of the same request
+
 
 Out = TypeVar("Out", bound=Output)
 Out_co = TypeVar("Out_co", bound=Output, covariant=True)
@@ -73,6 +76,7 @@ class _Stream(Generic[Out]):
         self._loop, self._limit = loop, limit
         self._items: collections.deque[Out | BaseException] = collections.deque()
         self._ready = asyncio.Event()
+        self._ended = asyncio.Event()  # the last item is queued
 
     def put(self, item: Out | BaseException, force: bool = False) -> bool:
         """Any thread. False (nothing queued) when full, unless `force`, or when the reader's
@@ -80,13 +84,18 @@ class _Stream(Generic[Out]):
         if not force and len(self._items) >= self._limit:
             return False
         self._items.append(item)
+        last = isinstance(item, BaseException) or item.finished
         try:
             self._loop.call_soon_threadsafe(self._ready.set)
+            if last:
+                self._loop.call_soon_threadsafe(self._ended.set)
         except RuntimeError:  # the reader's event loop is closed: nobody will read
             return False
         return True
 
-    async def get(self) -> Out:
+    async def get(self, gather_s: float = 0.0) -> Out:
+        """The next output; with `gather_s`, merged with those of the next `gather_s` seconds
+        (less if the request ends sooner)."""
         while not self._items:
             self._ready.clear()  # before the check: a put after it sets the event again
             if not self._items:
@@ -94,6 +103,11 @@ class _Stream(Generic[Out]):
         item = self._items.popleft()
         if isinstance(item, BaseException):
             raise item
+        if gather_s > 0 and not item.finished:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ended.wait(), gather_s)
+            while self._items and not isinstance(self._items[0], BaseException):  # an error comes next
+                item.merge(self._items.popleft())
         return item
 
 
@@ -108,6 +122,7 @@ class StepLoop(Generic[Out]):
         self._streams: dict[str, _Stream[Out]] = {}  # the loop thread's, until it is closed
         self._wake = threading.Event()
         self._stop = False
+        self._paused = False
         self._lock = threading.Lock()  # orders submit against closing
         self._dead: str | None = None  # why the loop no longer runs commands
         self._ids = itertools.count()
@@ -124,6 +139,15 @@ class StepLoop(Generic[Out]):
             self._thread.join(timeout_s)
         stuck = " while an iteration was still running" if self._thread.is_alive() else ""
         self._close(f"{self.name} was shut down{stuck}")
+
+    def pause(self) -> None:
+        """Run no iteration until `resume` (commands still run: heartbeats answer, weights
+        load): the device is wanted by another process, such as a trainer on the same cores."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Queue `fn` to run on the loop's thread between two iterations (a future that is
@@ -155,13 +179,16 @@ class StepLoop(Generic[Out]):
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def stream(self, request_id: str, add: Callable[[], object]) -> AsyncIterator[Out]:
+    async def stream(self, request_id: str, add: Callable[[], object],
+                     gather_s: float = 0.0) -> AsyncIterator[Out]:
         """Run `add` (which queues `request_id`) on the loop's thread,
         then yield the request's outputs, one per iteration that advanced it (each with its new
         tokens); the last is finished. Whatever `add` raises (bad input) is raised here before
         anything is queued. Raises RequestFailed when the target fails the request or this
         reader falls `max_queued_outputs` behind, LoopDeadError when the loop ends. Leaving early (a
-        client that went away, a cancelled task) aborts the request."""
+        client that went away, a cancelled task) aborts the request. `gather_s`: each output after
+        the first merges what that many seconds bring, for a reader that pays per output and does
+        not show tokens as they come (a rollout turn: its manager streams every worker's turns)."""
         stream = _Stream(asyncio.get_running_loop(), self.max_queued_outputs)
 
         def register() -> None:
@@ -170,11 +197,12 @@ class StepLoop(Generic[Out]):
 
         try:
             await self.call(register)
+            out = await stream.get()
             while True:
-                out = await stream.get()
                 yield out
                 if out.finished:
                     return
+                out = await stream.get(gather_s)
         finally:
             # On the loop's thread, after `register` (commands run in order), even if this
             # caller was cancelled while `register` ran.
@@ -201,7 +229,7 @@ class StepLoop(Generic[Out]):
         try:
             while not self._stop:
                 self._run_commands()
-                if not self.target.has_unfinished():
+                if self._paused or not self.target.has_unfinished():
                     self._wait(IDLE_WAIT_S)
                 elif self._step():
                     stalled = 0

@@ -246,6 +246,55 @@ def test_ping_and_heartbeats_go_through_the_engine_thread(ckpt: Path) -> None:
         front.shutdown()
 
 
+def test_a_paused_worker_generates_nothing_yet_answers_and_then_finishes_its_turns(ckpt: Path) -> None:
+    engine = LLMEngine.from_pretrained(ckpt)
+    expected = engine.generate([_prompt(8)], GREEDY)[0].token_ids
+    engine.blocks.reset_prefix_cache()
+    front = AsyncLLMEngine(engine)
+    worker = EngineWorker("w", front, max_concurrency=1, ping_timeout_s=5)
+
+    async def main() -> None:
+        stream = front.generate(_prompt(8), GREEDY)
+        first = await anext(stream)
+        await worker.pause()
+        made = await front.call(lambda: engine.scheduler.running[0].num_output_tokens)
+        await asyncio.sleep(0.3)  # many iterations' time: none runs
+        assert (await worker.heartbeat()).policy_version == 0  # commands still run
+        assert await front.call(lambda: engine.scheduler.running[0].num_output_tokens) == made
+        await worker.resume()
+        assert first.token_ids + await _tokens(stream) == expected
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()
+
+
+def test_a_gathering_reader_gets_fewer_larger_outputs_and_the_last_at_once(ckpt: Path) -> None:
+    engine = LLMEngine.from_pretrained(ckpt)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = engine.generate([_prompt(8)], params)[0].token_ids
+    front = AsyncLLMEngine(engine)
+
+    async def outputs(gather_s: float) -> list:
+        engine.blocks.reset_prefix_cache()
+        return [out async for out in front.generate(_prompt(8), params, gather_s=gather_s)]
+
+    async def main() -> None:
+        each = await outputs(0.0)
+        assert len(each) == 24 and [t for o in each for t in o.token_ids] == expected
+        start = time.monotonic()
+        gathered = await outputs(30.0)  # far longer than the request: it ends when the request does
+        assert time.monotonic() - start < 20
+        assert len(gathered) == 2 and [t for o in gathered for t in o.token_ids] == expected
+        assert gathered[-1].finished and gathered[-1].num_output_tokens == 24
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()
+
+
 def test_shutdown_ends_everything_even_while_an_iteration_is_stuck(ckpt: Path) -> None:
     engine = LLMEngine.from_pretrained(ckpt)
     loop = StepLoop(engine)

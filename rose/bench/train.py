@@ -95,14 +95,15 @@ def ratio(runs: dict[str, dict[str, Any]], over: str, of: str, key: str) -> floa
 
 def step_figures(steps: list[TrainStep]) -> dict[str, Any]:
     """Generated tokens per second of the run's steps, the share of them generated while the
-    trainer trained (rollouts and training overlapping), and the staleness histogram."""
+    trainer trained or synced (an asynchronous step's tokens ran during earlier steps' training),
+    and the staleness histogram."""
+    training = [(r.wall_start_s + r.eval_s + r.rollout_s,
+                 r.wall_start_s + r.eval_s + r.rollout_s + r.train_s + r.sync_s) for r in steps]
     tokens = during = 0.0
-    for r in steps:
-        train_from = r.wall_start_s + r.eval_s + r.rollout_s
-        for p in r.placements:
-            tokens += p.tokens
-            inside = max(0.0, min(p.end_s, train_from + r.train_s + r.sync_s) - max(p.start_s, train_from))
-            during += p.tokens * inside / max(p.end_s - p.start_s, 1e-9)
+    for p in (p for r in steps for p in r.placements):
+        tokens += p.tokens
+        inside = sum(max(0.0, min(p.end_s, b) - max(p.start_s, a)) for a, b in training)
+        during += p.tokens * inside / max(p.end_s - p.start_s, 1e-9)
     wall = sum(r.step_s for r in steps)
     lags: Counter[str] = Counter()
     for r in steps:

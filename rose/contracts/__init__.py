@@ -4,8 +4,8 @@ another. Everything else in `rose` may import from here; this package imports no
 from rose.contracts.engine import GenerationEngine, InFlight, RequestOutput
 from rose.contracts.load import TokenLoad
 from rose.contracts.sampling import SamplingParams
-from rose.contracts.turn import Turn, TurnOutput
+from rose.contracts.turn import TURN_CHUNK_S, Turn, TurnOutput
 from rose.contracts.worker import Capacity, Heartbeat, WeightUpdate, Worker, WorkerKind
 
-__all__ = ["Capacity", "GenerationEngine", "Heartbeat", "InFlight", "RequestOutput", "SamplingParams",
-           "TokenLoad", "Turn", "TurnOutput", "WeightUpdate", "Worker", "WorkerKind"]
+__all__ = ["TURN_CHUNK_S", "Capacity", "GenerationEngine", "Heartbeat", "InFlight", "RequestOutput",
+           "SamplingParams", "TokenLoad", "Turn", "TurnOutput", "WeightUpdate", "Worker", "WorkerKind"]

@@ -11,6 +11,11 @@ import dataclasses
 
 from rose.contracts.sampling import SamplingParams
 
+# A worker streams a turn's tokens in chunks of what this many seconds produced (the last at
+# once): the rollout manager pays per chunk for every worker's turns, on the trainer's cores when
+# local, and keeps the tokens rather than showing them as they come.
+TURN_CHUNK_S = 0.05
+
 
 @dataclasses.dataclass(frozen=True)
 class Turn:

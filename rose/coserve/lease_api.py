@@ -15,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from rose.contracts import InFlight, RequestOutput, TurnOutput
+from rose.contracts import TURN_CHUNK_S, InFlight, RequestOutput, TurnOutput
 from rose.coserve.api_errors import APIError, busy
 from rose.coserve.api_state import Served, ServerState, sse
 from rose.coserve.executor import ROLLOUT, StaleVersion, TurnSlotsFull
@@ -47,7 +47,7 @@ async def _capacity(state: ServerState) -> dict[str, Any]:
 @router.post("/v1/lease/turns")
 async def submit_turn(body: TurnRequest, request: Request, state: Served) -> Response:
     turn = body.turn()
-    outputs = state.loop.stream(turn.turn_id, lambda: state.executor.submit_turn(turn))
+    outputs = state.loop.stream(turn.turn_id, lambda: state.executor.submit_turn(turn), TURN_CHUNK_S)
     try:
         first = await state.first(request, outputs, ROLLOUT)
     except TurnSlotsFull as exc:

@@ -20,11 +20,15 @@ class AsyncLLMEngine(StepLoop[RequestOutput], Generic[E]):
         super().__init__(engine, name="rose-engine")
         self.engine = engine
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 priority: int = 0, gather_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (see `StepLoop.stream`)."""
         rid = request_id or self.new_id("async")
-        return self.stream(rid, lambda: self.engine.add_request(prompt_token_ids, params, rid, priority))
+
+        def add() -> None:
+            self.engine.add_request(prompt_token_ids, params, rid, priority)
+
+        return self.stream(rid, add, gather_s)
 
     async def ping(self, timeout_s: float) -> None:
         """The loop answers, and its engine can still run (`check_health`, on the loop's thread)."""

@@ -196,11 +196,14 @@ class RolloutManager:
                 report.trajectories.append(got)
         return report
 
-    def play(self, tid: str, task: Task, policy_version: int, agent: Agent[Task] = play_episode) -> Play:
+    def play(self, tid: str, task: Task, policy_version: int, agent: Agent[Task] = play_episode,
+             priority: int = 0) -> Play:
         """Start playing one task as trajectory `tid` (its turns need workers on at least
-        `policy_version`): a task resolving to its Trajectory or the reason it failed. The caller
-        runs the manager's `tick` meanwhile and `stop`s what it started."""
-        handle = TurnHandle(functools.partial(self._agent_turn, tid, policy_version), self.params.max_tokens)
+        `policy_version`; queued, they start before those of a higher `priority`): a task resolving
+        to its Trajectory or the reason it failed. The caller runs the manager's `tick` meanwhile
+        and `stop`s what it started."""
+        handle = TurnHandle(functools.partial(self._agent_turn, tid, policy_version, priority),
+                            self.params.max_tokens)
         play = asyncio.create_task(self._play(tid, task, agent, handle))
         return Play(play, handle)
 
@@ -255,9 +258,10 @@ class RolloutManager:
             return f"the agent returned {type(trajectory).__name__}, not a Trajectory"
         return trajectory
 
-    async def _agent_turn(self, tid: str, version: int, k: int, prompt: list[int],
+    async def _agent_turn(self, tid: str, version: int, priority: int, k: int, prompt: list[int],
                           max_tokens: int) -> TurnOutput:
-        return await self._turn(RoutedTurn(tid, k, len(prompt), max_tokens, version), prompt)
+        request = RoutedTurn(tid, k, len(prompt), max_tokens, version, priority=priority)
+        return await self._turn(request, prompt)
 
     async def _turn(self, request: RoutedTurn, prompt: list[int]) -> TurnOutput:
         t = _Turn(request, prompt, asyncio.get_running_loop().create_future())

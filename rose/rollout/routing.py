@@ -14,7 +14,8 @@ trajectory is routed, in this order:
 3. else a serving-GPU executor with free rollout slots (it counts them with the admission
    policy, `rose.coserve.admission.rollout_capacity`: sequences that would still decode within
    its serving SLOs), the one with the most;
-4. else the turn queues (FIFO) until `drain` finds room.
+4. else the turn queues until `drain` finds room: by priority (an asynchronous run's older
+   groups first, rose.rollout.stream), first come first served within one.
 
 Rollouts start on dedicated workers and spill to serving executors when those are full, as the
 ROSE paper describes its scheduler. (The design's step order puts serving executors before the
@@ -32,6 +33,7 @@ produced into the prompt, so routing them again continues where they stopped.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import enum
@@ -84,6 +86,7 @@ class RoutedTurn:
     policy_version: int = 0
     produced_tokens: int = 0     # tokens earlier attempts produced, now part of the prompt
     attempt: int = 0
+    priority: int = 0            # queued turns with a lower one start first
 
 
 def resume(turn: RoutedTurn, produced: int) -> RoutedTurn:
@@ -173,7 +176,8 @@ def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: Wo
 
 class RoutingTable:
     """The scheduler's routing state: workers, the cache-affinity table, turns in flight per
-    worker, and the FIFO of queued turns. Every method is a pure state update.
+    worker, and the queued turns (by priority, FIFO within one). Every method is a pure state
+    update.
 
     The concurrency cap counts turns in flight; with `hold_slots` it counts trajectories, as the
     ROSE paper's "16 trajectories per GPU" and ROLL's environment managers do: a trajectory keeps
@@ -190,7 +194,7 @@ class RoutingTable:
         self.workers: dict[Hashable, WorkerState] = {}
         self.affinity: dict[Hashable, Hashable] = {}                 # trajectory -> worker
         self.in_flight: dict[Hashable, dict[Hashable, RoutedTurn]] = {}   # worker -> traj -> turn
-        self.queue: collections.deque[RoutedTurn] = collections.deque()
+        self.queue: list[RoutedTurn] = []      # sorted by priority, FIFO within one
         self.counts: collections.Counter[RouteReason] = collections.Counter()
 
     def register(self, worker: WorkerState) -> None:
@@ -240,20 +244,20 @@ class RoutingTable:
         decision = choose_worker(turn, self.workers.values(), previous, now, self.stall_timeout_s)
         self.counts[decision.reason] += 1
         if decision.worker_id is None:
-            self.queue.append(turn)
+            bisect.insort_right(self.queue, turn, key=lambda q: q.priority)
         else:
             self._place(turn, decision)
         return decision
 
     def drain(self, now: float) -> list[tuple[RoutedTurn, Route]]:
-        """Route queued turns, FIFO, until one finds no room."""
+        """Route queued turns, first first, until one finds no room."""
         placed = []
         while self.queue:
-            turn = self.queue.popleft()
+            turn = self.queue.pop(0)
             decision = self.route(turn, now)
             if decision.worker_id is None:
-                self.queue.pop()                 # route() re-queued it at the back
-                self.queue.appendleft(turn)
+                self.queue.remove(turn)          # route() queued it behind its priority's others
+                self.queue.insert(0, turn)
                 break
             placed.append((turn, decision))
         return placed

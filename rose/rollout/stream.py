@@ -4,8 +4,9 @@ A `RolloutStream` keeps groups in play while the trainer trains; each step takes
 `batch` groups that finish (whole groups; with a `keep` filter, DAPO's dynamic sampling, only
 those that pass count), and every group still in play carries over to a later step with the
 tokens it has, each tagged with the policy version that sampled it, instead of being thrown
-away or played again; a finished group started more than `max_staleness` versions before the
-step that would take it (an extra one no step needed in time) expires unused.
+away or played again (the trainer weighs its older tokens by importance sampling, or masks those
+more than `max_staleness` versions old); a finished group none of whose tokens is that recent
+expires unused.
 
 Which groups may start is `groups_to_start`, a pure decision the simulator can share: a group
 is meant for the step after those already started for, a step's worth being `batch + extra`
@@ -13,7 +14,8 @@ groups (the extra ones are the over-sampling: a step closes when `batch` have fi
 group meant for step `s` starts only once the trainer's weights are version `s - max_staleness`
 or later. So no group starts more than `max_staleness` versions before the step meant to train
 on it; one that finishes later than its step (a slow group, carried over) keeps its older
-tokens, which the trainer weighs by importance sampling or masks (`max_version_lag`).
+tokens. Queued turns of older groups start first, so the step to be taken fills before later
+ones start. A run of a known length starts no group meant for a step after its last.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ from rose.rollout.manager import Play, RolloutManager, RolloutReport, Unfinished
 
 
 def groups_to_start(taken_steps: int, in_play: int, version: int, batch: int, extra: int,
-                    max_staleness: int) -> int:
+                    max_staleness: int, steps: int | None = None) -> int:
     """How many more groups may start now: `in_play` groups started and not yet taken,
-    `taken_steps` steps' batches taken so far, the trainer's weights at `version`."""
+    `taken_steps` steps' batches taken so far, the trainer's weights at `version`, `steps` the
+    steps the run will take (None: no end)."""
     per_step = batch + extra
     started = 0
     while True:
         meant_for = taken_steps + (in_play + started) // per_step
-        if meant_for > version + max_staleness or in_play + started >= (max_staleness + 1) * per_step:
+        if (meant_for > version + max_staleness or in_play + started >= (max_staleness + 1) * per_step
+                or (steps is not None and meant_for >= steps)):
             return started
         started += 1
 
@@ -55,21 +59,22 @@ class RolloutStream:
     def __init__(self, manager: RolloutManager, agent: Agent[Any], new_group: Callable[[int], Sequence[Any]],
                  version: Callable[[], int], batch: int, extra: int, max_staleness: int,
                  keep: Callable[[list[Trajectory]], bool] = lambda group: True, max_dropped: int = 0,
-                 prefix: str = "a") -> None:
+                 prefix: str = "a", steps: int | None = None) -> None:
         """`keep` passes the groups a step may train on; once a step has dropped `max_dropped`
         groups it takes the next ones whatever `keep` says (as the synchronous dynamic sampling
-        plays a bounded number of rounds), so that a step whose groups keep agreeing ends."""
+        plays a bounded number of rounds), so that a step whose groups keep agreeing ends.
+        `steps`: how many steps will be taken (None: no end)."""
         if batch < 1 or extra < 0 or max_staleness < 1:
             raise ValueError(f"a rollout stream needs batch >= 1, extra >= 0 and max_staleness >= 1, got "
                              f"{batch}, {extra}, {max_staleness}")
         self.manager, self.agent, self.new_group, self.version = manager, agent, new_group, version
         self.batch, self.extra, self.max_staleness, self.keep = batch, extra, max_staleness, keep
         self.max_dropped = max_dropped
-        self.prefix = prefix
+        self.prefix, self.steps = prefix, steps
         self.taken_steps = 0
         self.started = 0          # groups started so far: the next one's index
         self.dropped = 0          # finished groups `keep` refused (no signal)
-        self.expired = 0          # finished groups started more than max_staleness versions ago
+        self.expired = 0          # finished groups with no token within max_staleness versions
         self._taking = 0          # groups the step being taken has so far: still its, not in play
         self._in_play: list[_Group] = []
         self._finished: asyncio.Queue[_Group] = asyncio.Queue()
@@ -86,11 +91,12 @@ class RolloutStream:
         weights moved on)."""
         version = self.version()
         for _ in range(groups_to_start(self.taken_steps, self.in_play + self._taking, version, self.batch,
-                                       self.extra, self.max_staleness)):
+                                       self.extra, self.max_staleness, self.steps)):
             k = self.started
             ids = [(f"{self.prefix}{k}-{i}", task) for i, task in enumerate(self.new_group(k))]
-            group = _Group([(tid, self.manager.play(tid, task, version, self.agent)) for tid, task in ids],
-                           version)
+            # Older groups' turns first: the step to be taken fills before later ones start.
+            group = _Group([(tid, self.manager.play(tid, task, version, self.agent, priority=k))
+                            for tid, task in ids], version)
             self._in_play.append(group)
             watcher = asyncio.create_task(self._await(group))
             self._watchers.add(watcher)
@@ -120,16 +126,18 @@ class RolloutStream:
                 group = await asyncio.wait_for(self._finished.get(), left)
             except TimeoutError:
                 break
-            if group.started_version < self.version() - self.max_staleness:
-                # An extra group no step needed in time: all of it sampled too long ago.
-                self.expired += 1
-                self.refill()
-                continue
             trajectories, failed = [], []
             for tid, play in group.plays:
                 got = play.task.result()
                 (failed.append(Unfinished(tid, play.turns, got)) if isinstance(got, str)
                  else trajectories.append(got))
+            newest = max((v for t in trajectories for turn in t.turns for v in turn.versions),
+                         default=group.started_version)
+            if newest < self.version() - self.max_staleness:
+                # Carried over too long: every token would be masked.
+                self.expired += 1
+                self.refill()
+                continue
             report.failed += failed
             if dropped >= self.max_dropped or self.keep(trajectories):
                 report.trajectories += trajectories

@@ -18,7 +18,7 @@ import enum
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rose.contracts import Heartbeat, Turn, TurnOutput, WorkerKind
+from rose.contracts import TURN_CHUNK_S, Heartbeat, Turn, TurnOutput, WorkerKind
 from rose.coserve.lease_client import ExecutorBusy, TurnRejected
 from rose.engine.async_engine import AsyncLLMEngine
 
@@ -53,12 +53,13 @@ class EngineWorker:
         self.ping_timeout_s = ping_timeout_s
 
     async def stream(self, turn: Turn) -> AsyncIterator[TurnOutput]:
-        """The turn's new tokens, one chunk per engine iteration; the last has a finish reason."""
+        """The turn's new tokens, a chunk per `TURN_CHUNK_S`; the last has a finish reason."""
         version = self.engine.engine.policy_version
         if turn.policy_version is not None and turn.policy_version > version:
             raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
                              f"this worker has {version}")
-        async for out in self.engine.generate(turn.token_ids, turn.params, request_id=turn.turn_id):
+        async for out in self.engine.generate(turn.token_ids, turn.params, request_id=turn.turn_id,
+                                              gather_s=TURN_CHUNK_S):
             yield out.turn_output()
 
     async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
@@ -74,6 +75,13 @@ class EngineWorker:
 
     async def abort(self, turn_id: str) -> None:
         await self.engine.abort(turn_id)
+
+    async def pause(self) -> None:
+        """Stop generating (turns in flight wait, keeping their KV) until `resume`."""
+        self.engine.pause()
+
+    async def resume(self) -> None:
+        self.engine.resume()
 
     async def close(self) -> None:
         self.engine.shutdown()

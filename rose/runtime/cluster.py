@@ -202,7 +202,18 @@ class Cluster:
                 await watch  # a restart under way finishes: the replica is registered, not half started
 
     def train(self, trajectories: list) -> dict[str, float]:
-        return self.loop.run_until_complete(self.trainers.train(trajectories))
+        return self.loop.run_until_complete(self._train(trajectories))
+
+    async def _train(self, trajectories: list) -> dict[str, float]:
+        """One optimizer step. While an asynchronous run's rollouts go on, the workers on the
+        trainer's device pause for it (turns in flight wait there): two busy processes on one device
+        would slow the trainer far more than the rollouts they add, and the rest go on."""
+        paused = self.replicas.beside_trainer() if self._stream is not None else []
+        await asyncio.gather(*(h.pause.remote() for h in paused), return_exceptions=True)
+        try:
+            return await self.trainers.train(trajectories)
+        finally:  # a worker that died meanwhile is started again unpaused
+            await asyncio.gather(*(h.resume.remote() for h in paused), return_exceptions=True)
 
     def sync_weights(self) -> SyncReport:
         """Publish the trainer's weights; every replica pulls and applies them (between two of

@@ -121,7 +121,7 @@ def stream_rollouts(ctx: RolloutContext, version: Callable[[], int]) -> RolloutS
     first = ctx.step * r.groups  # a resumed run goes on with the seeds after its steps'
     return RolloutStream(manager, load_agent(r.agent), lambda k: group(ctx, first + k, ("a", first + k)),
                          version, r.groups, extra_groups(c), c.train.max_staleness, keep,
-                         (sampling_rounds(c) - 1) * r.groups)
+                         (sampling_rounds(c) - 1) * r.groups, steps=c.train.steps - ctx.step)
 
 
 async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:

@@ -49,35 +49,6 @@ from rose.sim.workers import DEDICATED, ELASTIC, Workers
 from rose.sim.workloads import RoundDemand, dapo_resampling, groups_sampled, sample_round, step_multipliers
 
 SUBPASSES = 4               # further turns of one trajectory within a tick
-# A trainer and a rollout engine on the same device at once (asynchronous RL on the training
-# GPUs, or a CPU core): each gets half of it, as the kernel shares a core between two busy
-# processes (and a GPU's time slices alternate between two contexts).
-SHARED_DEVICE_SHARE = 0.5
-
-
-@dataclasses.dataclass
-class SharedTraining:
-    """A step's training on devices it shares with the next round's rollouts, from `start`:
-    `step` with its end to come."""
-
-    step: SimStep
-    start: float
-
-    @property
-    def work_s(self) -> float:
-        return self.step.train_s + self.step.sync_s
-
-    @property
-    def window(self) -> tuple[float, float]:
-        """While the next round runs, training has `SHARED_DEVICE_SHARE` of the devices."""
-        return self.start, self.start + self.work_s / SHARED_DEVICE_SHARE
-
-    def done(self, round_end: float) -> SimStep:
-        """The step with its end: at the window's end, or, if the next round (or none) ended
-        earlier, the rest of the work at full speed from then."""
-        shared = max(0.0, min(round_end, self.window[1]) - self.start)
-        end = max(round_end, self.start) + self.work_s - shared * SHARED_DEVICE_SHARE
-        return dataclasses.replace(self.step, end_s=min(end, self.window[1]) if shared else end)
 
 
 @dataclasses.dataclass
@@ -171,22 +142,20 @@ class Simulation:
         invoke_s = sc.elastic.serverless_invoke_s if system.extra is Extra.SERVERLESS else None
         self.dispatch = Dispatch(table, self.workers, self.dt, sc.rl.fixed_concurrency, self._seq_s, invoke_s)
         self.ticks: list[tuple[float, np.ndarray]] = []
-        # The interval in which a time-shared step's training takes its share of the dedicated
-        # devices from the round now running (`shares_devices`).
-        self.shared_window: tuple[float, float] | None = None
+        # When a step's training pauses the dedicated devices' rollouts (`shares_devices`).
+        self.paused: tuple[float, float] | None = None
 
     # -- the RL loop -----------------------------------------------------------------------------
     def run(self) -> SimRun:
         """Each RL step: its rollout round on the tick grid, once the policy it needs exists, on
         the capacity asked for at its start; then training: after the round on the same GPUs
         (colocated, synchronous), beside the next rounds within the staleness bound on GPUs of
-        its own (asynchronous), or beside the next round on the same GPUs, time-shared with its
-        rollouts (colocated and asynchronous: `shares_devices`)."""
+        its own (asynchronous), or during the next round on the same GPUs, whose rollouts there
+        pause for it (colocated and asynchronous: `shares_devices`)."""
         wall0 = time.perf_counter()
         steps: list[SimStep] = []
         t, id_base = 0.0, 0
         weights_at = self._serving_sync_s(0) if self.coserving else 0.0     # the initial full load
-        training: SharedTraining | None = None  # a time-shared step's training, its end not known yet
         for step, demand in enumerate(self._demands()):
             start = self._align(self._policy_ready(t, steps, step))
             if self._over(start):
@@ -196,11 +165,7 @@ class Simulation:
             self.provisioning.acquire(start, weights_at)
             if self.coserving:
                 self.coserving.memory.new_rl_step()
-            self.shared_window = training.window if training else None
             rollout_end = self._align(self.run_round(Round(demand, start, id_base), start, step))
-            if training:  # the step before trained beside this round: now its end is known
-                steps.append(training.done(rollout_end))
-                training = None
             if self._over(rollout_end):  # cut short: it trained nothing
                 steps.append(SimStep(step, start, rollout_end - start, 0.0, 0.0, 0.0, rollout_end, 0,
                                      demand.trajectories, demand.generated_tokens))
@@ -212,9 +177,11 @@ class Simulation:
             waited = self.provisioning.waited(start, rollout_end) + final
             if self.shares_devices:
                 sync_s = self.sc.sync.colocated_switch_s   # the relay's push: no engine to switch
-                record = SimStep(step, start, rollout_end - start, train_s, sync_s, waited, 0.0,
-                                 self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens)
-                training = SharedTraining(record, max(rollout_end, steps[-1].end_s if steps else 0.0))
+                begin = max(rollout_end, steps[-1].end_s if steps else 0.0)
+                end = begin + train_s + sync_s
+                self.paused = (begin, end)
+                steps.append(SimStep(step, start, rollout_end - start, train_s, sync_s, waited, end,
+                                     self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
                 t = rollout_end
                 continue
             if self.system.colocated:
@@ -228,14 +195,13 @@ class Simulation:
                 sync_s, t = self._intra_sync_s(), rollout_end
             steps.append(SimStep(step, start, rollout_end - start, train_s, sync_s, waited, end,
                                  self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
-        if training:  # the last step trains alone
-            steps.append(training.done(training.start))
         return self._result(steps, time.perf_counter() - wall0)
 
     @property
     def shares_devices(self) -> bool:
-        """Asynchronous on the training GPUs: the step's training runs beside the next round's
-        rollouts on the same devices, each at `SHARED_DEVICE_SHARE` of them while both run."""
+        """Asynchronous on the training GPUs: the step's training runs during the next round, whose
+        rollouts on those devices pause for it, as `rose train` pauses the workers on the trainer's
+        cores (two busy processes on one device slow the trainer far more than they gain)."""
         return self.system.colocated and self.system.staleness > 0
 
     def _over(self, t: float) -> bool:
@@ -352,9 +318,8 @@ class Simulation:
         dedicated = self.workers.kind == DEDICATED
         if self.manager_s:
             charge_manager(plan, iter_s, dec, dedicated, self.manager_s)
-        if self.shared_window and self.shared_window[0] <= t < self.shared_window[1]:
-            plan.prefill_rate[dedicated] *= 1.0 - SHARED_DEVICE_SHARE   # the trainer has the rest
-            plan.rate1[dedicated] *= 1.0 - SHARED_DEVICE_SHARE
+        if self.paused and self.paused[0] <= t < self.paused[1]:  # the trainer has the devices
+            plan.prefill_rate[dedicated] = plan.rate1[dedicated] = plan.rate2[dedicated] = 0.0
         return plan, serving_times
 
     def _seq_s(self) -> np.ndarray:

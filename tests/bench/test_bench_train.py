@@ -24,13 +24,15 @@ def _step(start: float, rollout_s: float, train_s: float, placements: list[tuple
 
 def test_step_figures_count_the_tokens_generated_while_the_trainer_trained() -> None:
     # Step 0: rollout 0-2 s, training 2-4 s; a turn of 10 tokens inside the rollout, one of 20
-    # spanning 1-3 s (half of it during training), one of 10 at 2.5-3.5 s (all of it).
+    # spanning 1-3 s (half of it during training), one of 10 at 2.5-3.5 s (all of it). Step 1
+    # (asynchronous) trains on a turn of 8 generated at 3-4 s, during step 0's training, and one
+    # of 40 at 4-5 s, its own rollout.
     steps = [_step(0.0, 2.0, 2.0, [(0.0, 1.0, 10), (1.0, 3.0, 20), (2.5, 3.5, 10)], {"0": 30, "1": 10}),
-             _step(4.0, 1.0, 1.0, [(4.0, 5.0, 40)], {"1": 40})]
+             _step(4.0, 1.0, 1.0, [(3.0, 4.0, 8), (4.0, 5.0, 40)], {"1": 48})]
     figures = bench_train.step_figures(steps)
-    assert figures["tokens_per_s"] == pytest.approx(80 / 6, abs=0.05)
-    assert figures["tokens_while_training"] == pytest.approx((10 + 10) / 80, abs=1e-3)
-    assert figures["staleness"] == {"0": 30, "1": 50}
+    assert figures["tokens_per_s"] == pytest.approx(88 / 6, abs=0.05)
+    assert figures["tokens_while_training"] == pytest.approx((10 + 10 + 8) / 88, abs=1e-3)
+    assert figures["staleness"] == {"0": 30, "1": 58}
 
 
 def test_the_variants_pair_modes_with_their_staleness() -> None:

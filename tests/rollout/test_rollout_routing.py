@@ -89,6 +89,23 @@ def test_drain_routes_queued_turns_fifo_when_room_frees():
     assert [q.trajectory_id for q in t.queue] == ["c"]
 
 
+def test_queued_turns_start_by_priority_then_first_come():
+    """An asynchronous run's older groups first (lower priority), so the step it takes next fills
+    before later steps' groups start; a turn that still finds no room keeps its place."""
+    t = RoutingTable()
+    t.register(WorkerState("d", D, 1))
+    t.route(turn("a"), 0.0)
+    for tid, priority in (("late", 2), ("b", 1), ("late2", 2), ("c", 1), ("first", 0)):
+        assert t.route(RoutedTurn(tid, 0, 10, 10, priority=priority), 0.0).reason is RouteReason.QUEUED
+    assert [q.trajectory_id for q in t.queue] == ["first", "b", "c", "late", "late2"]
+    assert t.drain(0.0) == [] and t.queue[0].trajectory_id == "first"
+    order = []
+    while t.queue:
+        t.complete("d", order[-1] if order else "a")
+        order += [p[0].trajectory_id for p in t.drain(0.0)]
+    assert order == ["first", "b", "c", "late", "late2"]
+
+
 def test_held_slots_count_trajectories_not_turns():
     """With `hold_slots` a trajectory keeps its slot between turns: a queued trajectory starts when
     one ends (or moves away), not at a turn boundary; without, it takes the freed slot at once."""

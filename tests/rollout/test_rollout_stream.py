@@ -31,18 +31,21 @@ def test_the_window_starts_k_plus_one_steps_of_groups_then_waits_for_the_weights
     assert groups_to_start(1, 6, 1, 4, 1, 1) == 4
     # Staleness 2: three steps' worth at once.
     assert groups_to_start(0, 0, 0, 4, 1, 2) == 15
+    # A run of one step starts no group for a second.
+    assert groups_to_start(0, 0, 0, 4, 1, 1, steps=1) == 5
 
 
 @given(taken=st.integers(0, 20), in_play=st.integers(0, 60), lag=st.integers(0, 3),
-       batch=st.integers(1, 8), extra=st.integers(0, 4), k=st.integers(1, 3))
+       batch=st.integers(1, 8), extra=st.integers(0, 4), k=st.integers(1, 3),
+       steps=st.none() | st.integers(1, 30))
 def test_no_group_starts_more_than_k_versions_before_its_step(taken: int, in_play: int, lag: int, batch: int,
-                                                              extra: int, k: int) -> None:
+                                                              extra: int, k: int, steps: int | None) -> None:
     version = max(0, taken - lag)  # the trainer trails the steps taken by at most a step or so
-    n = groups_to_start(taken, in_play, version, batch, extra, k)
+    n = groups_to_start(taken, in_play, version, batch, extra, k, steps)
     per_step = batch + extra
     for i in range(n):
         meant_for = taken + (in_play + i) // per_step
-        assert meant_for - version <= k
+        assert meant_for - version <= k and (steps is None or meant_for < steps)
     assert in_play + n <= max(in_play, (k + 1) * per_step)
 
 
@@ -144,5 +147,30 @@ def test_a_group_that_never_finishes_holds_up_no_step_and_a_step_times_out(token
         unfinished = await stream.close()
         assert "a1-0" in {u.trajectory_id for u in unfinished}
         assert not any(registry.table.in_flight.values()) and worker.running == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_group_expires_only_when_none_of_its_tokens_is_recent_enough(tokenizer) -> None:
+    worker = FakeWorker("d0", cap=64, delay_s=0.005)
+    version = [0]
+
+    async def scenario() -> None:
+        stream, _ = _stream(tokenizer, [worker], version, batch=2, extra=1)
+        await stream.take(timeout_s=30)
+        # One version on: the groups carried over (all of version 0) are within staleness 1.
+        version[0] = 1
+        report = await stream.take(timeout_s=30)
+        assert len({t.group_id for t in report.trajectories}) == 2 and stream.expired == 0
+        # Three versions on, with the workers still on version 0: whatever finished is all too
+        # old, and the new groups (version 3) wait for a worker that has it.
+        version[0] = 3
+        report = await stream.take(timeout_s=1.0)
+        assert not report.trajectories and stream.expired >= 1
+        worker.policy_version = 3
+        stream.refill()
+        report = await stream.take(timeout_s=30)
+        assert {v for t in report.trajectories for turn in t.turns for v in turn.versions} == {3}
+        await stream.close()
 
     asyncio.run(scenario())

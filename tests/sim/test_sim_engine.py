@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from rose.coserve.admission import BurstState
-from rose.sim.engine import SharedTraining, SimStep, Simulation
+from rose.sim.engine import Simulation
 from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
-from rose.sim.workers import COSERVE
+from rose.sim.workers import COSERVE, DEDICATED
 
 SMALL = ["cluster.train_gpus=4", "cluster.serving_gpus=8", "rl.trajectories=256", "rl.steps=2",
          "rl.response_median=300", "rl.max_response=1024", "sim.tick_s=2", "sim.slice=1"]
@@ -137,16 +137,6 @@ def test_serverless_functions_restart_cold_at_their_time_limit():
     assert limited.allocation_overhead > unlimited.allocation_overhead
 
 
-def test_a_time_shared_training_ends_by_what_the_next_round_left_it() -> None:
-    step = SimStep(0, 0.0, 10.0, 3.0, 1.0, 0.0, 0.0, 8, 8, 100)
-    training = SharedTraining(step, 10.0)   # 4 s of work from 10 s: 8 s at half the devices
-    assert training.window == (10.0, 18.0)
-    assert training.done(20.0).end_s == 18.0            # the next round outlasted it: all shared
-    assert training.done(14.0).end_s == 14.0 + 4.0 - 2.0  # 2 s of work done shared, the rest alone
-    assert training.done(10.0).end_s == 14.0            # no round beside it (the last step)
-    assert training.done(5.0).end_s == 14.0             # the round ended before it began
-
-
 def test_asynchronous_systems_on_shared_devices_overlap_training_within_the_bound() -> None:
     sc = load_scenario("cpu-bench-train", ["sim.systems=[fixed-sync,rose,fixed-async-shared,rose-async]"])
     runs = run_scenario(sc).runs
@@ -158,6 +148,14 @@ def test_asynchronous_systems_on_shared_devices_overlap_training_within_the_boun
         for k in range(2, len(r.steps)):
             assert r.steps[k].start_s >= r.steps[k - 2].end_s - 1e-9
         assert any(r.steps[k].start_s < r.steps[k - 1].end_s for k in range(1, len(r.steps)))
+        # Training has its devices: it takes its own time, and their rollouts pause meanwhile.
+        for k, s in enumerate(r.steps):
+            begin = s.end_s - s.train_s - s.sync_s
+            assert begin >= s.start_s + s.rollout_s - 1e-9
+            assert k == 0 or begin >= r.steps[k - 1].end_s - 1e-9
+            during = (r.tick_t >= begin) & (r.tick_t < s.end_s - 1e-9)
+            assert r.tick_tokens[during, DEDICATED].sum() == 0
+            assert during.any() or k == len(r.steps) - 1   # the last step trains after every round
     # Borrowed serving capacity keeps rolling out while the trainer has core 0: faster than
     # synchronous ROSE; on core 0 alone the overlap only splits the core (no faster than fixed).
     assert rose.throughput > runs["rose"].throughput
