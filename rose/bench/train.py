@@ -73,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
                           "elastic_cancelled_s": result.elastic_cancelled_s}
             print(name, runs[name], flush=True)
             progress.advance()
+    pairs = (("rose", "fixed"), ("rose-async", "rose"), ("rose-async", "fixed-async"),
+             ("fixed-async", "fixed"))
     summary = {
-        **{f"speedup_{a}_vs_{b}".replace("-", "_"): ratio(runs, b, a, "mean_step_s")
-           for a, b in (("rose", "fixed"), ("rose-async", "rose"), ("rose-async", "fixed-async"),
-                        ("fixed-async", "fixed"))},
+        **{f"{prefix}speedup_{a}_vs_{b}".replace("-", "_"): ratio(runs, b, a, key)
+           for prefix, key in (("", "mean_step_s"), ("steady_", "steady_step_s")) for a, b in pairs},
         "rollout_speedup_rose_vs_elastic": ratio(runs, "elastic", "rose", "mean_rollout_s"),
         **{f"serving_slo_attainment_{m}".replace("-", "_"): runs[m]["serving_slo_attainment"]
            for m in ("rose", "rose-async") if m in runs},
@@ -94,9 +95,11 @@ def ratio(runs: dict[str, dict[str, Any]], over: str, of: str, key: str) -> floa
 
 
 def step_figures(steps: list[TrainStep]) -> dict[str, Any]:
-    """Generated tokens per second of the run's steps, the share of them generated while the
-    trainer trained or synced (an asynchronous step's tokens ran during earlier steps' training),
-    and the staleness histogram."""
+    """The mean step time after the first (which carries a run's one-time costs: the engines'
+    first batches, the first weight delta, an asynchronous run's first batch played before any
+    training), generated tokens per second of the run's steps, the share of them generated while
+    the trainer trained or synced (an asynchronous step's tokens ran during earlier steps'
+    training), and the staleness histogram."""
     training = [(r.wall_start_s + r.eval_s + r.rollout_s,
                  r.wall_start_s + r.eval_s + r.rollout_s + r.train_s + r.sync_s) for r in steps]
     tokens = during = 0.0
@@ -108,6 +111,8 @@ def step_figures(steps: list[TrainStep]) -> dict[str, Any]:
     lags: Counter[str] = Counter()
     for r in steps:
         lags.update(r.staleness)
-    return {"tokens_per_s": round(tokens / wall, 1) if wall else None,
+    later = [r.step_s for r in steps[1:]]
+    return {"steady_step_s": round(sum(later) / len(later), 3) if later else None,
+            "tokens_per_s": round(tokens / wall, 1) if wall else None,
             "tokens_while_training": round(during / tokens, 3) if tokens else None,
             "staleness": dict(sorted(lags.items(), key=lambda kv: int(kv[0])))}

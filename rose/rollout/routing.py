@@ -58,6 +58,7 @@ class WorkerState:
     policy_version: int = 0
     free_slots: int = 0
     seq_rate: float = 0.0        # tokens/s one of its sequences decodes, measured (0: not yet)
+    paused: bool = False         # its device is lent to the trainer for now: no new turn
 
     def alive(self, now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> bool:
         return now - self.last_heartbeat_s <= stall_timeout_s
@@ -142,7 +143,7 @@ def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: Wo
     version = turn.policy_version
 
     def eligible(w: WorkerState) -> bool:
-        return w.policy_version >= version and now - w.last_heartbeat_s <= stall_timeout_s
+        return w.policy_version >= version and now - w.last_heartbeat_s <= stall_timeout_s and not w.paused
 
     if (previous is not None and previous.kind is WorkerKind.DEDICATED and eligible(previous)
             and previous.room() > 0):
@@ -151,7 +152,7 @@ def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: Wo
     least_ded, least_ded_load = None, 2.0
     for w in workers:
         room = w.max_concurrency - w.occupied
-        if room <= 0 or w.policy_version < version or now - w.last_heartbeat_s > stall_timeout_s:
+        if room <= 0 or not eligible(w):
             continue
         load = w.occupied / w.max_concurrency
         if w.kind is WorkerKind.SERVING:
@@ -220,6 +221,11 @@ class RoutingTable:
         w = self.workers[worker_id]
         w.seq_rate = tokens_per_s if w.seq_rate <= 0 else (
             RATE_SMOOTHING * tokens_per_s + (1 - RATE_SMOOTHING) * w.seq_rate)
+
+    def set_paused(self, worker_id: Hashable, paused: bool) -> None:
+        """A worker whose device the trainer takes for a while (its turns in flight wait there)
+        gets no new turn and no moved one meanwhile."""
+        self.workers[worker_id].paused = paused
 
     def set_concurrency(self, worker_id: Hashable, max_concurrency: int) -> None:
         """Change a worker's concurrency cap (the rollout manager's per-worker share)."""
@@ -301,7 +307,7 @@ class RoutingTable:
         decode faster there (`_pays`), that executor's longest-running turn moves to it. The
         caller aborts each on its executor and calls `move` with the tokens it produced."""
         dedicated = [w for w in self.workers.values() if w.kind is WorkerKind.DEDICATED
-                     and w.alive(now, self.stall_timeout_s)]
+                     and w.alive(now, self.stall_timeout_s) and not w.paused]
         serving = [w for w in self.workers.values() if w.kind is WorkerKind.SERVING and w.active]
         if not dedicated or not serving:
             return []

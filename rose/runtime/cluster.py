@@ -209,11 +209,20 @@ class Cluster:
         trainer's device pause for it (turns in flight wait there): two busy processes on one device
         would slow the trainer far more than the rollouts they add, and the rest go on."""
         paused = self.replicas.beside_trainer() if self._stream is not None else []
-        await asyncio.gather(*(h.pause.remote() for h in paused), return_exceptions=True)
+        await self._pause(paused, True)
         try:
             return await self.trainers.train(trajectories)
         finally:  # a worker that died meanwhile is started again unpaused
-            await asyncio.gather(*(h.resume.remote() for h in paused), return_exceptions=True)
+            await self._pause(paused, False)
+
+    async def _pause(self, wids: list[str], paused: bool) -> None:
+        """Pause (or resume) the workers' engines, and route them no turn meanwhile."""
+        table, handles = self.registry.table, self.replicas.dedicated
+        for wid in wids:
+            if wid in table.workers:
+                table.set_paused(wid, paused)
+        calls = [(handles[w].pause if paused else handles[w].resume).remote() for w in wids if w in handles]
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def sync_weights(self) -> SyncReport:
         """Publish the trainer's weights; every replica pulls and applies them (between two of

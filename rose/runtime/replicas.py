@@ -69,12 +69,11 @@ class Replicas:
     def all(self) -> dict[str, Any]:
         return {**self.dedicated, **self.serving, **self.endpoints}
 
-    def beside_trainer(self) -> list[Any]:
+    def beside_trainer(self) -> list[str]:
         """The dedicated workers pinned to cores of the trainer's (local mode; on a cluster Ray
         gives each actor devices of its own)."""
         trainer = set(self.config.devices.trainer)
-        return [handle for wid, handle in self.dedicated.items()
-                if self.placement.local and trainer & set(self.cores[wid])]
+        return [wid for wid in self.dedicated if self.placement.local and trainer & set(self.cores[wid])]
 
     # -- start, route, stop --------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import numpy as np
 from rose.contracts import WorkerKind
 from rose.rollout.routing import Route, RoutedTurn, RoutingTable, WorkerState, resume
 from rose.sim.rollout import DONE, ActiveView, Round, TickRates
-from rose.sim.workers import COSERVE, ELASTIC, Workers
+from rose.sim.workers import COSERVE, DEDICATED, ELASTIC, Workers
 
 
 class Dispatch:
@@ -31,6 +31,7 @@ class Dispatch:
         self.caps = np.ones(len(workers.kind), int)
         self.round_start = 0.0
         self.aborted = 0              # turns that lost their worker (abort, preemption, release)
+        self.paused = False           # the dedicated workers' devices are the trainer's for now
 
     def begin_round(self, rnd: Round, t: float) -> None:
         self.round_start = t
@@ -75,6 +76,15 @@ class Dispatch:
         # Live workers heartbeat all through the tick (the stall timeout is shorter than a tick).
         for wid in np.flatnonzero(w.registered).tolist():
             self.table.heartbeat(wid, t + self.dt, policy_version=version)
+
+    def pause_dedicated(self, paused: bool) -> None:
+        """The trainer takes the dedicated devices (or gives them back): no turn is routed to
+        them meanwhile."""
+        if paused == self.paused:
+            return
+        self.paused = paused
+        for wid in np.flatnonzero(self.workers.registered & (self.workers.kind == DEDICATED)).tolist():
+            self.table.set_paused(wid, paused)
 
     def report(self, t: float, free_slots: list[tuple[int, int]]) -> None:
         """Serving executors' capacity reports: (worker, free rollout slots)."""

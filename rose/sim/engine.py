@@ -277,6 +277,7 @@ class Simulation:
                 self._memory(cs, rnd, view, t)
             self.provisioning.tick(t)
             d.membership(rnd, t, version)
+            d.pause_dedicated(self._paused(t))
             if cs:
                 # The rollout manager polls every 0.25 s (`rose.rollout.manager`), within any tick.
                 d.report(t, cs.free_slots(t, self.workers, view))
@@ -318,9 +319,13 @@ class Simulation:
         dedicated = self.workers.kind == DEDICATED
         if self.manager_s:
             charge_manager(plan, iter_s, dec, dedicated, self.manager_s)
-        if self.paused and self.paused[0] <= t < self.paused[1]:  # the trainer has the devices
+        if self._paused(t):  # the trainer has the devices
             plan.prefill_rate[dedicated] = plan.rate1[dedicated] = plan.rate2[dedicated] = 0.0
         return plan, serving_times
+
+    def _paused(self, t: float) -> bool:
+        """Whether a step's training has the dedicated devices at `t` (`shares_devices`)."""
+        return self.paused is not None and self.paused[0] <= t < self.paused[1]
 
     def _seq_s(self) -> np.ndarray:
         """Each worker's time per decode iteration of one typical sequence (`Dispatch.set_caps`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rose.contracts import TURN_CHUNK_S
 from rose.sim.costs import ForwardCost
 from rose.sim.rollout import ActiveView, Round, TickRates
 
@@ -41,13 +42,18 @@ def plan_rates(rnd: Round, view: ActiveView, workers: int, cost: ForwardCost, dt
 def charge_manager(plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, dedicated: np.ndarray,
                    manager_s: float) -> None:
     """The rollout manager runs on the dedicated devices' cores (`cluster.manager_on_dedicated`,
-    as `rose train` pins its driver to the trainer's): each token any worker streams costs
-    them `manager_s`. A dedicated worker's own tokens lengthen its iterations; the other
-    workers' tokens, at this tick's planned rates, take a share of the tick from the dedicated
-    workers alike (none left when the manager would need more than all of it)."""
-    streamed = np.minimum(dec, plan.cap1) * plan.rate1 + np.minimum(dec, plan.cap2) * plan.rate2
-    others = manager_s * float(streamed[~dedicated].sum()) / max(1, int(dedicated.sum()))
-    own_s = iter_s[dedicated] + manager_s * dec[dedicated]
+    as `rose train` pins its driver to the trainer's): each chunk any worker streams costs them
+    `manager_s`, a chunk being a sequence's tokens of `TURN_CHUNK_S` (or one, if slower). A
+    dedicated worker's own chunks lengthen its iterations; the other workers' chunks, at this
+    tick's planned rates, take a share of the tick from the dedicated workers alike (none left
+    when the manager would need more than all of it)."""
+    n1, n2 = np.minimum(dec, plan.cap1), np.minimum(dec, plan.cap2)   # sequences at each tier
+    both, one = np.minimum(n1, n2), np.abs(n1 - n2)
+    one_rate = np.where(n1 > n2, plan.rate1, plan.rate2)
+    chunks = (both * np.minimum(plan.rate1 + plan.rate2, 1.0 / TURN_CHUNK_S)
+              + one * np.minimum(one_rate, 1.0 / TURN_CHUNK_S))
+    others = manager_s * float(chunks[~dedicated].sum()) / max(1, int(dedicated.sum()))
+    own_s = iter_s[dedicated] + manager_s * dec[dedicated] * np.minimum(1.0, iter_s[dedicated] / TURN_CHUNK_S)
     scale = max(0.0, 1.0 - others) * iter_s[dedicated] / np.maximum(own_s, 1e-12)
     plan.prefill_rate[dedicated] *= scale
     plan.rate1[dedicated] *= scale

@@ -30,7 +30,7 @@ def test_step_figures_count_the_tokens_generated_while_the_trainer_trained() -> 
     steps = [_step(0.0, 2.0, 2.0, [(0.0, 1.0, 10), (1.0, 3.0, 20), (2.5, 3.5, 10)], {"0": 30, "1": 10}),
              _step(4.0, 1.0, 1.0, [(3.0, 4.0, 8), (4.0, 5.0, 40)], {"1": 48})]
     figures = bench_train.step_figures(steps)
-    assert figures["tokens_per_s"] == pytest.approx(88 / 6, abs=0.05)
+    assert figures["steady_step_s"] == 2.0 and figures["tokens_per_s"] == pytest.approx(88 / 6, abs=0.05)
     assert figures["tokens_while_training"] == pytest.approx((10 + 10 + 8) / 88, abs=1e-3)
     assert figures["staleness"] == {"0": 30, "1": 58}
 

@@ -106,6 +106,18 @@ def test_queued_turns_start_by_priority_then_first_come():
     assert order == ["first", "b", "c", "late", "late2"]
 
 
+def test_a_paused_worker_gets_no_turn_and_no_move_until_it_resumes():
+    t = table()
+    t.set_paused("d0", True)
+    t.set_paused("d1", True)
+    assert [t.route(turn(f"t{i}"), 0.0).worker_id for i in range(3)] == ["s1", "s1", "s0"]
+    t.workers["s1"].seq_rate, t.workers["d0"].seq_rate = 10.0, 100.0
+    assert t.rebalance(0.0) == []                # d0 decodes faster, but its device is the trainer's
+    t.set_paused("d0", False)
+    assert [(src, dst) for _, src, dst in t.rebalance(0.0)][:1] == [("s1", "d0")]
+    assert t.route(turn("t9"), 0.0).worker_id == "d0"
+
+
 def test_held_slots_count_trajectories_not_turns():
     """With `hold_slots` a trajectory keeps its slot between turns: a queued trajectory starts when
     one ends (or moves away), not at a turn boundary; without, it takes the freed slot at once."""

@@ -65,8 +65,10 @@ def test_the_manager_charges_the_dedicated_device_for_every_worker_s_tokens():
     plan = TickRates(prefill_rate=np.array([1e4, 5e3]), cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
                 cap2=np.array([0.0, 4.0]), rate2=np.array([0.0, 20.0]))
     charge_manager(plan, iter_s, dec, sim.workers.kind == DEDICATED, sim.manager_s)
-    serving_tokens_per_s = 6 * 125.0 + 4 * 20.0
-    rate = (1.0 - DRIVER_CHUNK_S * serving_tokens_per_s) / (0.010 + 16 * DRIVER_CHUNK_S)
+    # Chunks of TURN_CHUNK_S (50 ms): the serving device's 6 sequences stream 20 a second each;
+    # the dedicated one's 16, one chunk per 5 iterations each.
+    serving_chunks_per_s = 6 * 20.0
+    rate = (1.0 - DRIVER_CHUNK_S * serving_chunks_per_s) / (0.010 + 16 * 0.2 * DRIVER_CHUNK_S)
     assert plan.rate1.tolist() == pytest.approx([rate, 125.0])
     assert plan.prefill_rate.tolist() == pytest.approx([1e4 * 0.010 * rate, 5e3])
     assert plan.rate2.tolist() == [0.0, 20.0]
