@@ -27,6 +27,8 @@ def test_rollouts_overlap_training_within_the_staleness_bound(tmp_path: Path) ->
     assert groups["taken"] == 4 * 2 and groups["started"] == sum(groups[k] for k in (
         "taken", "dropped", "expired", "in_play"))
     lags = {int(lag) for r in result.steps for lag in r.staleness}
-    assert lags <= {0, 1} and 1 in lags  # some tokens sampled while the trainer trained the step before
-    assert all(r.trainer["stale_tokens"] == 0 for r in result.steps)
-    assert all(sum(r.staleness.values()) == r.trainer["tokens"] for r in result.steps)
+    assert 1 in lags  # some tokens sampled before the weights of the step before were trained
+    # Older tokens (of a group carried over) do not train: the trainer masks them.
+    for r in result.steps:
+        stale = sum(n for lag, n in r.staleness.items() if int(lag) > 1)
+        assert r.trainer["stale_tokens"] == stale and sum(r.staleness.values()) - stale == r.trainer["tokens"]
