@@ -377,7 +377,7 @@ class RolloutManager:
             await asyncio.sleep(self.tick_s)
 
     def _drain(self) -> None:
-        for turn, route in self.table.drain(self._now()):
+        for turn, route in self.table.drain(self._now(), lambda turn: turn.trajectory_id in self._turns):
             t = self._turns[turn.trajectory_id]
             t.request = turn
             self._dispatch(t, route)

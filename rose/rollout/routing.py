@@ -37,7 +37,7 @@ import bisect
 import collections
 import dataclasses
 import enum
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from rose.contracts import WorkerKind
 
@@ -255,15 +255,22 @@ class RoutingTable:
             self._place(turn, decision)
         return decision
 
-    def drain(self, now: float) -> list[tuple[RoutedTurn, Route]]:
-        """Route queued turns, first first, until one finds no room."""
+    def drain(self, now: float,
+              owned: Callable[[RoutedTurn], bool] = lambda turn: True) -> list[tuple[RoutedTurn, Route]]:
+        """Route the queued turns `owned` passes (each rollout manager drains its own: a held-out
+        evaluation's manager beside an asynchronous run's), first first, until one finds no room."""
         placed = []
-        while self.queue:
-            turn = self.queue.pop(0)
+        i = 0
+        while i < len(self.queue):
+            turn = self.queue[i]
+            if not owned(turn):
+                i += 1
+                continue
+            del self.queue[i]
             decision = self.route(turn, now)
             if decision.worker_id is None:
                 self.queue.remove(turn)          # route() queued it behind its priority's others
-                self.queue.insert(0, turn)
+                self.queue.insert(i, turn)
                 break
             placed.append((turn, decision))
         return placed

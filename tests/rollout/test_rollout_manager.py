@@ -274,3 +274,23 @@ def test_any_mix_of_faults_accounts_for_every_trajectory_and_frees_every_slot(to
     second, eps = asyncio.run(faulty_then_healthy())
     check_complete(second, eps)
     assert_released(registry, workers)
+
+
+def test_two_managers_on_one_registry_each_drain_their_own_queued_turns(tokenizer) -> None:
+    """A held-out evaluation's manager runs beside an asynchronous run's on the same workers: with
+    every slot taken, each manager's queued turns wait for that manager's own drain (one used to
+    route the other's, which then waited forever)."""
+    worker = FakeWorker("d0", cap=2, delay_s=0.005)
+    registry = WorkerRegistry(2.0)
+    registry.add(worker)
+    params = SamplingParams(max_tokens=6)
+
+    async def both():
+        stream_like = RolloutManager(registry, params, tick_s=0.02)
+        evaluation = RolloutManager(registry, params, tick_s=0.02)
+        return await asyncio.gather(stream_like.run(episodes(tokenizer, 8), 0, prefix="a", timeout_s=30),
+                                    evaluation.run(episodes(tokenizer, 8), 0, prefix="e", timeout_s=30))
+
+    for report in asyncio.run(both()):
+        check_complete(report, episodes(tokenizer, 8))
+    assert_released(registry, [worker])
