@@ -138,7 +138,7 @@ def test_serverless_functions_restart_cold_at_their_time_limit():
 
 
 def test_a_time_shared_training_ends_by_what_the_next_round_left_it() -> None:
-    step = SimStep(0, 0.0, 10.0, 3.0, 1.0, 0.0, 0.0, 8, 8, 100)
+    step = SimStep(0, 0.0, 10.0, 3.0, 1.0, 0.0, 0.0, 8, 8, 100, 400)
     training = SharedTraining(step, 10.0)   # 4 s of work from 10 s: 8 s at half the devices
     assert training.window == (10.0, 18.0)
     assert training.done(20.0).end_s == 18.0            # the next round outlasted it: all shared
