@@ -249,4 +249,3 @@ class CoServing:
         inf = math.inf
         return (Admission(d, rollout.prefill_tokens, t_p, inf, inf, inf),
                 Admission(d, rollout.prefill_tokens, t_d, inf, inf, inf), serving_prefill)
-

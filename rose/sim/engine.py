@@ -460,4 +460,3 @@ def _root(f: Callable[[float], float], hi: float, tolerance: float) -> float:
             fa = fa / 2 if side > 0 else fa
             side = 1
     return x
-

@@ -47,4 +47,3 @@ def test_every_turn_prompts_its_whole_context():
     demand = RoundDemand(env, response, np.array([2, 1]), 1)
     assert demand.prompt_tokens == 1500 + (1500 + 10 + 120) + 1500
     assert demand.generated_tokens == 60
-
