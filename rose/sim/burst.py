@@ -1,7 +1,8 @@
 """Co-serving memory: on each serving replica's page pool (bytes, both models' KV) the burst
 state machine (`rose.coserve.admission.BurstController`, the executor's own) sets the rollout KV
 budget from serving's usage every tick and names the rollout sequences an emergency cut aborts.
-Under naive sharing rollouts take whatever serving leaves of the pool."""
+Under naive sharing rollouts take whatever serving leaves of the pool; under a static split, their
+fixed share of it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from rose.coserve.admission import BurstController, BurstState
 from rose.sim.rollout import DECODE, PREFILL, Round
+from rose.sim.systems import Sharing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +29,16 @@ class Cut:
 
 
 class BurstMemory:
-    """`n` replicas' pools of `pool` bytes; KV bytes per token of the rollout and serving models;
+    """`n` replicas' pools of `pool` bytes, shared as `sharing` says (`static_share`: the
+    rollouts' share under a static split); KV bytes per token of the rollout and serving models;
     `step_after_burst_s` > 0: the next RL step (which ends a burst's freeze) begins that long
     after each burst's trigger, else when the run begins it (`new_rl_step`)."""
 
-    def __init__(self, n: int, pool: int, headroom: float, high_watermark: float, naive: bool,
-                 rollout_kv: float, serving_kv: float, step_after_burst_s: float = 0.0) -> None:
-        self.pool, self.naive, self.rollout_kv, self.serving_kv = pool, naive, rollout_kv, serving_kv
+    def __init__(self, n: int, pool: int, headroom: float, high_watermark: float, sharing: Sharing,
+                 static_share: float, rollout_kv: float, serving_kv: float,
+                 step_after_burst_s: float = 0.0) -> None:
+        self.pool, self.sharing, self.rollout_kv, self.serving_kv = pool, sharing, rollout_kv, serving_kv
+        self.static_bytes = static_share * pool
         self.controllers = [BurstController(pool, headroom, high_watermark) for _ in range(n)]
         self.step_after_burst_s = step_after_burst_s
         self.step_at = [math.inf] * n
@@ -42,14 +47,15 @@ class BurstMemory:
     @property
     def initial_budget(self) -> float:
         """A replica's rollout budget before serving uses anything, in rollout KV tokens."""
-        return self.controllers[0].budget / self.rollout_kv
+        fixed = self.static_bytes if self.sharing is Sharing.STATIC else self.controllers[0].budget
+        return fixed / self.rollout_kv
 
     @property
     def bursts(self) -> int:
         return sum(b.bursts for b in self.controllers)
 
     def state(self, r: int) -> BurstState:
-        return BurstState.NORMAL if self.naive else self.controllers[r].state
+        return self.controllers[r].state if self.sharing is Sharing.ROSE else BurstState.NORMAL
 
     def new_rl_step(self) -> None:
         for b in self.controllers:
@@ -64,8 +70,11 @@ class BurstMemory:
         caps = np.empty(len(self.controllers))
         aborts: list[tuple[int, int]] = []
         for r, controller in enumerate(self.controllers):
-            if self.naive:
+            if self.sharing is Sharing.NAIVE:
                 caps[r] = max(0.0, (self.pool - serving_bytes[r]) / self.rollout_kv)
+                continue
+            if self.sharing is Sharing.STATIC:
+                caps[r] = self.static_bytes / self.rollout_kv
                 continue
             wid = first_wid + r
             # Sequences of the tick's view still running on this worker (sub-passes end some).

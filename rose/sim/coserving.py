@@ -29,6 +29,7 @@ from rose.sim.costs import Device, Efficiency, ModelShape, RooflineLatency, forw
 from rose.sim.rollout import ActiveView, Round, TickRates
 from rose.sim.scenarios import Scenario, ServingFleetConfig
 from rose.sim.serving import ServingFleet
+from rose.sim.systems import Sharing
 from rose.sim.workers import Workers
 from rose.traces import Trace, densest, diurnal_for_peak, load_trace
 
@@ -45,17 +46,26 @@ def spike_start(trace: Trace, s: ServingFleetConfig) -> float:
     return max(0.0, at - s.spike_at_s) * s.load
 
 
+def replay_start(trace: Trace, s: ServingFleetConfig) -> float | None:
+    """The trace time (unscaled) every replica's replay starts at: where its spike comes
+    `s.spike_at_s` in, or `s.replay_start_s` in as replayed; None: a random point per replica."""
+    if s.spike_at_s is not None:
+        return spike_start(trace, s)
+    return None if s.replay_start_s is None else s.replay_start_s * s.load
+
+
 class CoServing:
     """`n` serving replicas of `serving_model`, the co-serving workers `first_wid` on, lending
     capacity to rollouts of `policy` (`alone`: serving only, no rollout weights beside it);
-    `typical_ctx`: the context a new turn is budgeted at; `naive`: no admission control."""
+    `typical_ctx`: the context a new turn is budgeted at; `sharing`: ROSE's admission and burst
+    control, naive sharing (none) or a static split."""
 
     def __init__(self, sc: Scenario, device: Device, eff: Efficiency, policy: ModelShape,
-                 serving_model: ModelShape, n: int, first_wid: int, typical_ctx: int, naive: bool,
+                 serving_model: ModelShape, n: int, first_wid: int, typical_ctx: int, sharing: Sharing,
                  alone: bool) -> None:
         s, c = sc.serving, sc.cluster
         self.settings = e = s.executor
-        self.n, self.first_wid, self.typical_ctx, self.naive = n, first_wid, typical_ctx, naive
+        self.n, self.first_wid, self.typical_ctx, self.sharing = n, first_wid, typical_ctx, sharing
         self.dt, self.chunk = sc.sim.tick_s, e.chunk_tokens
         self.policy, self.serving_model = policy, serving_model
         self.slo = SLOBudgets.of(e)
@@ -67,8 +77,9 @@ class CoServing:
         diurnal = diurnal_for_peak(s.trace, s.minute_peak_to_mean)
         self.fleet = ServingFleet(n, trace, trace.mean_rate * s.load, diurnal, s.start_hour * 3600.0,
                                   e.chunk_tokens, sc.sim.seed + 1,
-                                  None if s.spike_at_s is None else spike_start(trace, s))
-        self.serve_cost = forward_cost(serving_model, device, c.serving_tp, eff)
+                                  replay_start(trace, s))
+        roofline = forward_cost(serving_model, device, c.serving_tp, eff)
+        self.serve_cost = dataclasses.replace(roofline, fixed=roofline.fixed + s.engine_overhead_ms / 1e3)
         self.cs_cost = forward_cost(policy, device, c.serving_tp, eff)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
         rollout_weights = 0.0 if alone else policy.weight_bytes
@@ -80,7 +91,7 @@ class CoServing:
         if self.pool <= 0:
             raise ValueError(f"scenario {sc.name}: {serving_model.name} and {policy.name} do "
                              f"not fit together on {c.serving_tp} x {device.name}; raise serving_tp")
-        self.memory = BurstMemory(n, self.pool, e.headroom, e.high_watermark, naive,
+        self.memory = BurstMemory(n, self.pool, e.headroom, e.high_watermark, sharing, e.static_rollout_pages,
                                   policy.kv_bytes_per_token, serving_model.kv_bytes_per_token,
                                   sc.rl.step_after_burst_s)
 
@@ -128,8 +139,9 @@ class CoServing:
             wid = self.first_wid + r
             ctxs = [int(k) for _, k in held.get(wid, [])]
             room = memory_room(self.memory.state(r), workers.kv_cap[wid] - sum(ctxs), self.typical_ctx)
-            out.append((wid, room if self.naive else rollout_capacity(
-                t, st, RolloutDemand(ctxs), self.latency, self.slo, self.typical_ctx, self.chunk, room)))
+            out.append((wid, rollout_capacity(
+                t, st, RolloutDemand(ctxs), self.latency, self.slo, self.typical_ctx, self.chunk, room)
+                if self.sharing is Sharing.ROSE else room))
         return out
 
     # -- the tick's plan ---------------------------------------------------------------------------
@@ -150,21 +162,27 @@ class CoServing:
         states = f.admission_states(t, busy)
         backlog = f.prefill_backlog()[busy].tolist()
         serving_dec = f.decode_seqs()[busy].tolist()
-        blocked = (self.pool - f.kv_tokens()[busy] * self.serving_model.kv_bytes_per_token
-                   - np.array([sum(contexts[r]) for r in busy]) * self.policy.kv_bytes_per_token
+        # Without burst control a serving prompt waits for pages: under naive sharing what the
+        # rollouts leave of the pool, under a static split serving's own share of it.
+        rollout_bytes = np.array([sum(contexts[r]) for r in busy]) * self.policy.kv_bytes_per_token
+        static = self.sharing is Sharing.STATIC
+        serving_room = self.pool - (self.memory.static_bytes if static else rollout_bytes)
+        blocked = (serving_room - f.kv_tokens()[busy] * self.serving_model.kv_bytes_per_token
                    < f.first_waiting_prompt()[busy] * self.serving_model.kv_bytes_per_token).tolist()
         for i, (r, st) in enumerate(zip(busy.tolist(), states, strict=True)):
             wid = self.first_wid + r
             # Fluid prefill leaves fractions of a token: a fraction still needs an iteration.
             demand = RolloutDemand(contexts[r], math.ceil(pending[wid]))
-            if self.naive:
-                a_p, a_d, serve_pf[r] = self._naive(serving_dec[i], st.decode_context_tokens, demand,
-                                                    backlog[i], chunk)
+            if self.sharing is Sharing.ROSE:
+                a_p, a_d, duty_p, duty_d = self._admit(t, st, demand)
+            else:
+                a_p, a_d, serve_pf[r] = (
+                    self._naive(serving_dec[i], st.decode_context_tokens, demand, backlog[i], chunk)
+                    if self.sharing is Sharing.NAIVE else
+                    self._static(serving_dec[i], st.decode_context_tokens, demand, serve_pf[r]))
                 if blocked[i]:
                     serve_pf[r] = 0.0           # no free pages for the next serving prompt
                 duty_d = duty_p = 1.0
-            else:
-                a_p, a_d, duty_p, duty_d = self._admit(t, st, demand)
             tp, td = max(a_p.iteration_s, 1e-4), max(a_d.iteration_s, 1e-4)
             t_p[r], t_d[r] = tp, td
             frac = min(1.0, backlog[i] / serve_pf[r] * tp / self.dt) if backlog[i] and serve_pf[r] else 0.0
@@ -215,3 +233,19 @@ class CoServing:
         t_d = self.latency.iteration_time(TokenLoad(0, serving_decodes, serving_ctx), TokenLoad(r_d, d, ctx))
         inf = math.inf
         return Admission(d, r_p, t_p, inf, inf, inf), Admission(d, r_d, t_d, inf, inf, inf), max(share, 1.0)
+
+    def _static(self, serving_decodes: int, serving_ctx: int, demand: RolloutDemand,
+                serving_prefill: float) -> tuple[Admission, Admission, float]:
+        """A static split (the executor's `static` policy): every iteration carries up to
+        `static_rollout_tokens` rollout tokens, decodes first, whatever serving's slack; serving
+        prefills its whole chunk. Returns the two iteration kinds and serving's prefill tokens per
+        prefill iteration."""
+        budget = self.settings.static_rollout_tokens
+        d = min(len(demand.decode_context), budget)
+        rollout = TokenLoad(min(demand.prefill_tokens, budget - d), d, sum(demand.decode_context[:d]))
+        prefill = TokenLoad(max(1, int(serving_prefill)), serving_decodes, serving_ctx)
+        t_p = self.latency.iteration_time(prefill, rollout)
+        t_d = self.latency.iteration_time(TokenLoad(0, serving_decodes, serving_ctx), rollout)
+        inf = math.inf
+        return (Admission(d, rollout.prefill_tokens, t_p, inf, inf, inf),
+                Admission(d, rollout.prefill_tokens, t_d, inf, inf, inf), serving_prefill)

@@ -282,6 +282,13 @@ def cross_cluster_sync_time(payload: float, cross_bw: float, receivers: int, tp:
     return max(send, fan_out) + bucket
 
 
+def naive_sync_time(payload: float, cross_bw: float, receivers: int, nic_bw: float) -> float:
+    """The naive baseline (`rose bench transfer`'s `naive`): one trainer rank holds the gathered
+    weights and sends a full copy to every receiving GPU, which keeps its slice, across the link
+    at what one NIC sends."""
+    return receivers * payload / min(cross_bw, nic_bw)
+
+
 def model_by_name(name: str) -> ModelShape:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from rose.sim.costs import (
     forward_cost,
     kv_capacity_tokens,
     model_by_name,
+    naive_sync_time,
     train_step_time,
 )
 from rose.sim.dispatch import Dispatch
@@ -44,7 +45,7 @@ from rose.sim.provisioning import Provisioning
 from rose.sim.rates import charge_manager, plan_rates
 from rose.sim.rollout import ActiveView, Round, TickRates
 from rose.sim.scenarios import Scenario
-from rose.sim.systems import SYSTEMS, Extra, Sharing, System
+from rose.sim.systems import SYSTEMS, Extra, System
 from rose.sim.workers import DEDICATED, ELASTIC, Workers
 from rose.sim.workloads import RoundDemand, dapo_resampling, groups_sampled, sample_round, step_multipliers
 
@@ -63,6 +64,7 @@ class SimStep:
     trajectories: int         # trained on
     generated: int            # trajectories generated (more under DAPO's resampling)
     generated_tokens: int
+    prompt_tokens: int        # every turn's prompt, its whole context (`RoundDemand.prompt_tokens`)
 
 
 @dataclasses.dataclass
@@ -103,7 +105,7 @@ class Simulation:
     model beside serving: the SLO baseline of `serving_alone()`)."""
 
     def __init__(self, sc: Scenario, system: System, serving_alone: bool = False) -> None:
-        sc = sc.sliced()
+        sc = with_serving_engine(sc.sliced())
         self.sc, self.system = sc, system
         c = sc.cluster
         self.device = device_by_name(c.device)
@@ -134,8 +136,7 @@ class Simulation:
         self.coserving: CoServing | None = None
         if self.n_cs:
             self.coserving = CoServing(sc, self.device, self.eff, self.policy, self.serving_model, self.n_cs,
-                                       self.first_cs, self.typical_ctx, system.sharing is Sharing.NAIVE,
-                                       serving_alone)
+                                       self.first_cs, self.typical_ctx, system.sharing, serving_alone)
             self.workers.kv_cap[self.first_cs:] = self.coserving.memory.initial_budget
         self.provisioning = Provisioning(sc, system, self.workers, self.policy.weight_bytes)
         table = RoutingTable(affinity=system.affinity, hold_slots=sc.rl.cap_counts == "trajectories")
@@ -168,7 +169,7 @@ class Simulation:
             rollout_end = self._align(self.run_round(Round(demand, start, id_base), start, step))
             if self._over(rollout_end):  # cut short: it trained nothing
                 steps.append(SimStep(step, start, rollout_end - start, 0.0, 0.0, 0.0, rollout_end, 0,
-                                     demand.trajectories, demand.generated_tokens))
+                                     demand.trajectories, demand.generated_tokens, demand.prompt_tokens))
                 break
             id_base += demand.trajectories
             self.dispatch.unregister(np.flatnonzero(self.workers.kind == ELASTIC))
@@ -181,7 +182,8 @@ class Simulation:
                 end = begin + train_s + sync_s
                 self.paused = (begin, end)
                 steps.append(SimStep(step, start, rollout_end - start, train_s, sync_s, waited, end,
-                                     self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
+                                     self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens,
+                                     demand.prompt_tokens))
                 t = rollout_end
                 continue
             if self.system.colocated:
@@ -194,7 +196,8 @@ class Simulation:
                 end = max(rollout_end, steps[-1].end_s if steps else 0.0) + train_s
                 sync_s, t = self._intra_sync_s(), rollout_end
             steps.append(SimStep(step, start, rollout_end - start, train_s, sync_s, waited, end,
-                                 self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens))
+                                 self.sc.rl.trajectories, demand.trajectories, demand.generated_tokens,
+                                 demand.prompt_tokens))
         return self._result(steps, time.perf_counter() - wall0)
 
     @property
@@ -242,11 +245,9 @@ class Simulation:
                                logprob_passes, self.eff)
 
     def _serving_sync_s(self, step: int) -> float:
-        c = self.sc.cluster
         payload = WeightSync(self.sc.sync.changed_fraction, self.sc.sync.full_every).payload_bytes(
             self.policy, step, self.system.sparse_sync)
-        return cross_cluster_sync_time(payload, c.cross_gbps / 8 * 1e9, self.n_cs, c.serving_tp,
-                                       self.device.nic_bw, self.train_gpus)
+        return weight_sync_times(self.sc, payload)["relay"]
 
     def _intra_sync_s(self) -> float:
         """Trainer to rollout GPUs inside the cluster (NCCL broadcast at one NIC's speed)."""
@@ -356,6 +357,17 @@ def _async_split(sc: Scenario) -> int:
     return best
 
 
+def weight_sync_times(sc: Scenario, payload: float) -> dict[str, float]:
+    """`payload` bytes of the policy's weights to every serving replica across the clusters' link:
+    over ROSE's shard-aware relay, sent by every training rank, and the naive way, gathered on one
+    rank and sent whole to each receiving GPU (`naive_sync_time`)."""
+    c = sc.cluster
+    link, nic = c.cross_gbps / 8 * 1e9, device_by_name(c.device).nic_bw
+    replicas = c.serving_gpus // c.serving_tp
+    return {"relay": cross_cluster_sync_time(payload, link, replicas, c.serving_tp, nic, c.train_gpus),
+            "naive": naive_sync_time(payload, link, c.serving_gpus, nic)}
+
+
 def serving_alone(sc: Scenario, duration_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The serving cluster without any rollout for `duration_s` (the baseline for SLOs)."""
     sim = Simulation(sc, SYSTEMS["fixed-sync"], serving_alone=True)
@@ -364,3 +376,57 @@ def serving_alone(sc: Scenario, duration_s: float) -> tuple[np.ndarray, np.ndarr
                          f"{sc.cluster.serving_tp} a replica)")
     sim.idle_until(0.0, duration_s)
     return sim.coserving.fleet.log.arrays()
+
+
+# A fleet stated by serving alone's P99 TPOT (`serving.target_p99_tpot_ms`) has it over this span
+# from the run's start.
+CALIBRATION_S = 3600.0
+_SOLVED_OVERHEAD_MS: dict[str, float] = {}
+
+
+def with_serving_engine(sc: Scenario) -> Scenario:
+    """`sc` with its serving engine stated: where the scenario states serving alone's P99 TPOT
+    instead, `serving.engine_overhead_ms` solved for it (P99 TPOT rises with it) over
+    `CALIBRATION_S` of serving alone, to 0.5%; once per serving configuration."""
+    s, alone = sc.serving, sc.sliced()
+    if not s.target_p99_tpot_ms or not alone.cluster.serving_gpus:
+        return sc
+    c = alone.cluster
+    stated = dataclasses.replace(s, engine_overhead_ms=0.0)   # what the solution depends on
+    key = repr((c.device, c.serving_gpus, c.serving_tp, sc.models.serving, stated, sc.sim.tick_s,
+                sc.sim.seed))
+    if key not in _SOLVED_OVERHEAD_MS:
+        def excess(overhead_ms: float) -> float:
+            trial = dataclasses.replace(alone, serving=dataclasses.replace(
+                stated, engine_overhead_ms=overhead_ms, target_p99_tpot_ms=0.0))
+            arrival, _, tpot = serving_alone(trial, CALIBRATION_S)
+            return float(np.nanpercentile(tpot[arrival < CALIBRATION_S], 99)) * 1e3 - s.target_p99_tpot_ms
+
+        _SOLVED_OVERHEAD_MS[key] = _root(excess, s.target_p99_tpot_ms, 0.005 * s.target_p99_tpot_ms)
+    solved = dataclasses.replace(s, engine_overhead_ms=_SOLVED_OVERHEAD_MS[key])
+    return dataclasses.replace(sc, serving=solved)
+
+
+def _root(f: Callable[[float], float], hi: float, tolerance: float) -> float:
+    """The x in [0, hi] where the increasing f crosses 0, within `tolerance` of f (regula falsi,
+    Illinois variant: an end kept twice has its value halved, so both ends close in); 0 where f
+    is already positive there."""
+    a, fa = 0.0, f(0.0)
+    if fa >= 0:
+        return 0.0
+    b, fb = hi, f(hi)
+    x, side = a, 0
+    for _ in range(30):
+        x = (a * fb - b * fa) / (fb - fa)
+        fx = f(x)
+        if abs(fx) <= tolerance:
+            break
+        if fx < 0:
+            a, fa = x, fx
+            fb = fb / 2 if side < 0 else fb
+            side = -1
+        else:
+            b, fb = x, fx
+            fa = fa / 2 if side > 0 else fa
+            side = 1
+    return x

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
-from rose.sim.engine import SimRun, Simulation, serving_alone
+from rose.sim.costs import WeightSync, model_by_name
+from rose.sim.engine import SimRun, Simulation, serving_alone, weight_sync_times, with_serving_engine
 from rose.sim.scenarios import SWEEPS, Scenario, Sweep, apply_overrides, load_scenario, scale_overrides
 from rose.sim.systems import SYSTEMS, Extra
 
@@ -97,6 +98,7 @@ class ScenarioResult:
                 if "fixed-sync" in runs else None),
             "serving_p99_ttft_ms": round(sv["rose"].p99_ttft_ms, 1) if "rose" in sv else None,
             "serving_p99_tpot_ms": round(sv["rose"].p99_tpot_ms, 1) if "rose" in sv else None,
+            "serving_engine_overhead_ms": round(self.scenario.serving.engine_overhead_ms, 1),
             "serving_alone_p99_ttft_ms": round(sv["serving-alone"].p99_ttft_ms, 1) if sv else None,
             "serving_alone_p99_tpot_ms": round(sv["serving-alone"].p99_tpot_ms, 1) if sv else None,
             "slo_violations": sv["rose"].violations if "rose" in sv else None,
@@ -105,6 +107,12 @@ class ScenarioResult:
             "sim_wall_s": round(self.wall_s, 1),
             "sim_cpu_s": round(self.cpu_s, 1),
         }
+        if runs:  # prompts (whole contexts) among a rollout's tokens; the same turns in every system
+            steps = next(iter(runs.values())).steps
+            prompts, generated = sum(s.prompt_tokens for s in steps), sum(s.generated_tokens for s in steps)
+            out["rollout_prefill_share"] = round(prompts / (prompts + generated), 3)
+        if self.scenario.cluster.serving_gpus:
+            out["weight_sync_s"] = self.weight_sync_s()
         if self.spike:
             out["spike"] = self.spike_summary()
         if rose is not None:
@@ -112,6 +120,16 @@ class ScenarioResult:
                                                      / runs["fixed-sync"].mean_step_s, 3)
                                                if "fixed-sync" in runs else None)
         return out
+
+    def weight_sync_s(self) -> dict[str, float]:
+        """One update of the policy to the whole serving fleet: ROSE's sparse delta and full
+        weights over the relay, and the naive baseline's full copies."""
+        sc = self.scenario
+        policy = model_by_name(sc.models.policy)
+        delta = WeightSync(sc.sync.changed_fraction, sc.sync.full_every).payload_bytes(policy, 1, sparse=True)
+        full = weight_sync_times(sc, policy.weight_bytes)
+        return {"delta": round(weight_sync_times(sc, delta)["relay"], 2), "full": round(full["relay"], 2),
+                "naive": round(full["naive"], 1)}
 
     def spike_summary(self) -> dict[str, Any]:
         """Per co-serving system: serving's P99s inside the spike and outside it against serving
@@ -177,6 +195,7 @@ def run_scenario(sc: Scenario, progress: Callable[[str, SimRun], None] | None = 
     """Every system of `sc.sim.systems` on the same workload and traffic, then serving alone
     over the same span for the SLO baseline."""
     wall0, cpu0 = time.perf_counter(), time.process_time()
+    sc = with_serving_engine(sc)
     runs: dict[str, SimRun] = {}
     for name in sc.sim.systems:
         runs[name] = Simulation(sc, SYSTEMS[name]).run()
@@ -220,6 +239,10 @@ def run_sweep(sweep: Sweep, overrides: list[str],
     wall0 = time.perf_counter()
     points = []
     base = load_scenario(sweep.base, [*sweep.overrides, f"sim.systems=[{','.join(sweep.systems)}]"])
+    # The serving engine is solved once, on the base: a point that varies the load or the fleet
+    # keeps the engine (not the P99 TPOT the base states).
+    engine = with_serving_engine(base).serving
+    base = dataclasses.replace(base, serving=dataclasses.replace(engine, target_p99_tpot_ms=0.0))
     for value in sweep.values:
         sc = apply_overrides(base, [f"{sweep.key}={value}", *scale_overrides(sweep.key, value), *overrides])
         result = run_scenario(sc)

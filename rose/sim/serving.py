@@ -127,7 +127,8 @@ class ServingFleet:
 
     def admission_states(self, now: float, replicas: np.ndarray) -> list[ServingState]:
         """The admission controller's view of each replica in `replicas`. Every decoding request
-        emitted a token in the iteration that just ended, so their last-token time is `now`."""
+        emitted a token in the iteration that just ended, so their last-token time is `now`; each
+        is one, as serving's share of an iteration counts its decodes (`ServingState.load`)."""
         bounds = np.searchsorted(self.w_rep, np.r_[replicas, replicas + 1]).reshape(2, -1)
         dec, ctx = self.decode_seqs(), self.decode_context()
         # A request keeps its arrival time, so the TTFT it has already spent waiting counts, as the
@@ -136,7 +137,7 @@ class ServingFleet:
         # would compute at its arrival, or less, as the tick's iteration time is fixed from now.
         arr, left = np.minimum(self.w_arr, now).tolist(), self.w_left.tolist()
         return [ServingState(list(zip(arr[lo:hi], left[lo:hi], strict=True)),
-                             (now,) if dec[r] else (), int(ctx[r]))
+                             (now,) * int(dec[r]), int(ctx[r]))
                 for r, lo, hi in zip(replicas.tolist(), bounds[0].tolist(), bounds[1].tolist(),
                                      strict=True)]
 

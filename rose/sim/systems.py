@@ -24,6 +24,9 @@ class Sharing(enum.Enum):
 
     ROSE = "rose"      # dual-SLO admission, serving prefill first, headroom + burst state machine
     NAIVE = "naive"    # rollouts admitted whenever pages allow; no priority, no headroom
+    # the executor's `static` policy: a fixed share of the pool and a fixed number of rollout
+    # tokens in every iteration, whatever serving needs
+    STATIC = "static"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,4 +54,6 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("rose-no-affinity", "ROSE w/o cache affinity", extra=Extra.COSERVE, affinity=False),
     System("rose-full-weights", "ROSE w/ full-weight sync", extra=Extra.COSERVE, sparse_sync=False),
     System("naive-share", "naive sharing (no admission)", extra=Extra.COSERVE, sharing=Sharing.NAIVE),
+    System("static-split", "static split (fixed pages and tokens)", extra=Extra.COSERVE,
+           sharing=Sharing.STATIC),
 )}

@@ -89,6 +89,15 @@ class RoundDemand:
     def generated_tokens(self) -> int:
         return int(self.response.sum())
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens over every turn, each turn's whole context counted (the first prompt, the
+        responses and observations before it): what an engine counts as prompt tokens, cached or
+        not."""
+        turns = np.arange(self.response.shape[1])
+        before = np.cumsum(self.response, axis=1) - self.response + turns * self.env.obs_tokens
+        return int(((self.env.prompt_tokens + before) * (turns < self.turns[:, None])).sum())
+
     def context_tokens(self) -> np.ndarray:
         """Each trajectory's final context (what the trainer runs over)."""
         return self.env.prompt_tokens + self.response.sum(axis=1) + (self.turns - 1) * self.env.obs_tokens

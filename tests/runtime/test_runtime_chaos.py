@@ -25,15 +25,16 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(900)]
 
 # Step -> what dies during that step's rollouts; the replicas once they are running turns.
 VICTIMS = {0: "dedicated-0", 1: "serving-0", 2: "trainer"}
+ROLLOUT = Cluster.rollout  # as defined: the test patches it
 
 
 def _kill_when_busy(cluster: Cluster, step: int, victim: str) -> Any:
-    """Step `step`'s rollouts, `victim` killed once it has turns in flight (the trainer: once any
-    worker has)."""
-    def kill() -> None:
-        ray.kill(cluster.trainers.leader if victim == "trainer" else cluster.replicas.all()[victim])
-
-    return rollout_with_fault(cluster, step, None if victim == "trainer" else victim, kill)
+    """Step `step`'s rollouts, `victim` killed once it has turns in flight (the trainer: as the
+    rollouts begin; an asynchronous run's last step may find its groups all played)."""
+    if victim == "trainer":
+        ray.kill(cluster.trainers.leader)
+        return ROLLOUT(cluster, step)
+    return rollout_with_fault(cluster, step, victim, lambda: ray.kill(cluster.replicas.all()[victim]))
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])  # synchronous, and asynchronous RL's rollout stream

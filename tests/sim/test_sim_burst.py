@@ -101,6 +101,17 @@ def test_the_spike_triggers_a_burst_that_cuts_rollouts_and_spares_serving(burst_
     assert rose["inside"]["tpot_vs_alone"] < naive["inside"]["tpot_vs_alone"]
 
 
+def test_a_static_split_adds_its_fixed_rollout_tokens_to_every_serving_iteration(burst_run):
+    # Half the pool and 64 rollout tokens an iteration whatever serving needs: serving's TPOT pays
+    # for them inside the spike and out, where ROSE's admission holds rollouts back.
+    spike = burst_run.summary()["spike"]
+    static, rose = spike["static-split"], spike["rose"]
+    for part in ("inside", "outside"):
+        assert static[part]["tpot_vs_alone"] > 1.5 * rose[part]["tpot_vs_alone"]
+    assert static["inside"]["slo_attainment"] < 1.0 == rose["inside"]["slo_attainment"]
+    assert static["bursts"] == 0                   # no burst control: its budget never moves
+
+
 def test_a_run_cut_short_at_its_duration_counts_the_step_it_was_in(burst_run):
     for r in burst_run.runs.values():
         assert r.total_s == pytest.approx(90.0)

@@ -16,6 +16,7 @@ from rose.sim.costs import (
     WeightSync,
     cross_cluster_sync_time,
     kv_capacity_tokens,
+    naive_sync_time,
     train_step_time,
 )
 
@@ -110,6 +111,13 @@ def test_cross_cluster_sync_is_limited_by_the_slowest_stage():
     delta = WeightSync().payload_bytes(MODELS["qwen3-8b"], 1, sparse=True)
     assert cross_cluster_sync_time(delta, 20e9 / 8, 64, 1, 50e9, 48) < 20
     assert cross_cluster_sync_time(payload, 25e9, 0, 1, 50e9, 48) == 0.0
+
+
+def test_naive_sync_sends_every_receiving_gpu_a_full_copy_through_one_nic():
+    m = MODELS["qwen3-32b"]
+    # 64 serving GPUs (16 TP-4 replicas) at 200 Gb/s: 64 copies of 65.5 GB at 25 GB/s.
+    assert naive_sync_time(m.weight_bytes, 25e9, 64, 50e9) == pytest.approx(64 * m.weight_bytes / 25e9)
+    assert naive_sync_time(m.weight_bytes, 100e9, 64, 50e9) == pytest.approx(64 * m.weight_bytes / 50e9)
 
 
 def test_smollm2_shape_has_its_135m_parameters():

@@ -31,6 +31,11 @@ def test_paper_scenarios_follow_the_papers_set_up():
     assert s8.rl.cap_counts == s32.rl.cap_counts == "trajectories"
     e8, e32 = s8.serving.executor, s32.serving.executor
     assert (e8.slo_ttft_ms, e8.slo_tpot_ms, e32.slo_ttft_ms, e32.slo_tpot_ms) == (500, 150, 1000, 450)
+    # Its serving fleet as its Table 1 states it, serving alone's P99 TPOT, at the trace's own rate,
+    # in iterations of vLLM's default token budget.
+    assert (s8.serving.target_p99_tpot_ms, s32.serving.target_p99_tpot_ms) == (117.8, 312.8)
+    assert s8.serving.load == s32.serving.load == 1.0
+    assert e8.chunk_tokens == e32.chunk_tokens == 8192
 
 
 def test_overrides_apply_with_types():
@@ -60,6 +65,9 @@ def test_overrides_apply_with_types():
     ("serving.prompt_scale=0", "serving.prompt_scale must be positive"),
     ("sim.duration_s=-5", "sim.duration_s must be >= 0"),
     ("serving.spike_at_s=20", "serving.minute_peak_to_mean must be 1.0 with serving.spike_at_s"),
+    ("serving.replay_start_s=600", "serving.minute_peak_to_mean must be 1.0 with serving.replay_start_s"),
+    ("serving.engine_overhead_ms=50", "serving.engine_overhead_ms must be 0 with serving.target_p99_tpot_ms"),
+    ("serving.target_p99_tpot_ms=-1", "serving.target_p99_tpot_ms must be >= 0"),
     ("cluster.trainer_rolls_out=false", "cluster.trainer_rolls_out must be true where a system has no other "
                                         "rollout GPUs (cluster.rollout_gpus 0; fixed-sync"),
 ])
@@ -84,5 +92,5 @@ def test_the_simulator_runs_without_torch():
 def test_a_simulated_replica_is_configured_as_an_executor_with_its_defaults():
     # The scenarios state every setting in which they differ from the executor's defaults.
     s8, bench = load_scenario("paper-8b").serving.executor, load_scenario("cpu-bench-train").serving.executor
-    assert s8.changed() == ["slo_ttft_ms", "slo_tpot_ms", "tpot_inflation", "ttft_inflation"]
+    assert s8.changed() == ["slo_ttft_ms", "slo_tpot_ms", "chunk_tokens", "tpot_inflation", "ttft_inflation"]
     assert bench.changed() == ["pool_mb"]  # bench-train's SLOs, 1,000 / 200 ms, are the defaults

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rose.sim.workloads import DEMAND_SIGMA, MAX_OF_20, dapo_resampling, groups_sampled, step_multipliers
+from rose.sim.workloads import (
+    DEMAND_SIGMA,
+    ENVS,
+    MAX_OF_20,
+    RoundDemand,
+    dapo_resampling,
+    groups_sampled,
+    step_multipliers,
+)
 
 
 def test_demand_spreads_5_7x_over_20_steps_and_dapo_never_samples_less_than_the_batch():
@@ -28,3 +36,14 @@ def test_dapo_samples_groups_until_the_batch_has_enough_valid_ones():
         assert min(sampled) >= 1024
         assert np.mean(sampled) == pytest.approx(1024 / fraction, rel=0.02)
     assert groups_sampled(1024, 1.0, rng) == 1024
+
+
+def test_every_turn_prompts_its_whole_context():
+    # ALFWorld: a 1,500-token first prompt, 120-token observations. Two turns of 10 and 20 tokens:
+    # prompts 1,500 and 1,500 + 10 + 120; one turn of 30: 1,500.
+    env = ENVS["alfworld"]
+    response = np.zeros((2, env.max_turns), np.int64)
+    response[0, :2], response[1, 0] = (10, 20), 30
+    demand = RoundDemand(env, response, np.array([2, 1]), 1)
+    assert demand.prompt_tokens == 1500 + (1500 + 10 + 120) + 1500
+    assert demand.generated_tokens == 60
