@@ -142,8 +142,9 @@ class Replicas:
             write_prometheus_targets(self.targets_file, self.metrics_urls)
         self.restarts.append(f"{wid} {why}")
 
-    async def register(self, wid: str) -> None:
-        """Route to replica `wid` (in place of a dead one of the same name)."""
+    async def register(self, wid: str, version: int | None = None) -> None:
+        """Route to replica `wid` (in place of a dead one of the same name), which holds weights
+        of `version` or later (None: the trainer's; its heartbeats say which from then on)."""
         handle, r = self.all()[wid], self.config.rollout
         if wid in self.serving or wid in self.endpoints:
             url = self.metrics_urls[wid] = await handle.address.remote()
@@ -157,7 +158,7 @@ class Replicas:
         if old is not None:
             self.registry.remove(wid)
             await old.close()
-        self.registry.add(worker, self.trainers.version)
+        self.registry.add(worker, self.trainers.version if version is None else version)
 
     async def new_rl_step(self) -> None:
         """Tell every serving executor a new step begins: it may grow its rollout budget again."""
@@ -232,8 +233,10 @@ class Replicas:
         except asyncio.TimeoutError:
             raise TimeoutError(f"{wid} was not up {REVIVE_TIMEOUT_S:g} s after it was started again "
                                "(no node free to hold it?)") from None
+        # An asynchronous run trains meanwhile: the trainer may be a version ahead once it is synced.
+        version = self.trainers.version
         await self.sync({wid: new}, revive=False)
-        await self.register(wid)
+        await self.register(wid, version)
         if wid in self.serving:
             await new.start_replay.remote()
         self.restarts.append(f"{wid} restarted at version {self.trainers.version}")

@@ -53,13 +53,14 @@ def test_a_run_survives_killed_workers_and_trainer(max_staleness: int, tmp_path:
             return rollout(self, step)
         report = _kill_when_busy(self, step, VICTIMS[step])
         seen["killed"].append((step, VICTIMS[step], len(report.trajectories)))
+        seen.setdefault("failed", []).extend(report.failed + report.lost)
         return report
 
     monkeypatch.setattr(Cluster, "rollout", rollout_with_a_fault)
     result = train(config, Mode.ROSE)
 
     assert [k[1] for k in seen["killed"]] == ["dedicated-0", "serving-0", "trainer"]
-    assert all(n == 8 for _, _, n in seen["killed"])  # every trajectory came back whole
+    assert all(n == 8 for _, _, n in seen["killed"]), seen  # every trajectory came back whole
     assert [r.step for r in result.steps] == [0, 1, 2]
     assert [r.lost_trajectories for r in result.steps] == [0, 0, 0]
     assert result.summary["lost_trajectories"] == 0 and result.summary["failed_trajectories"] == 0
