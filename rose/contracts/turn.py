@@ -26,7 +26,7 @@ class Turn:
     trajectory_id: str
     token_ids: list[int]
     params: SamplingParams
-    policy_version: int | None = None  # the version the scheduler expects; None: any
+    policy_version: int | None = None  # the oldest version it may run on; None: any
 
 
 @dataclasses.dataclass

@@ -185,8 +185,9 @@ class CoServingExecutor:
         if len(self._turns) >= self.config.max_rollout_turns:
             raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.config.max_rollout_turns} lease slots "
                                 f"of this executor hold running turns")
-        if turn.policy_version is not None and turn.policy_version != rollout.policy_version:
-            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
+        if turn.policy_version is not None and turn.policy_version > rollout.policy_version:
+            # A later version is fine: an asynchronous run's trajectory goes on with newer weights.
+            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
                              f"this executor has {rollout.policy_version}")
         rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1)
         self._turns[turn.turn_id] = turn

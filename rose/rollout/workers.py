@@ -56,7 +56,7 @@ class EngineWorker:
         """The turn's new tokens, a chunk per `TURN_CHUNK_S`; the last has a finish reason."""
         version = self.engine.engine.policy_version
         if turn.policy_version is not None and turn.policy_version > version:
-            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version}, "
+            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
                              f"this worker has {version}")
         async for out in self.engine.generate(turn.token_ids, turn.params, request_id=turn.turn_id,
                                               gather_s=TURN_CHUNK_S):

@@ -193,9 +193,14 @@ def test_lease_turns_capacity_weights_and_metrics(server: tuple[str, CoServingEx
     events = _turn_events(url, {"turn_id": "t2", "trajectory_id": "traj", "token_ids": [1, 2, 3],
                                 "max_tokens": 3, "policy_version": 4})
     assert all(v == 4 for e in events for v in e["versions"])
-    bad = httpx.post(f"{url}/v1/lease/turns", json={"turn_id": "t3", "trajectory_id": "x",
-                                                    "token_ids": [1], "policy_version": 2})
-    assert bad.status_code == 400 and "expects policy version 2" in bad.json()["error"]["message"]
+    # A turn that may run on an older version runs on this one (an asynchronous run's trajectory
+    # goes on with newer weights); one that needs a newer version is refused.
+    events = _turn_events(url, {"turn_id": "t3", "trajectory_id": "traj", "token_ids": [1, 2, 3],
+                                "max_tokens": 3, "policy_version": 2})
+    assert all(v == 4 for e in events for v in e["versions"])
+    bad = httpx.post(f"{url}/v1/lease/turns", json={"turn_id": "t4", "trajectory_id": "x",
+                                                    "token_ids": [1], "policy_version": 5})
+    assert bad.status_code == 400 and "expects policy version 5 or later" in bad.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/lease/weights", params={"version": 5}, content=b"junk").status_code == 400
     assert httpx.post(f"{url}/v1/lease/turns/none/abort").status_code == 404
     assert httpx.post(f"{url}/v1/lease/heartbeat").json()["capacity"]["policy_version"] == 4
