@@ -17,11 +17,10 @@ from rose.sim.scenarios import load_scenario
 from rose.sim.systems import SYSTEMS
 from rose.sim.workers import COSERVE, DEDICATED
 
-# `rose bench train --json OUT` on this machine, 2026-11-30 (6 steps a mode, quiet machine), four
-# runs of the current code (dedicated-first routing): 1.449, 1.496, 1.740, 1.270 (their mean; the
-# fixed mode alone varies 13.3-16.8 s a step across them). Four runs before the routing change:
-# 1.453, 2.018, 1.593, 1.646 (fixed 17.9-24.4 s); before the learning recipe: 1.608, 1.70.
-MEASURED_SPEEDUP_ROSE_VS_FIXED = (1.449 + 1.496 + 1.740 + 1.270) / 4
+# `rose bench train --json OUT` on this machine, 2026-12-05 (6 steps a mode, quiet machine, rollout
+# turns streamed in 50 ms chunks). Before the chunks, four runs on 2026-11-30: 1.449, 1.496,
+# 1.740, 1.270 (the fixed mode alone varied 13.3-16.8 s a step across them).
+MEASURED_SPEEDUP_ROSE_VS_FIXED = 1.096
 
 
 def test_cpu_bench_train_is_derived_from_the_bench_train_workload(monkeypatch: pytest.MonkeyPatch):
