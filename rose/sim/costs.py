@@ -180,11 +180,15 @@ class ForwardCost:
         over numpy arrays."""
         return self._roofline(prefill, decode, ctx, chunk_seqs, np.minimum, np.maximum)
 
-    def scalar(self, load: TokenLoad) -> float:
+    def scalar(self, load: TokenLoad) -> Amount:
         """`time` of one iteration's load, as the admission policy asks it (about 600k times a
         paper-8b run): the same formula on plain numbers, with the builtin min and max, as numpy's
-        ufuncs cost microseconds a call on scalars."""
-        return self._roofline(load.prefill_tokens, load.decode_seqs, load.context_tokens, 1, min, max)
+        ufuncs cost microseconds a call on scalars; with numpy's where the load holds arrays (one
+        entry per replica: the policy deciding for many replicas at once)."""
+        p, d, c = load.prefill_tokens, load.decode_seqs, load.context_tokens
+        if isinstance(p, np.ndarray) or isinstance(d, np.ndarray) or isinstance(c, np.ndarray):
+            return self._roofline(p, d, c, 1, np.minimum, np.maximum)
+        return self._roofline(p, d, c, 1, min, max)
 
     def _roofline(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount,
                   minimum: Callable[[Amount, Amount], Amount],

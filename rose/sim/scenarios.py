@@ -15,7 +15,7 @@ from typing import Any
 from rose.config import load, read_named_config
 from rose.coserve.settings import ExecutorConfig
 from rose.sim.costs import DEVICES, MODELS, WeightSync
-from rose.sim.systems import SYSTEMS, Extra
+from rose.sim.systems import SYSTEMS, Extra, batchable
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
 from rose.traces import TRACE_FILES
 
@@ -169,6 +169,16 @@ class SimConfig:
     # statistically identical, so per-replica load is unchanged. (The inter-cluster link is not
     # sliced: one copy of the weights crosses it whatever the number of receivers.)
     slice: int = 1
+    # How serving replicas are simulated: "requests", every request its own row (exact within
+    # the fluid model; a day of thousands of replicas is billions of rows), or "aggregate", every
+    # replica one row, its requests counted from the trace's running sums, latencies from its
+    # fluid queue into per-minute histograms (`rose.sim.aggregate`; docs/simulator.md compares).
+    serving_model: str = "requests"
+    # How rollout turns are simulated: "turns", each routed through the routing table and
+    # advanced every tick, or "batched", the turns due in a tick routed together and each worker
+    # keeping clocks its sequences are targets on (`rose.sim.batched`; fixed-sync and ROSE's
+    # synchronous systems with fixed per-worker caps).
+    rollout_model: str = "turns"
     systems: list[str] = dataclasses.field(default_factory=lambda: [
         "fixed-sync", "fixed-async", "elastic-spot", "elastic-serverless", "rose", "naive-share"])
 
@@ -251,6 +261,18 @@ def validate(sc: Scenario) -> Scenario:
          s.minute_peak_to_mean)
     need(r.step_after_burst_s >= 0, "rl.step_after_burst_s", ">= 0", r.step_after_burst_s)
     need(sc.sim.duration_s >= 0, "sim.duration_s", ">= 0", sc.sim.duration_s)
+    need(sc.sim.serving_model in ("requests", "aggregate"), "sim.serving_model", "requests or aggregate",
+         sc.sim.serving_model)
+    need(sc.sim.rollout_model in ("turns", "batched"), "sim.rollout_model", "turns or batched",
+         sc.sim.rollout_model)
+    if sc.sim.rollout_model == "batched":
+        unbatched = [x for x in sc.sim.systems if x in SYSTEMS and not batchable(SYSTEMS[x])]
+        need(not unbatched, "sim.systems", "systems sim.rollout_model=batched simulates (fixed-sync, rose, "
+             "rose-no-affinity, rose-full-weights, naive-share)", sc.sim.systems)
+        need(r.fixed_concurrency > 0, "rl.fixed_concurrency",
+             "> 0 with sim.rollout_model=batched (its slots)", r.fixed_concurrency)
+    need(sc.sim.serving_model == "requests" or s.spike_at_s is None, "serving.spike_at_s",
+         "null with sim.serving_model=aggregate (a spike's figures need every request)", s.spike_at_s)
     idle = [x for x in sc.sim.systems if SYSTEMS.get(x) and SYSTEMS[x].colocated
             and SYSTEMS[x].extra is Extra.NONE]
     need(c.trainer_rolls_out or c.rollout_gpus or not idle, "cluster.trainer_rolls_out",

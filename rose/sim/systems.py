@@ -52,3 +52,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("rose-full-weights", "ROSE w/ full-weight sync", extra=Extra.COSERVE, sparse_sync=False),
     System("naive-share", "naive sharing (no admission)", extra=Extra.COSERVE, sharing=Sharing.NAIVE),
 )}
+
+
+def batchable(system: System) -> bool:
+    """Whether `sim.rollout_model=batched` simulates the system: synchronous, on the job's GPUs
+    and serving GPUs only (no elastic capacity, no split or shared devices)."""
+    return system.colocated and system.staleness == 0 and system.extra in (Extra.NONE, Extra.COSERVE)

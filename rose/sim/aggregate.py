@@ -1,0 +1,328 @@
+"""Serving replicas in aggregate: each replica one row, its requests counted, not listed
+(`sim.serving_model=aggregate`).
+
+The per-request model (`serving.ServingFleet`) keeps every request a row: exact, and a day of
+thousands of replicas is billions of them. Here a replica's traffic is its copy of the trace as a
+range of the trace's indices: the requests that arrived, the prefill queue and its progress are
+positions in the trace's running sums of requests and prompt tokens, so a tick's arrivals, the
+tokens waiting and the prompts prefilled are a few lookups per replica, whatever the load. The
+same fluid model as the per-request one runs over them:
+
+- prefill: first come first served at the tick's prefill rate; a tick prefills what waited and
+  arrived, at most the rate's worth (the fluid queue with the tick's arrivals spread over it);
+- decode: the requests a tick prefilled form a cohort that decodes at the replica's rate per
+  request; how many of it still decode after v tokens follows the trace's output lengths (their
+  survival function), so the replica's decoding requests and their KV are the cohorts' sums;
+- latency: each tick's arrivals see the fluid queue's backlog (at two points of the tick) and
+  prefill their own prompt, drawn from the trace's prompt lengths; TTFT = (backlog + prompt) x
+  seconds per prefill token, TPOT = the tick's seconds per decoded token, each counted with the
+  requests it stands for in per-minute histograms, from which the P99s and the SLO minutes come
+  (`LatencyHistogram`).
+
+docs/simulator.md compares it with the per-request model where both run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from rose.coserve.admission import ServingState
+from rose.traces import Diurnal, Trace
+
+# Latency bins: log-spaced from 0.1 ms to 1,000 s, 3% wide (a P99 is read within 3%).
+_LO_S, _STEP = 1e-4, 0.03
+_BINS = int(math.log(1e3 / _LO_S) / math.log1p(_STEP)) + 1
+# Probability levels at which a TTFT distribution is kept, finer in the tail that a P99 comes
+# from, and the share of requests each stands for.
+_LEVELS = np.r_[np.arange(0.05, 0.9, 0.1), np.arange(0.905, 0.99, 0.01), np.arange(0.9905, 1.0, 0.001)]
+_WEIGHTS = np.r_[np.full(9, 0.1), np.full(9, 0.01), np.full(10, 0.001)]
+# Prefill speeds (prompt tokens per second of trace time) the trace's own queueing is known at:
+# from just above the trace's token arrival rate to 10^4 times it.
+_SPEEDS = 64
+# Two points of a tick at which its arrivals see the fluid queue's backlog (fractions of it).
+_SEEN_AT = (0.25, 0.75)
+
+
+def _bin(seconds: np.ndarray) -> np.ndarray:
+    x = np.log(np.maximum(seconds, _LO_S) / _LO_S) / math.log1p(_STEP)
+    return np.minimum(x, _BINS - 1).astype(np.int64)
+
+
+def _value(i: np.ndarray) -> np.ndarray:
+    """A bin's value: its geometric middle (the lowest bin: 0)."""
+    return np.where(i == 0, 0.0, _LO_S * (1 + _STEP) ** (i + 0.5))
+
+
+def _p99(seconds: np.ndarray, weights: np.ndarray) -> float:
+    """The P99 of weighted samples, to a bin."""
+    if weights.sum() <= 0:
+        return 0.0
+    c = np.cumsum(np.bincount(_bin(seconds), weights=weights, minlength=_BINS))
+    return float(_value(np.array(np.searchsorted(c, 0.99 * c[-1]))))
+
+
+def queueing_ttft(trace: Trace, speeds: np.ndarray) -> np.ndarray:
+    """[speeds, _LEVELS]: the TTFT (trace seconds) of the trace's requests at `_LEVELS` when one
+    replica prefills them first come first served at each speed (prompt tokens per trace
+    second): the queueing among the trace's own bursts, which a tick's fluid backlog smooths
+    away. Over the trace's second pass, so that its first requests queue behind its last."""
+    arrival = np.r_[trace.arrival_s, trace.arrival_s + trace.period_s]
+    prompt = np.r_[trace.prompt_tokens, trace.prompt_tokens].astype(float)
+    out = np.empty((len(speeds), len(_LEVELS)))
+    for i, speed in enumerate(speeds.tolist()):
+        work = prompt / speed
+        s = np.cumsum(work)
+        # First come first served: done_i = S_i + max over j <= i of (arrival_j - S_{j-1}).
+        done = s + np.maximum.accumulate(arrival - (s - work))
+        out[i] = np.quantile((done - arrival)[len(trace):], _LEVELS)
+    return out
+
+
+class LatencyHistogram:
+    """Requests' TTFT and TPOT, counted per minute (of arrival for TTFT, of completion for TPOT).
+    A TTFT is kept as (fluid backlog delay bin, prefill speed index) and read as that delay plus
+    the trace's own queueing at the speed (`queueing`, [speeds, _LEVELS], trace seconds) in the
+    minute's real time per trace second; a TPOT as its bin."""
+
+    def __init__(self, queueing: np.ndarray) -> None:
+        self.queueing = queueing
+        self._open: dict[int, np.ndarray] = {}       # minutes still filled: dense TTFT cells
+        self.ttft: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # minute -> (cells, requests)
+        self.scale: dict[int, list[float]] = {}      # minute -> [real s per trace s x requests, requests]
+        self.tpot: dict[int, np.ndarray] = {}
+
+    def add_ttft(self, minute: int, wait_s: np.ndarray, speed: np.ndarray, count: np.ndarray,
+                 scale: float) -> None:
+        """`count` requests per replica, each after `wait_s` of backlog at `speed` (a fractional
+        index into the speeds: split between its neighbours), `scale` real s per trace s."""
+        for m in [m for m in self._open if m < minute - 1]:
+            h = self._open.pop(m)
+            nz = np.flatnonzero(h)
+            self.ttft[m] = nz, h[nz]
+        lo = np.floor(speed).astype(np.int64)
+        hi = np.minimum(lo + 1, _SPEEDS - 1)
+        up = speed - lo
+        cell = _bin(wait_s) * _SPEEDS
+        h = np.bincount(np.r_[cell + lo, cell + hi], weights=np.r_[count * (1 - up), count * up],
+                        minlength=_BINS * _SPEEDS)
+        self._open[minute] = self._open[minute] + h if minute in self._open else h
+        acc = self.scale.setdefault(minute, [0.0, 0.0])
+        acc[0] += scale * float(count.sum())
+        acc[1] += float(count.sum())
+
+    def add_tpot(self, minute: int, seconds: np.ndarray, count: np.ndarray) -> None:
+        h = np.bincount(_bin(seconds), weights=count, minlength=_BINS)
+        self.tpot[minute] = self.tpot[minute] + h if minute in self.tpot else h
+
+    def minutes(self) -> list[int]:
+        return sorted(set(self.ttft) | set(self._open) | set(self.tpot))
+
+    def ttft_samples(self, minutes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """TTFTs (s) and the requests each stands for, over `minutes`."""
+        values, weights = [], []
+        for m in minutes:
+            if m in self._open:
+                cell = np.flatnonzero(self._open[m])
+                count = self._open[m][cell]
+            elif m in self.ttft:
+                cell, count = self.ttft[m]
+            else:
+                continue
+            scale = self.scale[m][0] / max(self.scale[m][1], 1e-12)
+            wait = _value(cell // _SPEEDS)
+            values.append((wait[:, None] + self.queueing[cell % _SPEEDS] * scale).ravel())
+            weights.append((count[:, None] * _WEIGHTS[None, :]).ravel())
+        if not values:
+            return np.zeros(0), np.zeros(0)
+        return np.concatenate(values), np.concatenate(weights)
+
+    def tpot_samples(self, minutes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        h = sum((self.tpot[m] for m in minutes if m in self.tpot), np.zeros(_BINS))
+        nz = np.flatnonzero(h)
+        return _value(nz), h[nz]
+
+    def p99(self, minutes: list[int]) -> tuple[float, float]:
+        """P99 TTFT and P99 TPOT (s) of the requests of `minutes`."""
+        return _p99(*self.ttft_samples(minutes)), _p99(*self.tpot_samples(minutes))
+
+    def within(self, ttft_s: float, tpot_s: float, minutes: list[int]) -> float:
+        """The share of requests within both SLOs, taking TTFT and TPOT as independent."""
+        t, tw = self.ttft_samples(minutes)
+        o, ow = self.tpot_samples(minutes)
+        share_t = float(tw[t <= ttft_s].sum() / tw.sum()) if tw.sum() else 1.0
+        share_o = float(ow[o <= tpot_s].sum() / ow.sum()) if ow.sum() else 1.0
+        return share_t * share_o
+
+
+class AggregateServing:
+    """`n` serving replicas in aggregate, the interface of `serving.ServingFleet` (the engine and
+    the co-serving planner use either): the same trace, rate, day, chunk and replay offsets
+    (`phase`, drawn alike from `seed`)."""
+
+    def __init__(self, n: int, trace: Trace, rate_per_replica: float, diurnal: Diurnal,
+                 day_start_s: float, chunk_tokens: int, seed: int, start_s: float | None = None,
+                 decode_floor_s: float = 0.0) -> None:
+        self.n, self.trace, self.rate, self.diurnal = n, trace, rate_per_replica, diurnal
+        self.day_start_s, self.chunk = day_start_s, chunk_tokens
+        if start_s is None:
+            self.phase = np.random.default_rng(seed).uniform(0, trace.period_s, size=n)
+        else:
+            self.phase = np.full(n, start_s - day_start_s * rate_per_replica / trace.mean_rate)
+        self.scale = trace.mean_rate / rate_per_replica   # trace time = phase + day-unit time / scale
+        self.count = len(trace)
+        self.prompt_sum = np.r_[0, np.cumsum(trace.prompt_tokens)].astype(float)
+        # Decode survival: the share of requests still decoding v tokens after their first.
+        out = np.sort(trace.output_tokens)
+        v = np.arange(int(out[-1]) + 1)
+        self.survival = 1.0 - np.searchsorted(out - 1, v, "right") / len(out)
+        # The trace's own queueing at prefill speeds around its token arrival rate.
+        tokens_per_s = self.prompt_sum[-1] / trace.period_s
+        self.speeds = tokens_per_s * np.geomspace(1.02, 1e4, _SPEEDS)
+        self.log = LatencyHistogram(queueing_ttft(trace, self.speeds))
+        # A decode iteration takes at least one request's: a tick that begins with none decoding
+        # gives the requests it starts that, not an idle replica's time.
+        self.decode_floor_s = decode_floor_s
+        # Cohorts of requests prefilled in one tick, ring-buffered over enough ticks for the
+        # longest output at 0.1 s a token (the oldest overwritten: long finished by then). Per
+        # replica: requests, prompt tokens, decode clock at their first token, share decoding.
+        self.longest_s = 0.1 * float(out[-1])
+        self.c_n = self.c_prompt = self.c_v0 = self.c_alive = np.zeros((n, 0))
+        self._slot = 0
+        self.clock = np.zeros(n)                   # tokens decoded per request so far (decode clock)
+        self.arrived = self._index(self._trace_time(0.0))     # next request to arrive
+        self.at_tick = self.arrived.copy()         # ... at the start of the current tick
+        self.prefilled = self._prompt_at(self.arrived)        # prompt tokens prefilled, running sum
+        self._t = 0.0
+        self._dec = np.zeros(n)
+        self._ctx = np.zeros(n)
+
+    # -- the tiled trace ----------------------------------------------------------------------
+    def _trace_time(self, t: float) -> np.ndarray:
+        return self.phase + float(self.diurnal.cumulative(np.array(self.day_start_s + t))) / self.scale
+
+    def _index(self, x: np.ndarray) -> np.ndarray:
+        """Running index of the first request at or after trace time x (the trace tiled)."""
+        k = np.floor(x / self.trace.period_s)
+        j = np.searchsorted(self.trace.arrival_s, x - k * self.trace.period_s)
+        return k.astype(np.int64) * self.count + j
+
+    def _prompt_at(self, g: np.ndarray) -> np.ndarray:
+        """Prompt tokens of the requests before running index g."""
+        k, j = np.divmod(g, self.count)
+        return k * self.prompt_sum[-1] + self.prompt_sum[j]
+
+    def _prefilled_count(self, tokens: np.ndarray) -> np.ndarray:
+        """Requests whole prefilled when `tokens` prompt tokens are."""
+        k = np.floor(tokens / self.prompt_sum[-1])
+        j = np.searchsorted(self.prompt_sum, tokens - k * self.prompt_sum[-1], "right") - 1
+        return k.astype(np.int64) * self.count + j
+
+    # -- state seen by the engine ---------------------------------------------------------------
+    def arrivals_until(self, t1: float) -> None:
+        self.arrived = self._index(self._trace_time(t1))
+
+    def decode_seqs(self) -> np.ndarray:
+        return self._dec
+
+    def decode_context(self) -> np.ndarray:
+        return self._ctx
+
+    def prefill_backlog(self) -> np.ndarray:
+        return self._prompt_at(self.arrived) - self.prefilled
+
+    def kv_tokens(self) -> np.ndarray:
+        """Decoding contexts plus the prefilled part of the prompt in prefill."""
+        return self._ctx + self.prefilled - self._prompt_at(self._prefilled_count(self.prefilled))
+
+    def allocated_tokens(self) -> np.ndarray:
+        return self.kv_tokens() + np.minimum(self.prefill_backlog(), float(self.chunk))
+
+    def first_waiting_prompt(self) -> np.ndarray:
+        head = self._prefilled_count(self.prefilled)
+        left = self._prompt_at(head + 1) - self.prefilled
+        return np.where(head < self.arrived, left, 0.0)
+
+    def admission_state(self, now: float, replicas: np.ndarray) -> ServingState:
+        """The admission controller's view of `replicas`: what waited from before the tick as
+        one entry at the oldest waiting request's arrival (conservative: each of those requests
+        has as much time left and fewer tokens ahead), what arrives in the tick as one arriving
+        now (as the per-request model judges it), one decoding entry with every decoding
+        request's context (a fluid count, there from half a request)."""
+        head = self._prefilled_count(self.prefilled[replicas])
+        carried = self._prompt_at(self.at_tick[replicas]) - self.prefilled[replicas]
+        new = self._prompt_at(self.arrived[replicas]) - self._prompt_at(self.at_tick[replicas])
+        waited = head < self.at_tick[replicas]
+        k, j = np.divmod(head, self.count)
+        x = k * self.trace.period_s + self.trace.arrival_s[np.minimum(j, self.count - 1)]
+        # Back from trace time to simulated time, at the current rate (the head is recent).
+        rate = float(self.diurnal.multiplier(self.day_start_s + now)) / self.scale
+        head_at = np.minimum(now, now - (self._trace_time(now)[replicas] - x) / rate)
+        dec = self._dec[replicas]
+        return ServingState([(np.where(waited, head_at, np.inf), np.where(waited, carried, 0.0)),
+                             (np.where(new > 0, now, np.inf), new)],
+                            [np.where(dec >= 0.5, now, np.inf)], self._ctx[replicas].astype(np.int64))
+
+    # -- one tick ---------------------------------------------------------------------------------
+    def advance(self, t: float, dt: float, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
+                prefill_per_iter: np.ndarray) -> None:
+        """Run [t, t + dt), as `ServingFleet.advance`."""
+        t1 = t + dt
+        self.arrivals_until(t1)
+        rate = prefill_per_iter / prefill_iter_s                  # prompt tokens/s while prefilling
+        arrived = self._prompt_at(self.arrived) - self._prompt_at(self.at_tick)
+        before = self._prompt_at(self.at_tick) - self.prefilled    # waiting from earlier ticks
+        done = np.minimum(rate * dt, before + arrived)
+        busy = np.where(rate > 0, done / np.where(rate > 0, rate, 1.0), 0.0)
+        self._record_ttft(t, dt, rate, before, arrived)
+        first = self._prefilled_count(self.prefilled)
+        self.prefilled = self.prefilled + done
+        last = self._prefilled_count(self.prefilled)
+        frac = np.minimum(1.0, busy / dt)
+        per_token = 1.0 / (frac / np.maximum(prefill_iter_s, self.decode_floor_s)
+                           + (1.0 - frac) / np.maximum(decode_iter_s, self.decode_floor_s))
+        prompts = self._prompt_at(last) - self._prompt_at(first)
+        self._decode(t, dt, per_token, (last - first).astype(float), prompts)
+        self.at_tick = self.arrived.copy()
+
+    def _record_ttft(self, t: float, dt: float, rate: np.ndarray, before: np.ndarray,
+                     arrived: np.ndarray) -> None:
+        """The tick's arrivals: the fluid queue's backlog delay, seen at `_SEEN_AT` of the tick,
+        and the trace's own queueing at the tick's prefill speed (a blocked replica's arrivals
+        wait beyond the histogram)."""
+        count = (self.arrived - self.at_tick).astype(float)
+        if not count.any():
+            return
+        moving = rate > 0
+        per_token = np.where(moving, 1.0 / np.where(moving, rate, 1.0), 0.0)
+        # Real seconds per trace second now, and the prefill speed in prompt tokens per trace second.
+        scale = self.scale / float(self.diurnal.multiplier(self.day_start_s + t + dt / 2))
+        log_speed = np.log(np.maximum(rate * scale, self.speeds[0]) / self.speeds[0])
+        speed = np.minimum(log_speed / math.log(self.speeds[1] / self.speeds[0]), _SPEEDS - 1.0)
+        for at in _SEEN_AT:
+            backlog = np.maximum(0.0, before + (arrived / dt - rate) * at * dt)
+            wait = np.where(moving, backlog * per_token, np.inf)
+            self.log.add_ttft(int((t + at * dt) // 60), wait, speed, count / len(_SEEN_AT), scale)
+
+    def _decode(self, t: float, dt: float, per_token: np.ndarray, started: np.ndarray,
+                prompts: np.ndarray) -> None:
+        if not self.c_n.shape[1]:
+            k = min(512, max(4, math.ceil(self.longest_s / dt) + 2))
+            self.c_n, self.c_prompt, self.c_v0, self.c_alive = (np.zeros((self.n, k)) for _ in range(4))
+        speed = dt / per_token
+        self.clock += speed
+        s = self._slot
+        self._slot = (s + 1) % self.c_n.shape[1]
+        self.c_n[:, s], self.c_prompt[:, s] = started, prompts
+        # They started, on average, half-way through the tick; each has its first token.
+        self.c_v0[:, s] = self.clock - speed / 2
+        self.c_alive[:, s] = self.survival[0]      # those of one token are done at their first
+        v = np.maximum(0.0, self.clock[:, None] - self.c_v0)
+        alive = self.survival[np.minimum(v.astype(np.int64), len(self.survival) - 1)]
+        finished = (self.c_n * (self.c_alive - alive)).sum(axis=1)
+        self.c_alive = alive
+        self._dec = (self.c_n * alive).sum(axis=1)
+        self._ctx = (alive * (self.c_prompt + self.c_n * (1.0 + v))).sum(axis=1)
+        if finished.any():
+            self.log.add_tpot(int((t + dt) // 60), per_token, finished)
