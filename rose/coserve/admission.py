@@ -361,19 +361,30 @@ def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency:
     return _limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)[0]
 
 
-def _largest(lo: Num, hi: Num, fits: Callable[[Num], Num]) -> Num:
+def _take(x: Num, rows: np.ndarray | None) -> Num:
+    """The entries of `rows` of an array over the devices (all of them, or a number, as it is)."""
+    return x[rows] if rows is not None and isinstance(x, np.ndarray) else x
+
+
+def _largest(lo: Num, hi: Num, fits: Callable[[Num, np.ndarray | None], Num]) -> Num:
     """Largest k in [lo, hi] with fits(k), given fits is monotone (true then false) and fits(lo).
     Tries hi first: admission usually has room for everything offered. Arrays: every device's
-    search at once (a device where fits(lo) fails gets lo)."""
-    top = fits(hi)
+    search at once, bisecting only the devices where hi does not fit (`fits(k, rows)` judges
+    those rows; a device where fits(lo) fails gets lo)."""
+    top = fits(hi, None)
     if _all(top):
         return hi
-    best, hi = hi, hi - 1
-    for _ in range(int(_max(0, hi - lo).max() if _is_array(hi, lo) else max(0, hi - lo)).bit_length()):
-        mid = (lo + hi + 1) // 2
-        ok = fits(mid)
-        lo, hi = _where(ok, mid, lo), _where(ok, hi, mid - 1)
-    return _where(top, best, lo)
+    rows = np.flatnonzero(~top) if isinstance(top, np.ndarray) else None
+    lo, below = _take(lo, rows), _take(hi, rows) - 1
+    for _ in range(int(np.max(_max(0, below - lo))).bit_length()):
+        mid = (lo + below + 1) // 2
+        ok = fits(mid, rows)
+        lo, below = _where(ok, mid, lo), _where(ok, below, mid - 1)
+    if rows is None:
+        return lo
+    out = np.broadcast_to(hi, top.shape).copy()
+    out[rows] = lo
+    return out
 
 
 class _Offer:
@@ -391,9 +402,14 @@ class _Offer:
             self.prefix = [0, *itertools.accumulate(decode_context)]
         self.times: dict[tuple[int, int], float] = {}
 
-    def time(self, d: Num, p: Num) -> Num:
+    def time(self, d: Num, p: Num, rows: np.ndarray | None = None) -> Num:
+        """The iteration's predicted time (arrays: of the devices `rows`, or all)."""
         if _is_array(self.prefix):
-            return self.latency.iteration_time(self.base, TokenLoad(p, d, self.prefix[self.rows, d]))
+            b = self.base
+            base = TokenLoad(_take(b.prefill_tokens, rows), _take(b.decode_seqs, rows),
+                             _take(b.context_tokens, rows)) if rows is not None else b
+            at = self.rows if rows is None else rows
+            return self.latency.iteration_time(base, TokenLoad(p, d, self.prefix[at, d]))
         t = self.times.get((d, p))
         if t is None:
             t = self.times[d, p] = self.latency.iteration_time(self.base, TokenLoad(p, d, self.prefix[d]))
@@ -405,8 +421,8 @@ class _Offer:
         none = self.time(0, 0) >= limit
         if _all(none):
             return 0, 0
-        d = _largest(0, decodes, lambda k: self.time(k, 0) < limit)
-        p = _largest(0, max_prefill, lambda k: self.time(d, k) < limit)
+        d = _largest(0, decodes, lambda k, rows: self.time(k, 0, rows) < _take(limit, rows))
+        p = _largest(0, max_prefill, lambda k, rows: self.time(_take(d, rows), k, rows) < _take(limit, rows))
         return _where(none, 0, d), _where(none, 0, p)
 
     def admission(self, now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[Num, Num]],
@@ -493,8 +509,11 @@ def rollout_capacity(now: float, serving: ServingState, running: RolloutDemand, 
     ceiling = iteration_limit(now, decoding, slo.without_inflation, latency, chunk_tokens, share)
     d0, c0 = running.decodes, running.context_tokens
 
-    def fits(k: Num) -> Num:
-        return latency.iteration_time(base, TokenLoad(0, d0 + k, c0 + k * typical_context)) < ceiling
+    def fits(k: Num, rows: np.ndarray | None = None) -> Num:
+        b = base if rows is None else TokenLoad(0, _take(base.decode_seqs, rows),
+                                                _take(base.context_tokens, rows))
+        rollout = TokenLoad(0, _take(d0, rows) + k, _take(c0, rows) + k * typical_context)
+        return latency.iteration_time(b, rollout) < _take(ceiling, rows)
 
     room = fits(0) & (limit > 0)
     if not _any(room):

@@ -181,11 +181,14 @@ def rebalance_moves(occupied: np.ndarray, cap: np.ndarray, rate: np.ndarray, act
     ded, srv = np.flatnonzero(~serving), np.flatnonzero(serving)
     if not len(ded) or not len(srv):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    # Each worker's picks and, after them, one that stops the moves: a full least-occupied
-    # worker, an executor out of turns.
     room = np.maximum(0, cap[ded] - occupied[ded])
+    if not room.any():       # the least-occupied dedicated worker is full
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # Each worker's picks and, after them, one that stops the moves: a full least-occupied
+    # worker, an executor out of turns. No more moves than the dedicated room.
+    most = int(room.sum()) + 1
     dw, dj = _picks(room + 1, occupied[ded].astype(float))
-    sw, sj = _picks(active[srv] + 1, -occupied[srv].astype(float))
+    sw, sj = _picks(np.minimum(active[srv] + 1, most), -occupied[srv].astype(float))
     m = min(len(dw), len(sw))
     dw, dj, sw, sj = dw[:m], dj[:m], sw[:m], sj[:m]
     dst, src = ded[dw], srv[sw]

@@ -156,6 +156,28 @@ class LatencyHistogram:
         return share_t * share_o
 
 
+class _Sorted:
+    """`np.searchsorted(values, y, side)` for y in [0, span) by a grid of starting points, a few
+    steps from the answer (a binary search per replica per tick costs more than the rest)."""
+
+    def __init__(self, values: np.ndarray, span: float, side: str) -> None:
+        self.cells = 4 * len(values)
+        self.per_cell = self.cells / span
+        self.values = np.r_[values, np.inf]
+        self.start = np.searchsorted(values, np.arange(self.cells) / self.per_cell, side)
+        self.right = side == "right"
+
+    def __call__(self, y: np.ndarray) -> np.ndarray:
+        # One cell back: the grid's float rounding may not put y past its cell's start.
+        j = self.start[np.clip((y * self.per_cell).astype(np.int64) - 1, 0, self.cells - 1)]
+        while True:
+            v = self.values[j]
+            more = v <= y if self.right else v < y
+            if not more.any():
+                return j
+            j = j + more
+
+
 class AggregateServing:
     """`n` serving replicas in aggregate, the interface of `serving.ServingFleet` (the engine and
     the co-serving planner use either): the same trace, rate, day, chunk and replay offsets
@@ -173,28 +195,35 @@ class AggregateServing:
         self.scale = trace.mean_rate / rate_per_replica   # trace time = phase + day-unit time / scale
         self.count = len(trace)
         self.prompt_sum = np.r_[0, np.cumsum(trace.prompt_tokens)].astype(float)
+        self.tokens = float(self.prompt_sum[-1])
+        self._arrival_index = _Sorted(trace.arrival_s, trace.period_s, "left")
+        self._prompt_index = _Sorted(self.prompt_sum, self.tokens, "right")
         # Decode survival: the share of requests still decoding v tokens after their first.
         out = np.sort(trace.output_tokens)
         v = np.arange(int(out[-1]) + 1)
         self.survival = 1.0 - np.searchsorted(out - 1, v, "right") / len(out)
         # The trace's own queueing at prefill speeds around its token arrival rate.
-        tokens_per_s = self.prompt_sum[-1] / trace.period_s
-        self.speeds = tokens_per_s * np.geomspace(1.02, 1e4, _SPEEDS)
+        self.speeds = self.tokens / trace.period_s * np.geomspace(1.02, 1e4, _SPEEDS)
         self.log = LatencyHistogram(queueing_ttft(trace, self.speeds))
         # A decode iteration takes at least one request's: a tick that begins with none decoding
         # gives the requests it starts that, not an idle replica's time.
         self.decode_floor_s = decode_floor_s
         # Cohorts of requests prefilled in one tick, ring-buffered over enough ticks for the
-        # longest output at 0.1 s a token (the oldest overwritten: long finished by then). Per
-        # replica: requests, prompt tokens, decode clock at their first token, share decoding.
-        self.longest_s = 0.1 * float(out[-1])
+        # longest output at 30 ms a token (an older one is dropped). Per replica: requests, prompt
+        # tokens, decode clock at their first token, share still decoding.
+        self.longest_s = 0.03 * float(out[-1])
         self.c_n = self.c_prompt = self.c_v0 = self.c_alive = np.zeros((n, 0))
         self._slot = 0
         self.clock = np.zeros(n)                   # tokens decoded per request so far (decode clock)
-        self.arrived = self._index(self._trace_time(0.0))     # next request to arrive
-        self.at_tick = self.arrived.copy()         # ... at the start of the current tick
-        self.prefilled = self._prompt_at(self.arrived)        # prompt tokens prefilled, running sum
-        self._t = 0.0
+        self._until = 0.0
+        # Running indices into the tiled trace, and the prompt tokens before them: the next request
+        # to arrive, the same as the tick began, the first not whole prefilled; and the prompt
+        # tokens prefilled so far.
+        self.arrived = self._index(self._trace_time(0.0))
+        self.arrived_tokens = self._prompt_at(self.arrived)
+        self.at_tick, self.at_tick_tokens = self.arrived.copy(), self.arrived_tokens.copy()
+        self.head, self.head_tokens = self.arrived.copy(), self.arrived_tokens.copy()
+        self.prefilled = self.arrived_tokens.copy()
         self._dec = np.zeros(n)
         self._ctx = np.zeros(n)
 
@@ -205,23 +234,24 @@ class AggregateServing:
     def _index(self, x: np.ndarray) -> np.ndarray:
         """Running index of the first request at or after trace time x (the trace tiled)."""
         k = np.floor(x / self.trace.period_s)
-        j = np.searchsorted(self.trace.arrival_s, x - k * self.trace.period_s)
-        return k.astype(np.int64) * self.count + j
+        return k.astype(np.int64) * self.count + self._arrival_index(x - k * self.trace.period_s)
 
     def _prompt_at(self, g: np.ndarray) -> np.ndarray:
         """Prompt tokens of the requests before running index g."""
         k, j = np.divmod(g, self.count)
-        return k * self.prompt_sum[-1] + self.prompt_sum[j]
+        return k * self.tokens + self.prompt_sum[j]
 
     def _prefilled_count(self, tokens: np.ndarray) -> np.ndarray:
         """Requests whole prefilled when `tokens` prompt tokens are."""
-        k = np.floor(tokens / self.prompt_sum[-1])
-        j = np.searchsorted(self.prompt_sum, tokens - k * self.prompt_sum[-1], "right") - 1
-        return k.astype(np.int64) * self.count + j
+        k = np.floor(tokens / self.tokens)
+        return k.astype(np.int64) * self.count + self._prompt_index(tokens - k * self.tokens) - 1
 
     # -- state seen by the engine ---------------------------------------------------------------
     def arrivals_until(self, t1: float) -> None:
-        self.arrived = self._index(self._trace_time(t1))
+        if t1 != self._until:
+            self._until = t1
+            self.arrived = self._index(self._trace_time(t1))
+            self.arrived_tokens = self._prompt_at(self.arrived)
 
     def decode_seqs(self) -> np.ndarray:
         return self._dec
@@ -230,19 +260,18 @@ class AggregateServing:
         return self._ctx
 
     def prefill_backlog(self) -> np.ndarray:
-        return self._prompt_at(self.arrived) - self.prefilled
+        return self.arrived_tokens - self.prefilled
 
     def kv_tokens(self) -> np.ndarray:
         """Decoding contexts plus the prefilled part of the prompt in prefill."""
-        return self._ctx + self.prefilled - self._prompt_at(self._prefilled_count(self.prefilled))
+        return self._ctx + self.prefilled - self.head_tokens
 
     def allocated_tokens(self) -> np.ndarray:
         return self.kv_tokens() + np.minimum(self.prefill_backlog(), float(self.chunk))
 
     def first_waiting_prompt(self) -> np.ndarray:
-        head = self._prefilled_count(self.prefilled)
-        left = self._prompt_at(head + 1) - self.prefilled
-        return np.where(head < self.arrived, left, 0.0)
+        left = self._prompt_at(self.head + 1) - self.prefilled
+        return np.where(self.head < self.arrived, left, 0.0)
 
     def admission_state(self, now: float, replicas: np.ndarray) -> ServingState:
         """The admission controller's view of `replicas`: what waited from before the tick as
@@ -250,9 +279,9 @@ class AggregateServing:
         has as much time left and fewer tokens ahead), what arrives in the tick as one arriving
         now (as the per-request model judges it), one decoding entry with every decoding
         request's context (a fluid count, there from half a request)."""
-        head = self._prefilled_count(self.prefilled[replicas])
-        carried = self._prompt_at(self.at_tick[replicas]) - self.prefilled[replicas]
-        new = self._prompt_at(self.arrived[replicas]) - self._prompt_at(self.at_tick[replicas])
+        head = self.head[replicas]
+        carried = self.at_tick_tokens[replicas] - self.prefilled[replicas]
+        new = self.arrived_tokens[replicas] - self.at_tick_tokens[replicas]
         waited = head < self.at_tick[replicas]
         k, j = np.divmod(head, self.count)
         x = k * self.trace.period_s + self.trace.arrival_s[np.minimum(j, self.count - 1)]
@@ -268,23 +297,22 @@ class AggregateServing:
     def advance(self, t: float, dt: float, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
                 prefill_per_iter: np.ndarray) -> None:
         """Run [t, t + dt), as `ServingFleet.advance`."""
-        t1 = t + dt
-        self.arrivals_until(t1)
+        self.arrivals_until(t + dt)
         rate = prefill_per_iter / prefill_iter_s                  # prompt tokens/s while prefilling
-        arrived = self._prompt_at(self.arrived) - self._prompt_at(self.at_tick)
-        before = self._prompt_at(self.at_tick) - self.prefilled    # waiting from earlier ticks
+        arrived = self.arrived_tokens - self.at_tick_tokens
+        before = self.at_tick_tokens - self.prefilled             # waiting from earlier ticks
         done = np.minimum(rate * dt, before + arrived)
         busy = np.where(rate > 0, done / np.where(rate > 0, rate, 1.0), 0.0)
         self._record_ttft(t, dt, rate, before, arrived)
-        first = self._prefilled_count(self.prefilled)
+        first, first_tokens = self.head, self.head_tokens
         self.prefilled = self.prefilled + done
-        last = self._prefilled_count(self.prefilled)
+        self.head = self._prefilled_count(self.prefilled)
+        self.head_tokens = self._prompt_at(self.head)
         frac = np.minimum(1.0, busy / dt)
         per_token = 1.0 / (frac / np.maximum(prefill_iter_s, self.decode_floor_s)
                            + (1.0 - frac) / np.maximum(decode_iter_s, self.decode_floor_s))
-        prompts = self._prompt_at(last) - self._prompt_at(first)
-        self._decode(t, dt, per_token, (last - first).astype(float), prompts)
-        self.at_tick = self.arrived.copy()
+        self._decode(t, dt, per_token, (self.head - first).astype(float), self.head_tokens - first_tokens)
+        self.at_tick, self.at_tick_tokens = self.arrived, self.arrived_tokens
 
     def _record_ttft(self, t: float, dt: float, rate: np.ndarray, before: np.ndarray,
                      arrived: np.ndarray) -> None:
@@ -308,7 +336,7 @@ class AggregateServing:
     def _decode(self, t: float, dt: float, per_token: np.ndarray, started: np.ndarray,
                 prompts: np.ndarray) -> None:
         if not self.c_n.shape[1]:
-            k = min(512, max(4, math.ceil(self.longest_s / dt) + 2))
+            k = min(512, max(3, math.ceil(self.longest_s / dt) + 2))
             self.c_n, self.c_prompt, self.c_v0, self.c_alive = (np.zeros((self.n, k)) for _ in range(4))
         speed = dt / per_token
         self.clock += speed
@@ -320,9 +348,10 @@ class AggregateServing:
         self.c_alive[:, s] = self.survival[0]      # those of one token are done at their first
         v = np.maximum(0.0, self.clock[:, None] - self.c_v0)
         alive = self.survival[np.minimum(v.astype(np.int64), len(self.survival) - 1)]
-        finished = (self.c_n * (self.c_alive - alive)).sum(axis=1)
+        decoding = self.c_n * alive
+        finished = (self.c_n * self.c_alive).sum(axis=1) - decoding.sum(axis=1)
         self.c_alive = alive
-        self._dec = (self.c_n * alive).sum(axis=1)
-        self._ctx = (alive * (self.c_prompt + self.c_n * (1.0 + v))).sum(axis=1)
+        self._dec = decoding.sum(axis=1)
+        self._ctx = (alive * self.c_prompt + decoding * (1.0 + v)).sum(axis=1)
         if finished.any():
             self.log.add_tpot(int((t + dt) // 60), per_token, finished)

@@ -48,6 +48,12 @@ def _after(ahead: np.ndarray, rate: np.ndarray) -> np.ndarray:
     return np.where(rate > 0, ahead / np.where(rate > 0, rate, 1.0), 0.0)
 
 
+def _add(to: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
+    """`to[at] += values`, repeated indices summed (as np.add.at, by bincount: faster)."""
+    if len(at):
+        to += np.bincount(at, weights=np.broadcast_to(values, at.shape), minlength=len(to))
+
+
 def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
     """[rows, most count]: each row's `count` entries of `total` / `count` tokens (at least 1)."""
     n = count.astype(np.int64)
@@ -103,9 +109,11 @@ class BatchedRound:
         self.order = np.zeros(n)                     # placement order (the oldest first)
         self.finished = np.full(n, np.nan)
         self.queue = np.zeros(0, np.int64)           # queued rows, FIFO
+        self._ended = np.zeros(0, np.int64)          # rows whose turn ended in this tick
         self._placements = 0
         # Per worker: its slots' rows, the two clocks, and running sums.
         self.cell = np.full((w, k), -1)
+        self.occ = np.zeros(w, np.int64)            # slots taken
         self.pre_clock, self.dec_clock = np.zeros(w), np.zeros(w)
         self.n_pre, self.n_dec = np.zeros(w), np.zeros(w)
         self.pre_targets = np.zeros(w)               # sum of prefilling sequences' targets
@@ -127,21 +135,22 @@ class BatchedRound:
 
     # -- per worker -----------------------------------------------------------------------------
     def occupied(self) -> np.ndarray:
-        return (self.cell >= 0).sum(axis=1)
+        return self.occ
 
     def active(self) -> np.ndarray:
         return self.n_pre + self.n_dec
 
     def pending(self) -> np.ndarray:
-        """Prompt tokens each worker still has to prefill."""
-        return np.maximum(0.0, self.pre_targets - self.n_pre * self.pre_clock)
+        """Prompt tokens each worker still has to prefill (none, not a sum's rounding, where no
+        sequence prefills)."""
+        return np.where(self.n_pre > 0, np.maximum(0.0, self.pre_targets - self.n_pre * self.pre_clock), 0.0)
 
     def decode_context(self) -> np.ndarray:
-        return self.dec_base + self.n_dec * self.dec_clock
+        return np.where(self.n_dec > 0, self.dec_base + self.n_dec * self.dec_clock, 0.0)
 
     def kv(self) -> np.ndarray:
         """KV tokens of each worker's running sequences."""
-        return self.decode_context() + self.pre_kv
+        return self.decode_context() + np.where(self.n_pre > 0, self.pre_kv, 0.0)
 
     def mean_contexts(self, wids: np.ndarray) -> np.ndarray:
         """[workers, sequences]: each decoding sequence of `wids` at their mean context (what
@@ -202,9 +211,9 @@ class BatchedRound:
         w = self.worker[rows]
         tokens = self.target[rows]
         self.target[rows] = self.pre_clock[w] + prate[w] * (self.begin[rows] - t) + tokens
-        np.add.at(self.n_pre, w, 1)
-        np.add.at(self.pre_targets, w, self.target[rows])
-        np.add.at(self.pre_kv, w, self.hist[rows])
+        _add(self.n_pre, w, 1)
+        _add(self.pre_targets, w, self.target[rows])
+        _add(self.pre_kv, w, self.hist[rows])
         self.pre_at[w, self.slot[rows]] = self.target[rows]
         self.placed[rows] = False
 
@@ -218,11 +227,13 @@ class BatchedRound:
         nth = np.argmax(np.cumsum(free, axis=1) > rank[:, None], axis=1)
         self.cell[wids, nth] = rows
         self.slot[rows] = nth
+        self.occ += np.bincount(wids, minlength=len(self.occ))
 
     def _release(self, rows: np.ndarray) -> None:
         """Free the slots `rows` hold (between turns, or before a move)."""
         held = rows[self.slot[rows] >= 0]
         self.cell[self.worker[held], self.slot[held]] = -1
+        self.occ -= np.bincount(self.worker[held], minlength=len(self.occ))
         self.slot[held] = -1
         self.worker[held] = -1
 
@@ -230,12 +241,12 @@ class BatchedRound:
         """Take running `rows` out of their worker's sums."""
         w = self.worker[rows]
         pre = self.phase[rows] == PREFILL
-        np.add.at(self.n_pre, w[pre], -1)
-        np.add.at(self.pre_targets, w[pre], -self.target[rows[pre]])
-        np.add.at(self.pre_kv, w[pre], -self.hist[rows[pre]])
+        _add(self.n_pre, w[pre], -1)
+        _add(self.pre_targets, w[pre], -self.target[rows[pre]])
+        _add(self.pre_kv, w[pre], -self.hist[rows[pre]])
         dec = ~pre
-        np.add.at(self.n_dec, w[dec], -1)
-        np.add.at(self.dec_base, w[dec], -(self.hist[rows[dec]] - self._v0(rows[dec])))
+        _add(self.n_dec, w[dec], -1)
+        _add(self.dec_base, w[dec], -(self.hist[rows[dec]] - self._v0(rows[dec])))
         self.pre_at[w, self.slot[rows]] = np.inf
         self.dec_at[w, self.slot[rows]] = np.inf
 
@@ -273,6 +284,7 @@ class BatchedRound:
         times, environments step, and turns ready within the tick are routed and run in it too, up
         to SUBPASSES times. Returns the tokens each worker generated."""
         t1 = t + dt
+        self._ended = np.zeros(0, np.int64)
         dec0 = self.n_dec.copy()
         # Fair share of the decode tiers: the worker's tokens/s over its decoding sequences.
         n = np.maximum(dec0, 1)
@@ -307,24 +319,24 @@ class BatchedRound:
             rows = self.cell[w, k]
             at = t + _after(self.target[rows] - self.pre_clock[w], prate[w])
             self.pre_at[w, k] = np.inf
-            np.add.at(self.n_pre, w, -1)
-            np.add.at(self.pre_targets, w, -self.target[rows])
-            np.add.at(self.pre_kv, w, -self.hist[rows])
+            _add(self.n_pre, w, -1)
+            _add(self.pre_targets, w, -self.target[rows])
+            _add(self.pre_kv, w, -self.hist[rows])
             v0 = self.dec_clock[w] + drate[w] * (at - t)
             self.phase[rows] = DECODE
             self.target[rows] = v0 + self.left[rows]
             self.dec_at[w, k] = self.target[rows]
-            np.add.at(self.n_dec, w, 1)
-            np.add.at(self.dec_base, w, self.hist[rows] - v0)
-            np.add.at(made, w, dec1[w] - v0)
+            _add(self.n_dec, w, 1)
+            _add(self.dec_base, w, self.hist[rows] - v0)
+            _add(made, w, dec1[w] - v0)
         w, k = np.nonzero(self.dec_at <= dec1[:, None])
         if len(w):
             rows = self.cell[w, k]
             at = t + _after(self.target[rows] - self.dec_clock[w], drate[w])
-            np.add.at(made, w, -(dec1[w] - self.target[rows]))
+            _add(made, w, -(dec1[w] - self.target[rows]))
             self.dec_at[w, k] = np.inf
-            np.add.at(self.n_dec, w, -1)
-            np.add.at(self.dec_base, w, -(self.hist[rows] - self._v0(rows)))
+            _add(self.n_dec, w, -1)
+            _add(self.dec_base, w, -(self.hist[rows] - self._v0(rows)))
             self._finish_turns(rows, np.minimum(at, t1))
         return made
 
@@ -336,8 +348,9 @@ class BatchedRound:
         self.left[rows] = 0.0
         self.turn[rows] += 1
         self.previous[rows] = self.worker[rows]
+        self._ended = np.r_[self._ended, rows]
         # The executor's free slots grow back at once, as `RoutingTable.complete` has them.
-        np.add.at(self.router.free, self.worker[rows], self.router.workers.kind[self.worker[rows]] == COSERVE)
+        _add(self.router.free, self.worker[rows], self.router.workers.kind[self.worker[rows]] == COSERVE)
         done = self.turn[rows] >= self.demand.turns[rows]
         self.phase[rows] = np.where(done, DONE, ENV)
         self.finished[rows[done]] = ends[done]
@@ -348,8 +361,12 @@ class BatchedRound:
         self.ready[more] = ends[~done] + self.env.env_step_s
 
     # -- routing ------------------------------------------------------------------------------------
-    def due(self, t1: float) -> np.ndarray:
-        rows = np.flatnonzero((self.phase == ENV) & (self.ready < t1))
+    def due(self, t1: float, among: np.ndarray | None = None) -> np.ndarray:
+        """Rows whose next turn is ready before t1 (of `among`, else of all), earliest first."""
+        if among is None:
+            rows = np.flatnonzero((self.phase == ENV) & (self.ready < t1))
+        else:
+            rows = among[(self.phase[among] == ENV) & (self.ready[among] < t1)]
         return rows[np.argsort(self.ready[rows], kind="stable")]
 
     def route(self, t: float, t1: float, credit: bool) -> np.ndarray:
@@ -359,7 +376,10 @@ class BatchedRound:
         queue. A turn placed starts at its ready time, at most a tick back with `credit` (the
         tick's first pass: it became ready during the previous tick). Returns the rows placed."""
         r, w = self.router, self.router.workers
-        due = self.due(t1)
+        # Within the tick only the turns that ended in it can have become ready.
+        ended = np.sort(self._ended)
+        ended = ended[np.r_[True, ended[1:] != ended[:-1]]] if len(ended) else ended
+        due = self.due(t1, None if credit else ended)
         cap = np.full(len(w.kind), r.slots)
         occupied = self.occupied()
         serving = w.kind == COSERVE
@@ -390,6 +410,8 @@ class BatchedRound:
         r.counts[RouteReason.AFFINITY] += len(kept)
         # The rest, FIFO: the queue, then the turns due now in order of readiness.
         others = np.r_[self.queue, due[~ok]]
+        if not len(others):
+            return kept
         self._release(others[self.worker[others] >= 0])
         occupied = self.occupied()
         wids = spread(len(others), np.where(eligible, occupied, cap), cap, np.where(serving, r.free, 0),
@@ -461,10 +483,8 @@ class BatchedSimulation(Simulation):
             self.provisioning.tick(t)
             router.membership(t, dt)
             if cs:
-                reports = cs.free_slots(t, self.workers, rnd.held_contexts)
-                if reports:
-                    wids, slots = np.array(reports).T
-                    router.free[wids] = slots
+                wids, slots = cs.free_slots(t, self.workers, rnd.held_contexts)
+                router.free[wids] = slots
             rnd.route(t, t + dt, credit=True)
             if cs:
                 rnd.rebalance(t)

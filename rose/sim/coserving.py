@@ -123,21 +123,21 @@ class CoServing:
 
     # -- the rollout scheduler's view --------------------------------------------------------------
     def free_slots(self, t: float, workers: Workers,
-                   held: Callable[[np.ndarray], np.ndarray]) -> list[tuple[int, int]]:
-        """Each registered executor's capacity report: free rollout slots, from its memory budget
-        (`memory_room`) and its compute slack (`rollout_capacity`), as the executor counts them;
-        every executor's at once. `held(wids)`: the KV tokens of each sequence holding pages on
+                   held: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Each registered executor's capacity report (workers, free rollout slots): from its
+        memory budget (`memory_room`) and its compute slack (`rollout_capacity`), as the executor
+        counts them; every executor's at once. `held(wids)`: the KV tokens of each sequence holding pages on
         those workers, [workers, sequences]."""
         reps = np.flatnonzero(workers.registered[self.first_wid:])
-        if not len(reps):
-            return []
         wids = self.first_wid + reps
+        if not len(reps):
+            return wids, np.zeros(0, np.int64)
         ctxs = held(wids)
         room = memory_room(self.memory.state(reps), workers.kv_cap[wids] - ctxs.sum(axis=1), self.typical_ctx)
         if not self.naive:
             room = rollout_capacity(t, self.fleet.admission_state(t, reps), RolloutDemand(ctxs), self.latency,
                                     self.slo, self.typical_ctx, self.chunk, room)
-        return list(zip(wids.tolist(), np.broadcast_to(room, wids.shape).tolist(), strict=True))
+        return wids, np.broadcast_to(room, wids.shape)
 
     # -- the tick's plan ---------------------------------------------------------------------------
     def plan(self, plan: TickRates, t: float, pending: np.ndarray, decoding: np.ndarray,

@@ -8,8 +8,9 @@ from published measurements, not fitted to this simulator's results.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 
+import numba
 import numpy as np
 
 from rose.contracts import TokenLoad
@@ -177,29 +178,38 @@ class ForwardCost:
     def time(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount = 1) -> Amount:
         """Forward time for `prefill` prompt tokens (in chunks over `chunk_seqs` sequences),
         `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
-        over numpy arrays."""
-        return self._roofline(prefill, decode, ctx, chunk_seqs, np.minimum, np.maximum)
+        over numpy arrays (`_roofline` compiled to a ufunc: a simulator of thousands of replicas
+        asks it tens of times a tick)."""
+        return _roofline_ufunc(prefill, decode, ctx, chunk_seqs, *self.terms)
 
     def scalar(self, load: TokenLoad) -> Amount:
         """`time` of one iteration's load, as the admission policy asks it (about 600k times a
-        paper-8b run): the same formula on plain numbers, with the builtin min and max, as numpy's
-        ufuncs cost microseconds a call on scalars; with numpy's where the load holds arrays (one
-        entry per replica: the policy deciding for many replicas at once)."""
+        paper-8b run): on plain numbers the formula itself, as numpy's ufuncs cost microseconds a
+        call on scalars; on arrays (one entry per replica: the policy deciding for many replicas
+        at once) `time`."""
         p, d, c = load.prefill_tokens, load.decode_seqs, load.context_tokens
         if isinstance(p, np.ndarray) or isinstance(d, np.ndarray) or isinstance(c, np.ndarray):
-            return self._roofline(p, d, c, 1, np.minimum, np.maximum)
-        return self._roofline(p, d, c, 1, min, max)
+            return self.time(p, d, c)
+        return _roofline(p, d, c, 1, *self.terms)
 
-    def _roofline(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount,
-                  minimum: Callable[[Amount, Amount], Amount],
-                  maximum: Callable[[Amount, Amount], Amount]) -> Amount:
-        tokens = prefill + decode
-        seqs = decode + minimum(prefill, chunk_seqs)
-        compute = (self.s_token * tokens + self.s_attn * ctx + self.s_head * seqs
-                   + self.prefill_attn * prefill * prefill / maximum(chunk_seqs, 1))
-        memory = self.s_weights + self.s_kv * (ctx + tokens)
-        # A bool (array) times the time: 0 where there is no work, for numbers and arrays alike.
-        return (tokens > 0) * (maximum(compute, memory) + self.fixed)
+    @functools.cached_property
+    def terms(self) -> tuple[float, ...]:
+        return dataclasses.astuple(self)
+
+
+def _roofline(prefill: float, decode: float, ctx: float, chunk_seqs: float, s_token: float, s_attn: float,
+              s_head: float, s_weights: float, s_kv: float, fixed: float, prefill_attn: float) -> float:
+    """`ForwardCost.time` of one load, the cost's terms given."""
+    tokens = prefill + decode
+    if tokens <= 0:
+        return 0.0
+    seqs = decode + min(prefill, chunk_seqs)
+    compute = (s_token * tokens + s_attn * ctx + s_head * seqs
+               + prefill_attn * prefill * prefill / max(chunk_seqs, 1.0))
+    return max(compute, s_weights + s_kv * (ctx + tokens)) + fixed
+
+
+_roofline_ufunc = numba.vectorize(["float64(" + ", ".join(["float64"] * 11) + ")"], cache=True)(_roofline)
 
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads

@@ -318,7 +318,8 @@ class Simulation:
             d.membership(rnd, t, version)
             if cs:
                 # The rollout manager polls every 0.25 s (`rose.rollout.manager`), within any tick.
-                d.report(t, cs.free_slots(t, self.workers, view.held_kv))
+                wids, slots = cs.free_slots(t, self.workers, view.held_kv)
+                d.report(t, list(zip(wids.tolist(), slots.tolist(), strict=True)))
             d.route(rnd, t, version)
             if cs:
                 d.rebalance_to_dedicated(rnd, t)
