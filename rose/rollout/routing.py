@@ -137,15 +137,24 @@ def pays(dst_rate: Any, dst_occupied: Any, dst_load: Any, src_rate: Any, src_loa
     return np.where(measured, faster, dst_load < src_load)
 
 
-def _picks(count: np.ndarray, start: np.ndarray,
-           scale: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def _picks(count: np.ndarray, start: np.ndarray, scale: np.ndarray | float = 1.0,
+           most: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Worker i's `count[i]` picks, its j-th at key `(start[i] + j) / scale[i]`, all in order of
     key, ties to the lower index: the workers a one-by-one argmin of the key picks while each pick
-    adds one to its worker's `start`. Returns (worker, j) of each pick."""
+    adds one to its worker's `start`; at most the first `most`. Returns (worker, j) of each."""
     count = count.astype(np.int64)
+    if most is not None:
+        # Only the `most` lowest first keys can be among the first `most` picks (ties kept).
+        count = np.minimum(count, most)
+        first = np.flatnonzero(count)
+        if len(first) > most:
+            key = start[first] / (scale[first] if isinstance(scale, np.ndarray) else scale)
+            count[first[key > np.partition(key, most - 1)[most - 1]]] = 0
     w = np.repeat(np.arange(len(count)), count)
     j = np.arange(len(w)) - np.repeat(np.cumsum(count) - count, count)
     order = np.lexsort((w, (start[w] + j) / (scale[w] if isinstance(scale, np.ndarray) else scale)))
+    if most is not None:
+        order = order[:most]
     return w[order], j[order]
 
 
@@ -163,12 +172,11 @@ def spread(n: int, occupied: np.ndarray, cap: np.ndarray, free_slots: np.ndarray
             return np.array([np.argmin(np.where(ded, occupied / cap, np.inf))])
         srv = serving & (room > 0)
         return np.array([np.argmax(np.where(srv, room, -1))]) if srv.any() else np.zeros(0, np.int64)
-    count = np.minimum(room, n)
-    d, _ = _picks(np.where(ded, count, 0), occupied, cap)
+    d, _ = _picks(np.where(ded, room, 0), occupied, cap, n)
     if len(d) >= n:
-        return d[:n]
-    s, _ = _picks(np.where(serving, count, 0), -room.astype(float))
-    return np.concatenate([d, s])[:n]
+        return d
+    s, _ = _picks(np.where(serving, room, 0), -room.astype(float), 1.0, n - len(d))
+    return np.concatenate([d, s])
 
 
 def rebalance_moves(occupied: np.ndarray, cap: np.ndarray, rate: np.ndarray, active: np.ndarray,
@@ -186,9 +194,9 @@ def rebalance_moves(occupied: np.ndarray, cap: np.ndarray, rate: np.ndarray, act
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     # Each worker's picks and, after them, one that stops the moves: a full least-occupied
     # worker, an executor out of turns. No more moves than the dedicated room.
-    most = int(room.sum()) + 1
-    dw, dj = _picks(room + 1, occupied[ded].astype(float))
-    sw, sj = _picks(np.minimum(active[srv] + 1, most), -occupied[srv].astype(float))
+    most = int(min(room.sum(), active[srv].sum())) + 1
+    dw, dj = _picks(room + 1, occupied[ded].astype(float), 1.0, most)
+    sw, sj = _picks(active[srv] + 1, -occupied[srv].astype(float), 1.0, most)
     m = min(len(dw), len(sw))
     dw, dj, sw, sj = dw[:m], dj[:m], sw[:m], sj[:m]
     dst, src = ded[dw], srv[sw]

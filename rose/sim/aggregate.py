@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 
 from rose.coserve.admission import ServingState
@@ -93,21 +94,18 @@ class LatencyHistogram:
         self.scale: dict[int, list[float]] = {}      # minute -> [real s per trace s x requests, requests]
         self.tpot: dict[int, np.ndarray] = {}
 
-    def add_ttft(self, minute: int, wait_s: np.ndarray, speed: np.ndarray, count: np.ndarray,
-                 scale: float) -> None:
-        """`count` requests per replica, each after `wait_s` of backlog at `speed` (a fractional
-        index into the speeds: split between its neighbours), `scale` real s per trace s."""
+    def add_ttft(self, minute: int, count: np.ndarray, backlog: np.ndarray, rate: np.ndarray,
+                 speed: np.ndarray, scale: float) -> None:
+        """`count` requests per replica, arriving to `backlog` prompt tokens ahead prefilled at
+        `rate` tokens/s (0: blocked, their wait beyond the histogram), the trace's own queueing at
+        `speed` (a fractional index into the speeds), `scale` real s per trace s."""
         for m in [m for m in self._open if m < minute - 1]:
             h = self._open.pop(m)
             nz = np.flatnonzero(h)
             self.ttft[m] = nz, h[nz]
-        lo = np.floor(speed).astype(np.int64)
-        hi = np.minimum(lo + 1, _SPEEDS - 1)
-        up = speed - lo
-        cell = _bin(wait_s) * _SPEEDS
-        h = np.bincount(np.r_[cell + lo, cell + hi], weights=np.r_[count * (1 - up), count * up],
-                        minlength=_BINS * _SPEEDS)
-        self._open[minute] = self._open[minute] + h if minute in self._open else h
+        if minute not in self._open:
+            self._open[minute] = np.zeros(_BINS * _SPEEDS)
+        _count_ttft(self._open[minute], count, backlog, rate, speed)
         acc = self.scale.setdefault(minute, [0.0, 0.0])
         acc[0] += scale * float(count.sum())
         acc[1] += float(count.sum())
@@ -168,14 +166,20 @@ class _Sorted:
         self.right = side == "right"
 
     def __call__(self, y: np.ndarray) -> np.ndarray:
-        # One cell back: the grid's float rounding may not put y past its cell's start.
-        j = self.start[np.clip((y * self.per_cell).astype(np.int64) - 1, 0, self.cells - 1)]
-        while True:
-            v = self.values[j]
-            more = v <= y if self.right else v < y
-            if not more.any():
-                return j
-            j = j + more
+        return _search(self.values, self.start, self.per_cell, self.right, y)
+
+
+@numba.njit(cache=True)
+def _search(values: np.ndarray, start: np.ndarray, per_cell: float, right: bool, y: np.ndarray) -> np.ndarray:
+    """`_Sorted`'s search: from one cell back (the grid's float rounding may not put y past its
+    cell's start), step to the first value above y (at or above: not `right`)."""
+    out = np.empty(len(y), np.int64)
+    for i in range(len(y)):
+        j = start[min(max(int(y[i] * per_cell) - 1, 0), len(start) - 1)]
+        while values[j] < y[i] or (right and values[j] == y[i]):
+            j += 1
+        out[i] = j
+    return out
 
 
 class AggregateServing:
@@ -301,16 +305,12 @@ class AggregateServing:
         rate = prefill_per_iter / prefill_iter_s                  # prompt tokens/s while prefilling
         arrived = self.arrived_tokens - self.at_tick_tokens
         before = self.at_tick_tokens - self.prefilled             # waiting from earlier ticks
-        done = np.minimum(rate * dt, before + arrived)
-        busy = np.where(rate > 0, done / np.where(rate > 0, rate, 1.0), 0.0)
         self._record_ttft(t, dt, rate, before, arrived)
         first, first_tokens = self.head, self.head_tokens
-        self.prefilled = self.prefilled + done
+        per_token = _prefill(dt, rate, before + arrived, prefill_iter_s, decode_iter_s, self.decode_floor_s,
+                             self.prefilled)
         self.head = self._prefilled_count(self.prefilled)
         self.head_tokens = self._prompt_at(self.head)
-        frac = np.minimum(1.0, busy / dt)
-        per_token = 1.0 / (frac / np.maximum(prefill_iter_s, self.decode_floor_s)
-                           + (1.0 - frac) / np.maximum(decode_iter_s, self.decode_floor_s))
         self._decode(t, dt, per_token, (self.head - first).astype(float), self.head_tokens - first_tokens)
         self.at_tick, self.at_tick_tokens = self.arrived, self.arrived_tokens
 
@@ -322,16 +322,14 @@ class AggregateServing:
         count = (self.arrived - self.at_tick).astype(float)
         if not count.any():
             return
-        moving = rate > 0
-        per_token = np.where(moving, 1.0 / np.where(moving, rate, 1.0), 0.0)
         # Real seconds per trace second now, and the prefill speed in prompt tokens per trace second.
         scale = self.scale / float(self.diurnal.multiplier(self.day_start_s + t + dt / 2))
         log_speed = np.log(np.maximum(rate * scale, self.speeds[0]) / self.speeds[0])
         speed = np.minimum(log_speed / math.log(self.speeds[1] / self.speeds[0]), _SPEEDS - 1.0)
+        share = count / len(_SEEN_AT)
         for at in _SEEN_AT:
             backlog = np.maximum(0.0, before + (arrived / dt - rate) * at * dt)
-            wait = np.where(moving, backlog * per_token, np.inf)
-            self.log.add_ttft(int((t + at * dt) // 60), wait, speed, count / len(_SEEN_AT), scale)
+            self.log.add_ttft(int((t + at * dt) // 60), share, backlog, rate, speed, scale)
 
     def _decode(self, t: float, dt: float, per_token: np.ndarray, started: np.ndarray,
                 prompts: np.ndarray) -> None:
@@ -346,12 +344,67 @@ class AggregateServing:
         # They started, on average, half-way through the tick; each has its first token.
         self.c_v0[:, s] = self.clock - speed / 2
         self.c_alive[:, s] = self.survival[0]      # those of one token are done at their first
-        v = np.maximum(0.0, self.clock[:, None] - self.c_v0)
-        alive = self.survival[np.minimum(v.astype(np.int64), len(self.survival) - 1)]
-        decoding = self.c_n * alive
-        finished = (self.c_n * self.c_alive).sum(axis=1) - decoding.sum(axis=1)
-        self.c_alive = alive
-        self._dec = decoding.sum(axis=1)
-        self._ctx = (alive * self.c_prompt + decoding * (1.0 + v)).sum(axis=1)
+        finished = _cohorts(self.clock, self.c_n, self.c_prompt, self.c_v0, self.c_alive, self.survival,
+                            self._dec, self._ctx)
         if finished.any():
             self.log.add_tpot(int((t + dt) // 60), per_token, finished)
+
+
+@numba.njit(cache=True)
+def _prefill(dt: float, rate: np.ndarray, waiting: np.ndarray, prefill_iter_s: np.ndarray,
+             decode_iter_s: np.ndarray, floor_s: float, prefilled: np.ndarray) -> np.ndarray:
+    """A tick's fluid prefill on each replica: what waits (and arrives), at most the rate's worth,
+    added to `prefilled`; returns each replica's seconds per decoded token, its iterations mixed
+    as the tick's prefill share has them (each at least `floor_s`)."""
+    per_token = np.empty(len(rate))
+    for r in range(len(rate)):
+        done = min(rate[r] * dt, waiting[r])
+        frac = min(1.0, done / rate[r] / dt) if rate[r] > 0 else 0.0
+        prefilled[r] += done
+        per_token[r] = 1.0 / (frac / max(prefill_iter_s[r], floor_s)
+                              + (1.0 - frac) / max(decode_iter_s[r], floor_s))
+    return per_token
+
+
+@numba.njit(cache=True)
+def _count_ttft(cells: np.ndarray, count: np.ndarray, backlog: np.ndarray, rate: np.ndarray,
+                speed: np.ndarray) -> None:
+    """Add each replica's `count` to `cells` [wait bin x _SPEEDS]: its wait `backlog` / `rate`
+    (beyond the last bin when blocked), its speed split between the two nearest indices.
+    (Compiled: every replica, every tick.)"""
+    step = math.log1p(_STEP)
+    for r in range(len(count)):
+        if count[r] <= 0.0:
+            continue
+        wait = backlog[r] / rate[r] if rate[r] > 0 else math.inf
+        b = _BINS - 1
+        if wait < 1e300:
+            b = min(_BINS - 1, int(math.log(max(wait, _LO_S) / _LO_S) / step))
+        lo = int(speed[r])
+        up = speed[r] - lo
+        cells[b * _SPEEDS + lo] += count[r] * (1.0 - up)
+        cells[b * _SPEEDS + min(lo + 1, _SPEEDS - 1)] += count[r] * up
+
+
+@numba.njit(cache=True)
+def _cohorts(clock: np.ndarray, n: np.ndarray, prompt: np.ndarray, v0: np.ndarray, alive: np.ndarray,
+             survival: np.ndarray, decoding: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """Each replica's cohorts at its decode `clock`: the share of each still decoding (`alive`,
+    updated), and per replica the requests decoding, their context, and those that finished
+    since the last call (returned). (Compiled: every replica's every cohort, every tick.)"""
+    replicas, k = n.shape
+    last = len(survival) - 1
+    finished = np.zeros(replicas)
+    for r in range(replicas):
+        dec = ctx = done = 0.0
+        for c in range(k):
+            if n[r, c] == 0.0:
+                continue
+            v = max(0.0, clock[r] - v0[r, c])
+            now = survival[min(int(v), last)]
+            done += n[r, c] * (alive[r, c] - now)
+            alive[r, c] = now
+            dec += n[r, c] * now
+            ctx += now * prompt[r, c] + n[r, c] * now * (1.0 + v)
+        decoding[r], context[r], finished[r] = dec, ctx, done
+    return finished

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 
+import numba
 import numpy as np
 
 from rose.rollout.routing import RouteReason, pays, rebalance_moves, spread
@@ -43,11 +44,6 @@ from rose.sim.workloads import RoundDemand
 SUBPASSES = 4               # further turns of one trajectory within a tick
 
 
-def _after(ahead: np.ndarray, rate: np.ndarray) -> np.ndarray:
-    """Seconds until a clock at `rate` covers `ahead` (0 where it does not move)."""
-    return np.where(rate > 0, ahead / np.where(rate > 0, rate, 1.0), 0.0)
-
-
 def _add(to: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
     """`to[at] += values`, repeated indices summed (as np.add.at, by bincount: faster)."""
     if len(at):
@@ -60,6 +56,132 @@ def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
     mean = np.maximum(1, total / np.maximum(n, 1))
     cols = np.arange(int(n.max()) if len(n) else 0)
     return np.where(cols[None, :] < n[:, None], mean[:, None], 0).astype(np.int64)
+
+
+@numba.njit(cache=True)
+def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, cell: np.ndarray,
+           pre_clock: np.ndarray, dec_clock: np.ndarray, prate: np.ndarray, drate: np.ndarray,
+           pre1: np.ndarray, dec1: np.ndarray, target: np.ndarray, left: np.ndarray, hist: np.ndarray,
+           phase: np.ndarray, n_pre: np.ndarray, n_dec: np.ndarray, pre_targets: np.ndarray,
+           pre_kv: np.ndarray, dec_base: np.ndarray, made: np.ndarray, rows: np.ndarray,
+           ends: np.ndarray) -> int:
+    """The slots whose sequence reaches its target in [t, t1) on its worker's clocks (at `prate`
+    and `drate` each from `pre_clock` and `dec_clock` to `pre1` and `dec1`): a prefill that ends
+    starts decoding then, with the rest of the tick at the decode rate; a decode that ends is a
+    turn done. Updates the rows, the slots' targets and the workers' sums and tokens `made`;
+    writes the rows whose turn ended and when into `rows` and `ends` and returns how many.
+    (Compiled: a tick scans every slot.)"""
+    workers, slots = cell.shape
+    done = 0
+    for w in range(workers):
+        for k in range(slots):
+            if pre_at[w, k] <= pre1[w]:
+                r = cell[w, k]
+                at = t + (target[r] - pre_clock[w]) / prate[w] if prate[w] > 0 else t
+                pre_at[w, k] = np.inf
+                n_pre[w] -= 1
+                pre_targets[w] -= target[r]
+                pre_kv[w] -= hist[r]
+                v0 = dec_clock[w] + drate[w] * (at - t)
+                phase[r] = DECODE
+                target[r] = v0 + left[r]
+                dec_at[w, k] = target[r]
+                n_dec[w] += 1
+                dec_base[w] += hist[r] - v0
+                made[w] += dec1[w] - v0
+            if dec_at[w, k] <= dec1[w]:
+                r = cell[w, k]
+                at = t + (target[r] - dec_clock[w]) / drate[w] if drate[w] > 0 else t
+                made[w] -= dec1[w] - target[r]
+                dec_at[w, k] = np.inf
+                n_dec[w] -= 1
+                dec_base[w] -= hist[r] - (target[r] - left[r])
+                rows[done] = r
+                ends[done] = min(at, t1)
+                done += 1
+    return done
+
+
+@numba.njit(cache=True)
+def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray, placements: int,
+           response: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray, occ: np.ndarray,
+           phase: np.ndarray, target: np.ndarray, hist: np.ndarray, cached: np.ndarray, begins: np.ndarray,
+           placed: np.ndarray, order: np.ndarray, left: np.ndarray) -> None:
+    """`BatchedRound.place`, row by row. (Compiled: thousands of turns a tick.)"""
+    for i in range(len(rows)):
+        r, w = rows[i], wids[i]
+        if worker[r] != w:
+            if slot[r] >= 0:
+                cell[worker[r], slot[r]] = -1
+                occ[worker[r]] -= 1
+            k = 0
+            while cell[w, k] >= 0:
+                k += 1
+            cell[w, k] = r
+            slot[r] = k
+            worker[r] = w
+            occ[w] += 1
+        phase[r] = PREFILL
+        target[r] = hist[r] - (cached[r] if hits[i] else 0.0)     # prompt tokens, until it starts
+        begins[r] = begin[i]
+        placed[r] = True
+        order[r] = placements + i + 1
+        if left[r] <= 0:
+            left[r] = response[i]
+
+
+@numba.njit(cache=True)
+def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.ndarray, slot: np.ndarray,
+                   target: np.ndarray, begins: np.ndarray, hist: np.ndarray, placed: np.ndarray,
+                   pre_clock: np.ndarray, n_pre: np.ndarray, pre_targets: np.ndarray, pre_kv: np.ndarray,
+                   pre_at: np.ndarray) -> None:
+    """`BatchedRound.start_prefill`, row by row: each target on its worker's prefill clock."""
+    for r in rows:
+        w = worker[r]
+        target[r] = pre_clock[w] + prate[w] * (begins[r] - t) + target[r]
+        n_pre[w] += 1
+        pre_targets[w] += target[r]
+        pre_kv[w] += hist[r]
+        pre_at[w, slot[r]] = target[r]
+        placed[r] = False
+
+
+@numba.njit(cache=True)
+def _finish(rows: np.ndarray, ends: np.ndarray, turns: np.ndarray, serving: np.ndarray, hold: bool,
+            obs: float, env_step: float, left: np.ndarray, hist: np.ndarray, cached: np.ndarray,
+            produced: np.ndarray, turn: np.ndarray, previous: np.ndarray, worker: np.ndarray,
+            slot: np.ndarray, cell: np.ndarray, occ: np.ndarray, free: np.ndarray, phase: np.ndarray,
+            finished: np.ndarray, ready: np.ndarray) -> np.ndarray:
+    """`BatchedRound._finish_turns`, row by row; returns the rows whose trajectory goes on."""
+    more = np.empty(len(rows), np.int64)
+    going = 0
+    for i in range(len(rows)):
+        r = rows[i]
+        w = worker[r]
+        hist[r] += left[r]
+        cached[r] = hist[r]
+        produced[r] = 0.0
+        left[r] = 0.0
+        turn[r] += 1
+        previous[r] = w
+        if serving[w]:
+            free[w] += 1
+        done = turn[r] >= turns[r]
+        if done or not hold:
+            cell[w, slot[r]] = -1
+            occ[w] -= 1
+            slot[r] = -1
+            worker[r] = -1
+        if done:
+            phase[r] = DONE
+            finished[r] = ends[i]
+        else:
+            phase[r] = ENV
+            hist[r] += obs
+            ready[r] = ends[i] + env_step
+            more[going] = r
+            going += 1
+    return more[:going]
 
 
 class BatchedRouter:
@@ -109,7 +231,7 @@ class BatchedRound:
         self.order = np.zeros(n)                     # placement order (the oldest first)
         self.finished = np.full(n, np.nan)
         self.queue = np.zeros(0, np.int64)           # queued rows, FIFO
-        self._ended = np.zeros(0, np.int64)          # rows whose turn ended in this tick
+        self._env = np.arange(n)                     # rows in their environment, not yet routed
         self._placements = 0
         # Per worker: its slots' rows, the two clocks, and running sums.
         self.cell = np.full((w, k), -1)
@@ -122,6 +244,7 @@ class BatchedRound:
         # Targets per slot, inf where none: what a tick compares its clocks with.
         self.pre_at = np.full((w, k), np.inf)
         self.dec_at = np.full((w, k), np.inf)
+        self._rows, self._ends = np.empty(w * k, np.int64), np.empty(w * k)   # turns ending in a pass
 
     @property
     def n(self) -> int:
@@ -141,9 +264,10 @@ class BatchedRound:
         return self.n_pre + self.n_dec
 
     def pending(self) -> np.ndarray:
-        """Prompt tokens each worker still has to prefill (none, not a sum's rounding, where no
-        sequence prefills)."""
-        return np.where(self.n_pre > 0, np.maximum(0.0, self.pre_targets - self.n_pre * self.pre_clock), 0.0)
+        """Prompt tokens each worker still has to prefill: to a millionth, not a sum's rounding
+        (a whole prompt's tokens must not come out a hair over, and cost an iteration more)."""
+        left = np.where(self.n_pre > 0, np.maximum(0.0, self.pre_targets - self.n_pre * self.pre_clock), 0.0)
+        return np.round(left, 6)
 
     def decode_context(self) -> np.ndarray:
         return np.where(self.n_dec > 0, self.dec_base + self.n_dec * self.dec_clock, 0.0)
@@ -185,49 +309,19 @@ class BatchedRound:
     # -- moving sequences -------------------------------------------------------------------------
     def place(self, rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray) -> None:
         """The current turns of `rows` start on `wids` (a cache hit prefills only what is new),
-        each at `begin` (its clock target is set with the tick's rates, `start_prefill`)."""
+        each at `begin` (its clock target is set with the tick's rates, `start_prefill`); a row
+        keeps the slot it holds there, else takes a free one (routing gave it room)."""
         if not len(rows):
             return
-        keep = self.worker[rows] == wids        # still holding its slot there (between turns)
-        self._release(rows[~keep])
-        new = rows[~keep]
-        if len(new):
-            self._take_slots(new, wids[~keep])
-        ctx = np.where(hits, self.cached[rows], 0.0)
-        self.worker[rows] = wids
-        self.phase[rows] = PREFILL
-        self.target[rows] = self.hist[rows] - ctx      # prompt tokens, until `start_prefill`
-        self.begin[rows] = begin
-        self.placed[rows] = True
-        self.order[rows] = self._placements + np.arange(1, len(rows) + 1)
+        _place(rows, wids, hits, begin, self._placements, self.responses(rows), self.worker, self.slot,
+               self.cell, self.occ, self.phase, self.target, self.hist, self.cached, self.begin, self.placed,
+               self.order, self.left)
         self._placements += len(rows)
-        fresh = self.left[rows] <= 0
-        self.left[rows[fresh]] = self.responses(rows[fresh])
 
     def start_prefill(self, rows: np.ndarray, t: float, prate: np.ndarray) -> None:
         """Placed rows join their worker's prefill from `begin` at the tick's per-prompt rate."""
-        if not len(rows):
-            return
-        w = self.worker[rows]
-        tokens = self.target[rows]
-        self.target[rows] = self.pre_clock[w] + prate[w] * (self.begin[rows] - t) + tokens
-        _add(self.n_pre, w, 1)
-        _add(self.pre_targets, w, self.target[rows])
-        _add(self.pre_kv, w, self.hist[rows])
-        self.pre_at[w, self.slot[rows]] = self.target[rows]
-        self.placed[rows] = False
-
-    def _take_slots(self, rows: np.ndarray, wids: np.ndarray) -> None:
-        order = np.argsort(wids, kind="stable")
-        rows, wids = rows[order], wids[order]
-        first = np.r_[True, wids[1:] != wids[:-1]]
-        rank = np.arange(len(wids)) - np.maximum.accumulate(np.where(first, np.arange(len(wids)), 0))
-        free = self.cell[wids] < 0
-        # The rank-th free slot of each worker.
-        nth = np.argmax(np.cumsum(free, axis=1) > rank[:, None], axis=1)
-        self.cell[wids, nth] = rows
-        self.slot[rows] = nth
-        self.occ += np.bincount(wids, minlength=len(self.occ))
+        _start_prefill(rows, t, prate, self.worker, self.slot, self.target, self.begin, self.hist,
+                       self.placed, self.pre_clock, self.n_pre, self.pre_targets, self.pre_kv, self.pre_at)
 
     def _release(self, rows: np.ndarray) -> None:
         """Free the slots `rows` hold (between turns, or before a move)."""
@@ -284,7 +378,6 @@ class BatchedRound:
         times, environments step, and turns ready within the tick are routed and run in it too, up
         to SUBPASSES times. Returns the tokens each worker generated."""
         t1 = t + dt
-        self._ended = np.zeros(0, np.int64)
         dec0 = self.n_dec.copy()
         # Fair share of the decode tiers: the worker's tokens/s over its decoding sequences.
         n = np.maximum(dec0, 1)
@@ -301,6 +394,8 @@ class BatchedRound:
             made += self._events(t, t1, prate, drate, pre1, dec1)
             if sub == SUBPASSES:
                 break
+            if not self._routable(t1):
+                break
             rows = self.route(t, t1, credit=False)
             if not len(rows):
                 break
@@ -314,119 +409,119 @@ class BatchedRound:
         """Prefills and decodes that reach their targets by the tick's end; returns the decode
         tokens to correct the tick's count by (joining and leaving within it)."""
         made = np.zeros(len(drate))
-        w, k = np.nonzero(self.pre_at <= pre1[:, None])
-        if len(w):
-            rows = self.cell[w, k]
-            at = t + _after(self.target[rows] - self.pre_clock[w], prate[w])
-            self.pre_at[w, k] = np.inf
-            _add(self.n_pre, w, -1)
-            _add(self.pre_targets, w, -self.target[rows])
-            _add(self.pre_kv, w, -self.hist[rows])
-            v0 = self.dec_clock[w] + drate[w] * (at - t)
-            self.phase[rows] = DECODE
-            self.target[rows] = v0 + self.left[rows]
-            self.dec_at[w, k] = self.target[rows]
-            _add(self.n_dec, w, 1)
-            _add(self.dec_base, w, self.hist[rows] - v0)
-            _add(made, w, dec1[w] - v0)
-        w, k = np.nonzero(self.dec_at <= dec1[:, None])
-        if len(w):
-            rows = self.cell[w, k]
-            at = t + _after(self.target[rows] - self.dec_clock[w], drate[w])
-            _add(made, w, -(dec1[w] - self.target[rows]))
-            self.dec_at[w, k] = np.inf
-            _add(self.n_dec, w, -1)
-            _add(self.dec_base, w, -(self.hist[rows] - self._v0(rows)))
-            self._finish_turns(rows, np.minimum(at, t1))
+        done = _reach(t, t1, self.pre_at, self.dec_at, self.cell, self.pre_clock, self.dec_clock, prate,
+                      drate, pre1, dec1, self.target, self.left, self.hist, self.phase, self.n_pre,
+                      self.n_dec, self.pre_targets, self.pre_kv, self.dec_base, made, self._rows, self._ends)
+        if done:
+            self._finish_turns(self._rows[:done].copy(), self._ends[:done].copy())
         return made
 
     def _finish_turns(self, rows: np.ndarray, ends: np.ndarray) -> None:
-        """Generation of the current turns of `rows` ended at `ends`; the environment steps."""
-        self.hist[rows] += self.left[rows]
-        self.cached[rows] = self.hist[rows]
-        self.produced[rows] = 0.0
-        self.left[rows] = 0.0
-        self.turn[rows] += 1
-        self.previous[rows] = self.worker[rows]
-        self._ended = np.r_[self._ended, rows]
-        # The executor's free slots grow back at once, as `RoutingTable.complete` has them.
-        _add(self.router.free, self.worker[rows], self.router.workers.kind[self.worker[rows]] == COSERVE)
-        done = self.turn[rows] >= self.demand.turns[rows]
-        self.phase[rows] = np.where(done, DONE, ENV)
-        self.finished[rows[done]] = ends[done]
-        # A trajectory keeps its slot between turns where the cap counts trajectories.
-        self._release(rows[done] if self.router.hold_slots else rows)
-        more = rows[~done]
-        self.hist[more] += self.env.obs_tokens
-        self.ready[more] = ends[~done] + self.env.env_step_s
+        """Generation of the current turns of `rows` ended at `ends`; the environment steps. The
+        executor's free slots grow back at once, as `RoutingTable.complete` has them; a
+        trajectory keeps its slot between turns where the cap counts trajectories."""
+        w = self.router.workers
+        more = _finish(rows, ends, self.demand.turns, w.kind == COSERVE, self.router.hold_slots,
+                       float(self.env.obs_tokens), self.env.env_step_s, self.left, self.hist, self.cached,
+                       self.produced, self.turn, self.previous, self.worker, self.slot, self.cell, self.occ,
+                       self.router.free, self.phase, self.finished, self.ready)
+        self._env = np.r_[self._env, more]
 
     # -- routing ------------------------------------------------------------------------------------
-    def due(self, t1: float, among: np.ndarray | None = None) -> np.ndarray:
-        """Rows whose next turn is ready before t1 (of `among`, else of all), earliest first."""
-        if among is None:
-            rows = np.flatnonzero((self.phase == ENV) & (self.ready < t1))
-        else:
-            rows = among[(self.phase[among] == ENV) & (self.ready[among] < t1)]
+    def _routable(self, t1: float) -> bool:
+        """Whether a turn is due before t1, or one queued could find a slot."""
+        if (self.ready[self._env] < t1).any():
+            return True
+        if not len(self.queue):
+            return False
+        r, w = self.router, self.router.workers
+        room = np.where(w.kind == COSERVE, np.minimum(r.slots - self.occ, r.free), r.slots - self.occ)
+        return bool((w.registered & (room > 0)).any())
+
+    def _due(self, t1: float) -> np.ndarray:
+        """Rows in their environment whose next turn is ready before t1, earliest first."""
+        ready = self.ready[self._env] < t1
+        rows, self._env = self._env[ready], self._env[~ready]
         return rows[np.argsort(self.ready[rows], kind="stable")]
 
     def route(self, t: float, t1: float, credit: bool) -> np.ndarray:
-        """Route the queue (FIFO) and then the turns due before t1, as `choose_worker` would one by
-        one: cache affinity first (a dedicated worker that holds the trajectory's slot or has
-        room; a serving executor with room while moving would not pay), then `spread`; the rest
-        queue. A turn placed starts at its ready time, at most a tick back with `credit` (the
-        tick's first pass: it became ready during the previous tick). Returns the rows placed."""
+        """Route the queue (FIFO) and then the turns due before t1 (in order of readiness) as
+        `choose_worker` would one by one, in batches: the queue by `spread`; a due turn to its
+        previous worker (cache affinity: a dedicated worker where it holds its slot or that has
+        room; a serving executor with room unless moving to a dedicated one pays: then there, as
+        many as the dedicated room left), the others by `spread`; the rest queue. A turn placed
+        starts at its ready time, at most a tick back with `credit` (the tick's first pass: it
+        became ready during the previous tick). Returns the rows placed."""
         r, w = self.router, self.router.workers
-        # Within the tick only the turns that ended in it can have become ready.
-        ended = np.sort(self._ended)
-        ended = ended[np.r_[True, ended[1:] != ended[:-1]]] if len(ended) else ended
-        due = self.due(t1, None if credit else ended)
         cap = np.full(len(w.kind), r.slots)
+        serving, eligible = w.kind == COSERVE, w.registered
+        back = t - (t1 - t) if credit else t
+        placed = [self._spread(self.queue, back, queue_rest=False)]
+        due = self._due(t1)
         occupied = self.occupied()
-        serving = w.kind == COSERVE
-        eligible = w.registered
         prev = self.previous[due] if r.affinity else np.full(len(due), -1)
-        known = prev >= 0
-        p = np.where(known, prev, 0)
-        # Room on the previous worker, the slot the trajectory holds there counted free.
+        p = np.maximum(prev, 0)
         holds = self.worker[due] == prev
-        load = occupied[p] - holds
-        room = np.where(serving[p], np.minimum(cap[p] - load, r.free[p]), cap[p] - load)
-        ok = known & eligible[p] & (room > 0)
-        # A serving executor keeps the turn unless the least-loaded dedicated worker pays.
-        first = spread(1, np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
-        if len(first) and (ok & serving[p]).any():
-            d = int(first[0])
-            ok &= ~(serving[p] & pays(r.rate[d], occupied[d], occupied[d], r.rate[p], load))
-        # A worker is the previous one of at most its room's turns.
+        load = occupied[p] - holds          # as a turn sees it, its own slot given back first
+        ok = (prev >= 0) & eligible[p]
+        # Each goes back to its previous worker while that has room: its own held slot, or one
+        # nobody holds; an executor also only within its free rollout slots.
+        holders = np.bincount(p[ok & holds], minlength=len(cap))
+        allow = holders + np.maximum(0, cap - occupied)
+        allow = np.where(serving, np.minimum(allow, r.free), allow)
         idx = np.flatnonzero(ok)
-        order = idx[np.argsort(p[idx], kind="stable")]
+        order = idx[np.lexsort((~holds[idx], p[idx]))]
         pk = p[order]
         starts = np.r_[True, pk[1:] != pk[:-1]] if len(pk) else np.zeros(0, bool)
         rank = np.arange(len(pk)) - np.maximum.accumulate(np.where(starts, np.arange(len(pk)), 0))
-        ok[order[rank >= room[order]]] = False
-        back = t - (t1 - t) if credit else t
+        ok[order[rank >= allow[pk]]] = False
+        # An executor keeps its turns unless the least-loaded dedicated workers with room pay.
+        stay = np.flatnonzero(ok & serving[p])
+        dst = spread(len(stay), np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
+        stay, dst = stay[: len(dst)], dst
+        move = pays(r.rate[dst], occupied[dst], occupied[dst], r.rate[p[stay]], load[stay])
+        movers, dst = stay[move], dst[move]
+        ok[movers] = False
         kept = due[ok]
         self.place(kept, p[ok], np.ones(len(kept), bool), np.maximum(back, self.ready[kept]))
         r.counts[RouteReason.AFFINITY] += len(kept)
-        # The rest, FIFO: the queue, then the turns due now in order of readiness.
-        others = np.r_[self.queue, due[~ok]]
-        if not len(others):
-            return kept
-        self._release(others[self.worker[others] >= 0])
-        occupied = self.occupied()
-        wids = spread(len(others), np.where(eligible, occupied, cap), cap, np.where(serving, r.free, 0),
-                      serving)
-        placed, queued = others[: len(wids)], others[len(wids):]
+        moved = due[movers]
+        self._release(moved)
+        self.place(moved, dst, np.zeros(len(moved), bool), np.maximum(back, self.ready[moved]))
+        r.counts[RouteReason.LEAST_LOADED] += len(moved)
+        rest = np.ones(len(due), bool)
+        rest[ok] = False
+        rest[movers] = False
+        placed += [kept, moved, self._spread(due[rest], back, queue_rest=True)]
+        return np.concatenate(placed)
+
+    def _spread(self, rows: np.ndarray, back: float, queue_rest: bool) -> np.ndarray:
+        """Place `rows` in order by `spread` (no cache hit), from their ready time (at most `back`
+        ago); those that find no room queue (`queue_rest`: behind the queue; else they are the
+        queue, already waiting). Returns the rows placed."""
+        if not len(rows):
+            return rows
+        r, w = self.router, self.router.workers
+        if queue_rest:
+            self._release(rows[self.worker[rows] >= 0])
+        cap = np.full(len(w.kind), r.slots)
+        serving = w.kind == COSERVE
+        occupied = np.where(w.registered, self.occupied(), cap)
+        wids = spread(len(rows), occupied, cap, np.where(serving, r.free, 0), serving)
+        placed, queued = rows[: len(wids)], rows[len(wids):]
         if len(placed):
             on_serving = serving[wids]
-            np.subtract.at(r.free, wids[on_serving], 1)
+            _add(r.free, wids[on_serving], -1)
             r.counts[RouteReason.SERVING] += int(on_serving.sum())
             r.counts[RouteReason.LEAST_LOADED] += int((~on_serving).sum())
             self.place(placed, wids, np.zeros(len(placed), bool), np.maximum(back, self.ready[placed]))
-        r.counts[RouteReason.QUEUED] += int(np.count_nonzero(self.phase[queued] != WAIT))
-        self.phase[queued] = WAIT
-        self.queue = queued
-        return np.r_[kept, placed]
+        if queue_rest:
+            r.counts[RouteReason.QUEUED] += len(queued)
+            self.phase[queued] = WAIT
+            self.queue = np.r_[self.queue, queued]
+        else:
+            self.queue = queued
+        return placed
 
     def requeue(self, rows: np.ndarray) -> None:
         """Turns cut by a burst go to the front of the queue, with the tokens they produced."""
@@ -439,8 +534,11 @@ class BatchedRound:
         least-loaded dedicated workers, resumed there with their tokens. Returns the rows moved."""
         r, w = self.router, self.router.workers
         serving = w.kind == COSERVE
+        dedicated = ~serving & w.registered
+        if not (self.occ[dedicated] < r.slots).any():    # no dedicated room: no move (the common case)
+            return np.zeros(0, np.int64)
         active = self.active().astype(np.int64)
-        take = (~serving & w.registered) | (serving & (active > 0))
+        take = dedicated | (serving & (active > 0))
         idx = np.flatnonzero(take)
         dst, src = rebalance_moves(self.occupied()[idx], np.full(len(idx), r.slots), r.rate[idx], active[idx],
                                    serving[idx])

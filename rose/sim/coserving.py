@@ -7,7 +7,6 @@ replica. Its memory is `burst.BurstMemory`."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -188,24 +187,30 @@ class CoServing:
         iteration is bounded by the SLOs alone (`banked=False`); the inflation budgets bound how
         many serving iterations carry one (`rollout_duty`), as banked budgets do on a device.
         Each kind's admission comes back with its mean iteration time, with rollout work and
-        without. (A replica with no prompt waiting gets the same for both kinds.)"""
-        decoding = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
+        without. (A replica with no prompt waiting gets the same for both kinds.) Both kinds are
+        decided in one call, the replicas twice over: decode-only first."""
+        n = len(st.decode_context_tokens)
+        none = np.full(n, np.inf), np.zeros(n)
+        both = ServingState([(np.r_[none[0], a], np.r_[none[1], w]) for a, w in st.waiting],
+                            [np.r_[d, d] for d in st.decoding_last_token_s],
+                            np.r_[st.decode_context_tokens, st.decode_context_tokens])
         e = self.settings
+        twice = RolloutDemand(np.r_[demand.decode_context, demand.decode_context],
+                              np.r_[demand.prefill_tokens, demand.prefill_tokens])
+        a = admission_step(t, both, twice, self.latency, self.slo, self.chunk, banked=False,
+                           arrival_reserve_tokens=e.arrival_reserve_tokens,
+                           idle_min_tokens=e.idle_min_rollout_tokens)
+        alone = self.latency.iteration_time(both.load(self.chunk), TokenLoad())
+        duty = np.r_[np.broadcast_to(rollout_duty(alone[:n], a.iteration_s[:n], self.slo.tpot_inflation), n),
+                     np.broadcast_to(rollout_duty(alone[n:], a.iteration_s[n:], self.slo.ttft_inflation), n)]
+        iteration = duty * a.iteration_s + (1 - duty) * alone
 
-        def step(state: ServingState) -> Admission:
-            return admission_step(t, state, demand, self.latency, self.slo, self.chunk, banked=False,
-                                  arrival_reserve_tokens=e.arrival_reserve_tokens,
-                                  idle_min_tokens=e.idle_min_rollout_tokens)
+        def kind(part: slice) -> Admission:
+            return Admission(*(np.broadcast_to(x, (2 * n,))[part]
+                               for x in (a.decode_seqs, a.prefill_tokens, iteration, a.limit_s,
+                                         a.prefill_slack_s, a.decode_slack_s)))
 
-        a_d = step(decoding)
-        a_p = step(st) if st.waiting else a_d
-        alone_d = self.latency.iteration_time(decoding.load(self.chunk), TokenLoad())
-        alone_p = self.latency.iteration_time(st.load(self.chunk), TokenLoad()) if st.waiting else alone_d
-        duty_d = rollout_duty(alone_d, a_d.iteration_s, self.slo.tpot_inflation)
-        duty_p = rollout_duty(alone_p, a_p.iteration_s, self.slo.ttft_inflation)
-        a_d = dataclasses.replace(a_d, iteration_s=duty_d * a_d.iteration_s + (1 - duty_d) * alone_d)
-        a_p = dataclasses.replace(a_p, iteration_s=duty_p * a_p.iteration_s + (1 - duty_p) * alone_p)
-        return a_p, a_d, duty_p, duty_d
+        return kind(slice(n, None)), kind(slice(None, n)), duty[n:], duty[:n]
 
     def _naive(self, serving_decodes: np.ndarray, serving_ctx: np.ndarray, demand: RolloutDemand,
                backlog: np.ndarray, chunk: int) -> tuple[Admission, Admission, np.ndarray]:

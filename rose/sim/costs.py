@@ -178,9 +178,13 @@ class ForwardCost:
     def time(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount = 1) -> Amount:
         """Forward time for `prefill` prompt tokens (in chunks over `chunk_seqs` sequences),
         `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
-        over numpy arrays (`_roofline` compiled to a ufunc: a simulator of thousands of replicas
-        asks it tens of times a tick)."""
-        return _roofline_ufunc(prefill, decode, ctx, chunk_seqs, *self.terms)
+        over numpy arrays (`_roofline` compiled, each load in one loop: a simulator of thousands of
+        replicas asks it tens of times a tick)."""
+        args = [x if isinstance(x, np.ndarray) else np.array(x, np.float64)
+                for x in (prefill, decode, ctx, chunk_seqs)]
+        shape = max((x.shape for x in args), key=len)
+        out = _roofline_each(*(x.astype(np.float64, copy=False).reshape(-1) for x in args), *self.terms)
+        return out.reshape(shape) if shape else float(out[0])
 
     def scalar(self, load: TokenLoad) -> Amount:
         """`time` of one iteration's load, as the admission policy asks it (about 600k times a
@@ -209,7 +213,20 @@ def _roofline(prefill: float, decode: float, ctx: float, chunk_seqs: float, s_to
     return max(compute, s_weights + s_kv * (ctx + tokens)) + fixed
 
 
-_roofline_ufunc = numba.vectorize(["float64(" + ", ".join(["float64"] * 11) + ")"], cache=True)(_roofline)
+_roofline_compiled = numba.njit(cache=True)(_roofline)
+
+
+@numba.njit(cache=True)
+def _roofline_each(prefill: np.ndarray, decode: np.ndarray, ctx: np.ndarray, chunk_seqs: np.ndarray,
+                   *terms: float) -> np.ndarray:
+    """`_roofline` of each load: arrays of one length, or of one entry (the same for all)."""
+    n = max(len(prefill), len(decode), len(ctx), len(chunk_seqs))
+    out = np.empty(n)
+    for i in range(n):
+        out[i] = _roofline_compiled(prefill[i if len(prefill) > 1 else 0],
+                                    decode[i if len(decode) > 1 else 0], ctx[i if len(ctx) > 1 else 0],
+                                    chunk_seqs[i if len(chunk_seqs) > 1 else 0], *terms)
+    return out
 
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads

@@ -425,8 +425,24 @@ def _cpu_bench_burst() -> Scenario:
     )
 
 
+def _fleet_day() -> Scenario:
+    # paper-8b's models, SLOs, per-GPU workload (85 trajectories a training GPU, 3 serving GPUs to
+    # each training GPU, as sweep-scale) on 10,000 H800s, every GPU simulated, through a whole
+    # day of the diurnal trace from midnight: serving replicas in aggregate, rollouts in batches.
+    base = _paper_8b()
+    return dataclasses.replace(
+        base, name="fleet-day",
+        description="paper-8b's models, SLOs and per-GPU workload on 2,500 training and 7,500 serving H800s, "
+                    "24 h of the diurnal trace, every GPU simulated (aggregate serving, batched rollouts)",
+        cluster=ClusterConfig(train_gpus=2500, serving_gpus=7500),
+        serving=dataclasses.replace(base.serving, start_hour=0.0),
+        rl=dataclasses.replace(base.rl, trajectories=256 * round(85 * 2500 / 256), steps=1000),
+        sim=SimConfig(tick_s=16.0, duration_s=86400.0, serving_model="aggregate", rollout_model="batched",
+                      systems=["rose"]))
+
+
 SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b, "cpu-bench-train": _cpu_bench_train,
-             "cpu-bench-burst": _cpu_bench_burst}
+             "cpu-bench-burst": _cpu_bench_burst, "fleet-day": _fleet_day}
 SWEEPS: dict[str, Sweep] = {s.name: s for s in (
     Sweep("sweep-bandwidth", "cross-cluster bandwidth 10-200 Gb/s: sparse deltas against full weights",
           "paper-8b", "cluster.cross_gbps", (10, 25, 50, 100, 200),
