@@ -379,9 +379,12 @@ class BatchedRound:
         to SUBPASSES times. Returns the tokens each worker generated."""
         t1 = t + dt
         dec0 = self.n_dec.copy()
-        # Fair share of the decode tiers: the worker's tokens/s over its decoding sequences.
+        # Fair share of the decode tiers: the worker's tokens/s over its decoding sequences; where
+        # none decodes yet, those that finish their prefill in the tick decode at the top tier
+        # (as the per-turn model has them).
         n = np.maximum(dec0, 1)
-        drate = (np.minimum(n, plan.cap1) * plan.rate1 + np.minimum(n, plan.cap2) * plan.rate2) / n
+        drate = np.where(dec0 > 0, (np.minimum(n, plan.cap1) * plan.rate1 + np.minimum(n, plan.cap2) * plan.rate2) / n,
+                         plan.rate1 + plan.rate2)
         prate = plan.prefill_rate / np.maximum(self.prefill_load()[1], 1)
         # What does not fit in a worker's KV budget waits: its rates shrink in proportion.
         kv = self.kv()
@@ -399,8 +402,10 @@ class BatchedRound:
             rows = self.route(t, t1, credit=False)
             if not len(rows):
                 break
-            # Placed within the tick, from their ready time, at the tick's rates.
-            self.start_prefill(rows, t, prate)
+            # Placed within the tick, from their ready time, at the tick's rates; on a worker the
+            # tick gave no prefill (none was pending as it began), from their ready time next tick
+            # (as the per-turn model has them).
+            self.start_prefill(rows[prate[self.worker[rows]] > 0], t, prate)
         self.pre_clock, self.dec_clock = pre1, dec1
         return made
 
