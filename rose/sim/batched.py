@@ -383,8 +383,8 @@ class BatchedRound:
         # none decodes yet, those that finish their prefill in the tick decode at the top tier
         # (as the per-turn model has them).
         n = np.maximum(dec0, 1)
-        drate = np.where(dec0 > 0, (np.minimum(n, plan.cap1) * plan.rate1 + np.minimum(n, plan.cap2) * plan.rate2) / n,
-                         plan.rate1 + plan.rate2)
+        shared = (np.minimum(n, plan.cap1) * plan.rate1 + np.minimum(n, plan.cap2) * plan.rate2) / n
+        drate = np.where(dec0 > 0, shared, plan.rate1 + plan.rate2)
         prate = plan.prefill_rate / np.maximum(self.prefill_load()[1], 1)
         # What does not fit in a worker's KV budget waits: its rates shrink in proportion.
         kv = self.kv()
