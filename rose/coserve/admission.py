@@ -289,7 +289,7 @@ def _prefill_terms(now: float, serving: ServingState, slo: SLOBudgets,
     completes), FIFO at `chunk_tokens` of serving prefill per iteration."""
     out, ahead = [], 0
     for arrival, tokens in serving.waiting:
-        ahead += tokens
+        ahead = ahead + tokens      # not in place: a column must not change
         out.append((arrival + slo.ttft_s - now, _max(1, _ceil(ahead / chunk_tokens))))
     return out
 
@@ -310,7 +310,7 @@ def _ceiling(now: float, serving: ServingState, slo: SLOBudgets, terms: list[tup
             # Token n + 1 keeps (last - first) / n <= B_TPOT while it comes by first + n B_TPOT.
             room = _max(room, first + n * slo.tpot_s - now - reserve_s)
             taken = serving.decoding_rollout_s[i]
-            own += now - first - taken
+            own = own + now - first - taken
         limit = _min(limit, room)
         if math.isfinite(slo.tpot_inflation):
             spent = serving_s + slo.tpot_inflation * own - taken

@@ -32,8 +32,8 @@ import numpy as np
 from rose.coserve.admission import ServingState
 from rose.traces import Diurnal, Trace
 
-# Latency bins: log-spaced from 0.1 ms to 1,000 s, 3% wide (a P99 is read within 3%).
-_LO_S, _STEP = 1e-4, 0.03
+# Latency bins: log-spaced from 0.1 ms to 1,000 s, 1% wide (a P99 is read within 1%).
+_LO_S, _STEP = 1e-4, 0.01
 _BINS = int(math.log(1e3 / _LO_S) / math.log1p(_STEP)) + 1
 # Probability levels at which a TTFT distribution is kept, finer in the tail that a P99 comes
 # from, and the share of requests each stands for.
