@@ -94,25 +94,26 @@ class LatencyHistogram:
         self.scale: dict[int, list[float]] = {}      # minute -> [real s per trace s x requests, requests]
         self.tpot: dict[int, np.ndarray] = {}
 
-    def add_ttft(self, minute: int, count: np.ndarray, backlog: np.ndarray, rate: np.ndarray,
-                 speed: np.ndarray, scale: float) -> None:
-        """`count` requests per replica, arriving to `backlog` prompt tokens ahead prefilled at
-        `rate` tokens/s (0: blocked, their wait beyond the histogram), the trace's own queueing at
-        `speed` (a fractional index into the speeds), `scale` real s per trace s."""
+    def ttft_cells(self, minute: int) -> np.ndarray:
+        """The TTFT cells [wait bin x speed index] of `minute`, to add requests to (the minutes
+        before the last are kept as their nonzero cells only)."""
         for m in [m for m in self._open if m < minute - 1]:
             h = self._open.pop(m)
             nz = np.flatnonzero(h)
             self.ttft[m] = nz, h[nz]
         if minute not in self._open:
             self._open[minute] = np.zeros(_BINS * _SPEEDS)
-        _count_ttft(self._open[minute], count, backlog, rate, speed)
-        acc = self.scale.setdefault(minute, [0.0, 0.0])
-        acc[0] += scale * float(count.sum())
-        acc[1] += float(count.sum())
+        return self._open[minute]
 
-    def add_tpot(self, minute: int, seconds: np.ndarray, count: np.ndarray) -> None:
-        h = np.bincount(_bin(seconds), weights=count, minlength=_BINS)
-        self.tpot[minute] = self.tpot[minute] + h if minute in self.tpot else h
+    def arrived(self, minute: int, requests: float, scale: float) -> None:
+        """`requests` arrived in `minute` at `scale` real seconds per trace second."""
+        acc = self.scale.setdefault(minute, [0.0, 0.0])
+        acc[0] += scale * requests
+        acc[1] += requests
+
+    def tpot_cells(self, minute: int) -> np.ndarray:
+        """The TPOT bins of `minute` (of completion), to add requests to."""
+        return self.tpot.setdefault(minute, np.zeros(_BINS))
 
     def minutes(self) -> list[int]:
         return sorted(set(self.ttft) | set(self._open) | set(self.tpot))
@@ -245,11 +246,6 @@ class AggregateServing:
         k, j = np.divmod(g, self.count)
         return k * self.tokens + self.prompt_sum[j]
 
-    def _prefilled_count(self, tokens: np.ndarray) -> np.ndarray:
-        """Requests whole prefilled when `tokens` prompt tokens are."""
-        k = np.floor(tokens / self.tokens)
-        return k.astype(np.int64) * self.count + self._prompt_index(tokens - k * self.tokens) - 1
-
     # -- state seen by the engine ---------------------------------------------------------------
     def arrivals_until(self, t1: float) -> None:
         if t1 != self._until:
@@ -300,111 +296,114 @@ class AggregateServing:
     # -- one tick ---------------------------------------------------------------------------------
     def advance(self, t: float, dt: float, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
                 prefill_per_iter: np.ndarray) -> None:
-        """Run [t, t + dt), as `ServingFleet.advance`."""
+        """Run [t, t + dt), as `ServingFleet.advance`: the fluid prefill of what waited and
+        arrived (first come first served), the requests it completes a new decode cohort, the
+        cohorts' decoding at the tick's pace; the tick's arrivals counted in the TTFT histogram
+        (`_SEEN_AT`), its finished requests in the TPOT one."""
         self.arrivals_until(t + dt)
-        rate = prefill_per_iter / prefill_iter_s                  # prompt tokens/s while prefilling
-        arrived = self.arrived_tokens - self.at_tick_tokens
-        before = self.at_tick_tokens - self.prefilled             # waiting from earlier ticks
-        self._record_ttft(t, dt, rate, before, arrived)
-        first, first_tokens = self.head, self.head_tokens
-        per_token = _prefill(dt, rate, before + arrived, prefill_iter_s, decode_iter_s, self.decode_floor_s,
-                             self.prefilled)
-        self.head = self._prefilled_count(self.prefilled)
-        self.head_tokens = self._prompt_at(self.head)
-        self._decode(t, dt, per_token, (self.head - first).astype(float), self.head_tokens - first_tokens)
-        self.at_tick, self.at_tick_tokens = self.arrived, self.arrived_tokens
-
-    def _record_ttft(self, t: float, dt: float, rate: np.ndarray, before: np.ndarray,
-                     arrived: np.ndarray) -> None:
-        """The tick's arrivals: the fluid queue's backlog delay, seen at `_SEEN_AT` of the tick,
-        and the trace's own queueing at the tick's prefill speed (a blocked replica's arrivals
-        wait beyond the histogram)."""
-        count = (self.arrived - self.at_tick).astype(float)
-        if not count.any():
-            return
-        # Real seconds per trace second now, and the prefill speed in prompt tokens per trace second.
-        scale = self.scale / float(self.diurnal.multiplier(self.day_start_s + t + dt / 2))
-        log_speed = np.log(np.maximum(rate * scale, self.speeds[0]) / self.speeds[0])
-        speed = np.minimum(log_speed / math.log(self.speeds[1] / self.speeds[0]), _SPEEDS - 1.0)
-        share = count / len(_SEEN_AT)
-        for at in _SEEN_AT:
-            backlog = np.maximum(0.0, before + (arrived / dt - rate) * at * dt)
-            self.log.add_ttft(int((t + at * dt) // 60), share, backlog, rate, speed, scale)
-
-    def _decode(self, t: float, dt: float, per_token: np.ndarray, started: np.ndarray,
-                prompts: np.ndarray) -> None:
         if not self.c_n.shape[1]:
             k = min(512, max(3, math.ceil(self.longest_s / dt) + 2))
             self.c_n, self.c_prompt, self.c_v0, self.c_alive = (np.zeros((self.n, k)) for _ in range(4))
-        speed = dt / per_token
-        self.clock += speed
-        s = self._slot
-        self._slot = (s + 1) % self.c_n.shape[1]
-        self.c_n[:, s], self.c_prompt[:, s] = started, prompts
-        # They started, on average, half-way through the tick; each has its first token.
-        self.c_v0[:, s] = self.clock - speed / 2
-        self.c_alive[:, s] = self.survival[0]      # those of one token are done at their first
-        finished = _cohorts(self.clock, self.c_n, self.c_prompt, self.c_v0, self.c_alive, self.survival,
-                            self._dec, self._ctx)
-        if finished.any():
-            self.log.add_tpot(int((t + dt) // 60), per_token, finished)
+        # Real seconds per trace second now: arrivals see the trace's own queueing at their speed.
+        scale = self.scale / float(self.diurnal.multiplier(self.day_start_s + t + dt / 2))
+        seen = [self.log.ttft_cells(int((t + at * dt) // 60)) for at in _SEEN_AT]
+        tpot = self.log.tpot_cells(int((t + dt) // 60))
+        index = self._prompt_index
+        speed_step = math.log(self.speeds[1] / self.speeds[0])
+        arrivals = _tick(dt, prefill_per_iter / prefill_iter_s, prefill_iter_s, decode_iter_s,
+                         self.decode_floor_s, scale, self.speeds[0], speed_step, np.array(_SEEN_AT),
+                         seen[0], seen[1], tpot, (self.arrived - self.at_tick).astype(float),
+                         self.arrived_tokens, self.at_tick_tokens, self.prefilled, self.head, self.head_tokens,
+                         self.prompt_sum, index.values, index.start, index.per_cell, self.count, self._slot,
+                         self.clock, self.c_n, self.c_prompt, self.c_v0, self.c_alive, self.survival,
+                         self._dec, self._ctx)
+        for at in _SEEN_AT:
+            self.log.arrived(int((t + at * dt) // 60), arrivals / len(_SEEN_AT), scale)
+        self._slot = (self._slot + 1) % self.c_n.shape[1]
+        self.at_tick, self.at_tick_tokens = self.arrived, self.arrived_tokens
 
 
 @numba.njit(cache=True)
-def _prefill(dt: float, rate: np.ndarray, waiting: np.ndarray, prefill_iter_s: np.ndarray,
-             decode_iter_s: np.ndarray, floor_s: float, prefilled: np.ndarray) -> np.ndarray:
-    """A tick's fluid prefill on each replica: what waits (and arrives), at most the rate's worth,
-    added to `prefilled`; returns each replica's seconds per decoded token, its iterations mixed
-    as the tick's prefill share has them (each at least `floor_s`)."""
-    per_token = np.empty(len(rate))
+def _tick(dt: float, rate: np.ndarray, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
+          floor_s: float, scale: float, speed0: float, speed_step: float, seen_at: np.ndarray,
+          cells0: np.ndarray, cells1: np.ndarray, tpot: np.ndarray, count: np.ndarray, arrived_tokens: np.ndarray, at_tick_tokens: np.ndarray,
+          prefilled: np.ndarray, head: np.ndarray, head_tokens: np.ndarray, prompt_sum: np.ndarray,
+          index_values: np.ndarray, index_start: np.ndarray, per_cell: float, requests: int, slot: int,
+          clock: np.ndarray, c_n: np.ndarray, c_prompt: np.ndarray, c_v0: np.ndarray, c_alive: np.ndarray,
+          survival: np.ndarray, decoding: np.ndarray, context: np.ndarray) -> float:
+    """`AggregateServing.advance` for every replica (compiled: every replica, every tick):
+    updates the running sums and cohorts in place, adds to the histograms' cells; returns the
+    requests that arrived."""
+    total = prompt_sum[-1]
+    arrivals = 0.0
     for r in range(len(rate)):
-        done = min(rate[r] * dt, waiting[r])
+        arrived = arrived_tokens[r] - at_tick_tokens[r]
+        before = at_tick_tokens[r] - prefilled[r]
+        if count[r] > 0:
+            arrivals += count[r]
+            speed = min(math.log(max(rate[r] * scale, speed0) / speed0) / speed_step, _SPEEDS - 1.0)
+            for i in range(len(seen_at)):
+                backlog = max(0.0, before + (arrived / dt - rate[r]) * seen_at[i] * dt)
+                _count_ttft(cells0 if i == 0 else cells1, count[r] / len(seen_at), backlog, rate[r], speed)
+        # Prefill: what waits, at most the rate's worth; decodes at the iterations' mixed pace.
+        done = min(rate[r] * dt, before + arrived)
         frac = min(1.0, done / rate[r] / dt) if rate[r] > 0 else 0.0
         prefilled[r] += done
-        per_token[r] = 1.0 / (frac / max(prefill_iter_s[r], floor_s)
-                              + (1.0 - frac) / max(decode_iter_s[r], floor_s))
-    return per_token
-
-
-@numba.njit(cache=True)
-def _count_ttft(cells: np.ndarray, count: np.ndarray, backlog: np.ndarray, rate: np.ndarray,
-                speed: np.ndarray) -> None:
-    """Add each replica's `count` to `cells` [wait bin x _SPEEDS]: its wait `backlog` / `rate`
-    (beyond the last bin when blocked), its speed split between the two nearest indices.
-    (Compiled: every replica, every tick.)"""
-    step = math.log1p(_STEP)
-    for r in range(len(count)):
-        if count[r] <= 0.0:
-            continue
-        wait = backlog[r] / rate[r] if rate[r] > 0 else math.inf
-        b = _BINS - 1
-        if wait < 1e300:
-            b = min(_BINS - 1, int(math.log(max(wait, _LO_S) / _LO_S) / step))
-        lo = int(speed[r])
-        up = speed[r] - lo
-        cells[b * _SPEEDS + lo] += count[r] * (1.0 - up)
-        cells[b * _SPEEDS + min(lo + 1, _SPEEDS - 1)] += count[r] * up
-
-
-@numba.njit(cache=True)
-def _cohorts(clock: np.ndarray, n: np.ndarray, prompt: np.ndarray, v0: np.ndarray, alive: np.ndarray,
-             survival: np.ndarray, decoding: np.ndarray, context: np.ndarray) -> np.ndarray:
-    """Each replica's cohorts at its decode `clock`: the share of each still decoding (`alive`,
-    updated), and per replica the requests decoding, their context, and those that finished
-    since the last call (returned). (Compiled: every replica's every cohort, every tick.)"""
-    replicas, k = n.shape
-    last = len(survival) - 1
-    finished = np.zeros(replicas)
-    for r in range(replicas):
-        dec = ctx = done = 0.0
-        for c in range(k):
-            if n[r, c] == 0.0:
+        per_token = 1.0 / (frac / max(prefill_iter_s[r], floor_s)
+                           + (1.0 - frac) / max(decode_iter_s[r], floor_s))
+        # The requests whole prefilled: a new cohort, each with its first token.
+        k = math.floor(prefilled[r] / total)
+        y = prefilled[r] - k * total
+        j = index_start[min(max(int(y * per_cell) - 1, 0), len(index_start) - 1)]
+        while index_values[j] <= y:
+            j += 1
+        new_head = k * requests + j - 1
+        new_tokens = _prompt_before(new_head, requests, total, prompt_sum)
+        speed_tokens = dt / per_token
+        clock[r] += speed_tokens
+        c_n[r, slot] = new_head - head[r]
+        c_prompt[r, slot] = new_tokens - head_tokens[r]
+        c_v0[r, slot] = clock[r] - speed_tokens / 2        # half-way through the tick, on average
+        c_alive[r, slot] = survival[0]                     # those of one token are done at their first
+        head[r], head_tokens[r] = new_head, new_tokens
+        dec = ctx = finished = 0.0
+        for c in range(c_n.shape[1]):
+            if c_n[r, c] == 0.0:
                 continue
-            v = max(0.0, clock[r] - v0[r, c])
-            now = survival[min(int(v), last)]
-            done += n[r, c] * (alive[r, c] - now)
-            alive[r, c] = now
-            dec += n[r, c] * now
-            ctx += now * prompt[r, c] + n[r, c] * now * (1.0 + v)
-        decoding[r], context[r], finished[r] = dec, ctx, done
-    return finished
+            v = max(0.0, clock[r] - c_v0[r, c])
+            now = survival[min(int(v), len(survival) - 1)]
+            finished += c_n[r, c] * (c_alive[r, c] - now)
+            c_alive[r, c] = now
+            dec += c_n[r, c] * now
+            ctx += now * c_prompt[r, c] + c_n[r, c] * now * (1.0 + v)
+        decoding[r], context[r] = dec, ctx
+        if finished > 0:
+            tpot[_bin_of(per_token)] += finished
+    return arrivals
+
+
+@numba.njit(cache=True)
+def _prompt_before(g: int, requests: int, total: float, prompt_sum: np.ndarray) -> float:
+    """Prompt tokens of the requests before running index g (the trace tiled)."""
+    k = g // requests
+    return k * total + prompt_sum[g - k * requests]
+
+
+@numba.njit(cache=True)
+def _bin_of(seconds: float) -> int:
+    if seconds >= 1e300:
+        return _BINS - 1
+    return min(_BINS - 1, int(math.log(max(seconds, _LO_S) / _LO_S) / math.log1p(_STEP)))
+
+
+@numba.njit(cache=True)
+def _count_ttft(cells: np.ndarray, count: float, backlog: float, rate: float, speed: float) -> None:
+    """Add `count` requests to `cells` [wait bin x _SPEEDS]: their wait `backlog` / `rate` (beyond
+    the last bin when blocked), their speed split between the two nearest indices."""
+    b = _bin_of(backlog / rate if rate > 0 else math.inf)
+    lo = int(speed)
+    up = speed - lo
+    cells[b * _SPEEDS + lo] += count * (1.0 - up)
+    cells[b * _SPEEDS + min(lo + 1, _SPEEDS - 1)] += count * up
+
+

@@ -444,9 +444,12 @@ class BatchedRound:
         return bool((w.registered & (room > 0)).any())
 
     def _due(self, t1: float) -> np.ndarray:
-        """Rows in their environment whose next turn is ready before t1, earliest first."""
+        """Rows in their environment whose next turn is ready before t1 (in no order)."""
         ready = self.ready[self._env] < t1
         rows, self._env = self._env[ready], self._env[~ready]
+        return rows
+
+    def _by_ready(self, rows: np.ndarray) -> np.ndarray:
         return rows[np.argsort(self.ready[rows], kind="stable")]
 
     def route(self, t: float, t1: float, credit: bool) -> np.ndarray:
@@ -475,13 +478,18 @@ class BatchedRound:
         allow = holders + np.maximum(0, cap - occupied)
         allow = np.where(serving, np.minimum(allow, r.free), allow)
         idx = np.flatnonzero(ok)
-        order = idx[np.lexsort((~holds[idx], p[idx]))]
-        pk = p[order]
-        starts = np.r_[True, pk[1:] != pk[:-1]] if len(pk) else np.zeros(0, bool)
-        rank = np.arange(len(pk)) - np.maximum.accumulate(np.where(starts, np.arange(len(pk)), 0))
-        ok[order[rank >= allow[pk]]] = False
-        # An executor keeps its turns unless the least-loaded dedicated workers with room pay.
+        over = np.bincount(p[idx], minlength=len(cap)) > allow
+        idx = idx[over[p[idx]]]          # only where more turns come back than there is room
+        if len(idx):
+            order = idx[np.lexsort((~holds[idx], p[idx]))]
+            pk = p[order]
+            starts = np.r_[True, pk[1:] != pk[:-1]]
+            rank = np.arange(len(pk)) - np.maximum.accumulate(np.where(starts, np.arange(len(pk)), 0))
+            ok[order[rank >= allow[pk]]] = False
+        # An executor keeps its turns unless the least-loaded dedicated workers with room pay
+        # (weighed in order of readiness; the rest go back unordered: each to its own worker).
         stay = np.flatnonzero(ok & serving[p])
+        stay = stay[np.argsort(self.ready[due[stay]], kind="stable")]
         dst = spread(len(stay), np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
         stay, dst = stay[: len(dst)], dst
         move = pays(r.rate[dst], occupied[dst], occupied[dst], r.rate[p[stay]], load[stay])
@@ -497,7 +505,7 @@ class BatchedRound:
         rest = np.ones(len(due), bool)
         rest[ok] = False
         rest[movers] = False
-        placed += [kept, moved, self._spread(due[rest], back, queue_rest=True)]
+        placed += [kept, moved, self._spread(self._by_ready(due[rest]), back, queue_rest=True)]
         return np.concatenate(placed)
 
     def _spread(self, rows: np.ndarray, back: float, queue_rest: bool) -> np.ndarray:
