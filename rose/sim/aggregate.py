@@ -42,7 +42,7 @@ _WEIGHTS = np.r_[np.full(9, 0.1), np.full(9, 0.01), np.full(10, 0.001)]
 # Prefill speeds (prompt tokens per second of trace time) the trace's own queueing is known at:
 # from just above the trace's token arrival rate to 10^4 times it.
 _SPEEDS = 64
-# Two points of a tick at which its arrivals see the fluid queue's backlog (fractions of it).
+# The two points of a tick at which its arrivals see the fluid queue's backlog (fractions of it).
 _SEEN_AT = (0.25, 0.75)
 
 
@@ -313,7 +313,8 @@ class AggregateServing:
         arrivals = _tick(dt, prefill_per_iter / prefill_iter_s, prefill_iter_s, decode_iter_s,
                          self.decode_floor_s, scale, self.speeds[0], speed_step, np.array(_SEEN_AT),
                          seen[0], seen[1], tpot, (self.arrived - self.at_tick).astype(float),
-                         self.arrived_tokens, self.at_tick_tokens, self.prefilled, self.head, self.head_tokens,
+                         self.arrived_tokens, self.at_tick_tokens, self.prefilled, self.head,
+                         self.head_tokens,
                          self.prompt_sum, index.values, index.start, index.per_cell, self.count, self._slot,
                          self.clock, self.c_n, self.c_prompt, self.c_v0, self.c_alive, self.survival,
                          self._dec, self._ctx)
@@ -326,7 +327,8 @@ class AggregateServing:
 @numba.njit(cache=True)
 def _tick(dt: float, rate: np.ndarray, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
           floor_s: float, scale: float, speed0: float, speed_step: float, seen_at: np.ndarray,
-          cells0: np.ndarray, cells1: np.ndarray, tpot: np.ndarray, count: np.ndarray, arrived_tokens: np.ndarray, at_tick_tokens: np.ndarray,
+          cells0: np.ndarray, cells1: np.ndarray, tpot: np.ndarray, count: np.ndarray,
+          arrived_tokens: np.ndarray, at_tick_tokens: np.ndarray,
           prefilled: np.ndarray, head: np.ndarray, head_tokens: np.ndarray, prompt_sum: np.ndarray,
           index_values: np.ndarray, index_start: np.ndarray, per_cell: float, requests: int, slot: int,
           clock: np.ndarray, c_n: np.ndarray, c_prompt: np.ndarray, c_v0: np.ndarray, c_alive: np.ndarray,
@@ -342,9 +344,9 @@ def _tick(dt: float, rate: np.ndarray, prefill_iter_s: np.ndarray, decode_iter_s
         if count[r] > 0:
             arrivals += count[r]
             speed = min(math.log(max(rate[r] * scale, speed0) / speed0) / speed_step, _SPEEDS - 1.0)
-            for i in range(len(seen_at)):
-                backlog = max(0.0, before + (arrived / dt - rate[r]) * seen_at[i] * dt)
-                _count_ttft(cells0 if i == 0 else cells1, count[r] / len(seen_at), backlog, rate[r], speed)
+            gain = (arrived / dt - rate[r]) * dt
+            _count_ttft(cells0, count[r] / 2, max(0.0, before + gain * seen_at[0]), rate[r], speed)
+            _count_ttft(cells1, count[r] / 2, max(0.0, before + gain * seen_at[1]), rate[r], speed)
         # Prefill: what waits, at most the rate's worth; decodes at the iterations' mixed pace.
         done = min(rate[r] * dt, before + arrived)
         frac = min(1.0, done / rate[r] / dt) if rate[r] > 0 else 0.0
