@@ -392,7 +392,8 @@ def test_arrays_decide_for_each_device_as_the_device_alone():
         assert many.iteration_s.tolist() == pytest.approx([a.iteration_s for a in one])
         assert many.limit_s.tolist() == pytest.approx([a.limit_s for a in one])
         decodes_only = ServingState((), state.decoding_last_token_s, ctx)
-        capacity = rollout_capacity(now, decodes_only, RolloutDemand(matrix), latency, slo, 3000, 512, limit=limit)
+        capacity = rollout_capacity(now, decodes_only, RolloutDemand(matrix), latency, slo, 3000, 512,
+                                    limit=limit)
         assert np.broadcast_to(capacity, n).tolist() == free
 
 
