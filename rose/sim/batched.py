@@ -246,10 +246,6 @@ class BatchedRound:
         self.dec_at = np.full((w, k), np.inf)
         self._rows, self._ends = np.empty(w * k, np.int64), np.empty(w * k)   # turns ending in a pass
 
-    @property
-    def n(self) -> int:
-        return len(self.phase)
-
     def all_done(self) -> bool:
         return bool(np.all(self.phase == DONE))
 
