@@ -2,7 +2,10 @@
 
 Pure decisions over plain numbers (no I/O, no tensors, no clock): the co-serving executor calls
 them once per iteration with what it measured, and the cluster simulator calls the very same
-code with what it simulated.
+code with what it simulated. Every decision also takes numpy arrays in place of its numbers, one
+entry per device (`ServingState`, `RolloutDemand`, `BurstController`: "Arrays"), so that a
+simulator of thousands of devices decides for all of them in one call; the branches are
+elementwise selects (`_where`), the searches bisect every device at once (`_largest`).
 
 Compute (`admit`): for each serving request r the design defines
     prefill slack  S_prf = (t_arr + B_TTFT) - t_now - T_prf(L_r)
@@ -54,7 +57,9 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from rose.contracts import TokenLoad
 from rose.coserve.settings import (
@@ -65,6 +70,51 @@ from rose.coserve.settings import (
     IDLE_MIN_ROLLOUT_TOKENS,
     ExecutorConfig,
 )
+
+# -- one decision for a device or for many ------------------------------------------------------
+# A number, or a numpy array of them with one entry per device.
+Num = Any
+
+
+def _is_array(*xs: Num) -> bool:
+    return any(isinstance(x, np.ndarray) for x in xs)
+
+
+def _min(a: Num, b: Num) -> Num:
+    return np.minimum(a, b) if _is_array(a, b) else min(a, b)
+
+
+def _max(a: Num, b: Num) -> Num:
+    return np.maximum(a, b) if _is_array(a, b) else max(a, b)
+
+
+def _where(cond: Num, a: Num, b: Num) -> Num:
+    """`a` where `cond` holds, else `b`: the branch of one device, or of each device."""
+    return np.where(cond, a, b) if _is_array(cond, a, b) else (a if cond else b)
+
+
+def _ceil(x: Num) -> Num:
+    return np.ceil(x) if isinstance(x, np.ndarray) else math.ceil(x)
+
+
+def _present(x: Num) -> Num:
+    """Whether an entry is there: arrays pad the devices that have fewer entries with inf."""
+    return np.isfinite(x) if isinstance(x, np.ndarray) else True
+
+
+def _count(times: Sequence[Num]) -> Num:
+    """Entries there (per device, for arrays) of a sequence of times."""
+    if times and isinstance(times[0], np.ndarray):
+        return sum(np.isfinite(x) for x in times)
+    return len(times)
+
+
+def _all(x: Num) -> bool:
+    return bool(np.all(x)) if isinstance(x, np.ndarray) else bool(x)
+
+
+def _any(x: Num) -> bool:
+    return bool(np.any(x)) if isinstance(x, np.ndarray) else bool(x)
 
 
 class LatencyModel(Protocol):
@@ -114,6 +164,9 @@ class ServingState:
         prefill, in FIFO order.
     decoding_last_token_s: time each decoding request emitted its last token.
     decode_context_tokens: KV tokens of the decoding requests (attention reads them).
+    decoding_counts: the decoding requests each entry of `decoding_last_token_s` stands for
+        (requests that emitted their last token together, counted instead of listed: the
+        simulator's form); empty means one each.
     The rest are per-request accounts, parallel to `waiting` / `decoding_last_token_s`; empty
     means none kept (no banked slack; rollouts have taken none of the request's time):
     waiting_rollout_s: time each waiting request has spent waiting for rollout work.
@@ -121,21 +174,36 @@ class ServingState:
         token and how many it has emitted (for banked slack).
     decoding_rollout_s: time each decoding request has spent waiting for rollout work since its
         first token.
+
+    Arrays: for many devices at once, every per-request entry is an array over the devices (a
+    column), padded with an arrival / last-token time of inf (and 0 tokens) for devices with
+    fewer requests; `decode_context_tokens` is an array over the devices.
     """
 
     waiting: Sequence[tuple[float, int]] = ()
     decoding_last_token_s: Sequence[float] = ()
     decode_context_tokens: int = 0
+    decoding_counts: Sequence[Num] = ()
     waiting_rollout_s: Sequence[float] = ()
     decoding_first_token_s: Sequence[float] = ()
     decoding_output_tokens: Sequence[int] = ()
     decoding_rollout_s: Sequence[float] = ()
 
+    @property
+    def waiting_requests(self) -> Num:
+        return _count([arrival for arrival, _ in self.waiting])
+
+    @property
+    def decoding_requests(self) -> Num:
+        if not self.decoding_counts:
+            return _count(self.decoding_last_token_s)
+        return sum(_where(_present(last), n, 0)
+                   for last, n in zip(self.decoding_last_token_s, self.decoding_counts, strict=True))
+
     def load(self, chunk_tokens: int) -> TokenLoad:
         """Serving's own share of the next iteration: one prefill chunk plus every decode."""
         pending = sum(tokens for _, tokens in self.waiting)
-        return TokenLoad(min(chunk_tokens, pending), len(self.decoding_last_token_s),
-                         self.decode_context_tokens)
+        return TokenLoad(_min(chunk_tokens, pending), self.decoding_requests, self.decode_context_tokens)
 
 
 @dataclasses.dataclass
@@ -190,10 +258,22 @@ def serving_state(requests: Iterable[ServingRequest]) -> ServingState:
 @dataclasses.dataclass(frozen=True)
 class RolloutDemand:
     """Rollout work ready on this device: the context length of each sequence ready to decode,
-    in the order they should be admitted (oldest first), and prompt tokens awaiting prefill."""
+    in the order they should be admitted (oldest first), and prompt tokens awaiting prefill.
+    Arrays: `decode_context` is [devices, sequences], each row's sequences first and 0 after
+    them (a sequence holds at least one token); `prefill_tokens` an array over the devices."""
 
-    decode_context: Sequence[int] = ()
-    prefill_tokens: int = 0
+    decode_context: Sequence[int] | np.ndarray = ()
+    prefill_tokens: Num = 0
+
+    @property
+    def decodes(self) -> Num:
+        c = self.decode_context
+        return np.count_nonzero(c, axis=1) if isinstance(c, np.ndarray) else len(c)
+
+    @property
+    def context_tokens(self) -> Num:
+        c = self.decode_context
+        return c.sum(axis=1) if isinstance(c, np.ndarray) else sum(c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,21 +291,22 @@ class Admission:
 
 
 def _prefill_terms(now: float, serving: ServingState, slo: SLOBudgets,
-                   chunk_tokens: int) -> list[tuple[float, int]]:
+                   chunk_tokens: int) -> list[tuple[Num, Num]]:
     """Per waiting request: (time left to its TTFT deadline, iterations until its prefill
     completes), FIFO at `chunk_tokens` of serving prefill per iteration."""
     out, ahead = [], 0
     for arrival, tokens in serving.waiting:
-        ahead += tokens
-        out.append((arrival + slo.ttft_s - now, max(1, math.ceil(ahead / chunk_tokens))))
+        ahead = ahead + tokens      # not in place: a column must not change
+        out.append((arrival + slo.ttft_s - now, _max(1, _ceil(ahead / chunk_tokens))))
     return out
 
 
-def _ceiling(now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[float, int]],
-             serving_s: float, reserve_s: float) -> float:
+def _ceiling(now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[Num, Num]],
+             serving_s: Num, reserve_s: Num) -> Num:
     """The largest iteration time T (serving's own `serving_s` plus rollout work) that keeps
     every serving request within B_TPOT (per token, or within what it banked beyond
-    `reserve_s`), within B_TTFT, and within its inflation budgets."""
+    `reserve_s`), within B_TTFT, and within its inflation budgets. (A padded entry's terms are
+    inf: its times are.)"""
     limit = math.inf
     acc = bool(serving.decoding_first_token_s)
     for i, last in enumerate(serving.decoding_last_token_s):
@@ -234,32 +315,34 @@ def _ceiling(now: float, serving: ServingState, slo: SLOBudgets, terms: list[tup
         if acc:
             first, n = serving.decoding_first_token_s[i], serving.decoding_output_tokens[i]
             # Token n + 1 keeps (last - first) / n <= B_TPOT while it comes by first + n B_TPOT.
-            room = max(room, first + n * slo.tpot_s - now - reserve_s)
+            room = _max(room, first + n * slo.tpot_s - now - reserve_s)
             taken = serving.decoding_rollout_s[i]
-            own += now - first - taken
-        limit = min(limit, room)
+            own = own + now - first - taken
+        limit = _min(limit, room)
         if math.isfinite(slo.tpot_inflation):
-            limit = min(limit, serving_s + slo.tpot_inflation * own - taken)
+            spent = serving_s + slo.tpot_inflation * own - taken
+            limit = _min(limit, _where(_present(last), spent, math.inf))
     taken_w = serving.waiting_rollout_s or [0.0] * len(terms)
     for (arrival, _), (left, n), taken in zip(serving.waiting, terms, taken_w, strict=True):
-        limit = min(limit, left / n)
+        limit = _min(limit, left / n)
         if math.isfinite(slo.ttft_inflation):
             own = now - arrival - taken + n * serving_s
-            limit = min(limit, serving_s + (slo.ttft_inflation * own - taken) / n)
+            limit = _min(limit, _where(_present(arrival), serving_s + (slo.ttft_inflation * own - taken) / n,
+                                       math.inf))
     return limit
 
 
-def _slacks(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tuple[float, int]],
-            iteration_s: float) -> tuple[float, float]:
+def _slacks(serving: ServingState, slo: SLOBudgets, now: float, terms: list[tuple[Num, Num]],
+            iteration_s: Num) -> tuple[Num, Num]:
     s_dec = math.inf
     if serving.decoding_last_token_s:
-        s_dec = min(serving.decoding_last_token_s) + slo.tpot_s - now - iteration_s
-    s_prf = min((left - n * iteration_s for left, n in terms), default=math.inf)
+        s_dec = functools.reduce(_min, serving.decoding_last_token_s) + slo.tpot_s - now - iteration_s
+    s_prf = functools.reduce(_min, (left - n * iteration_s for left, n in terms), math.inf)
     return s_prf, s_dec
 
 
 def _limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyModel, chunk_tokens: int,
-           share: float, max_rollout_s: float) -> tuple[float, list[tuple[float, int]], TokenLoad]:
+           share: float, max_rollout_s: float) -> tuple[Num, list[tuple[Num, Num]], TokenLoad]:
     """`iteration_limit`, with the prefill terms and serving's own load it was found from."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -267,18 +350,17 @@ def _limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyM
     serving_s = latency.iteration_time(base, TokenLoad())
     # One full serving iteration, kept back from banked slack (only requests with accounts bank).
     reserve_s = latency.iteration_time(
-        TokenLoad(chunk_tokens, len(serving.decoding_last_token_s), serving.decode_context_tokens),
+        TokenLoad(chunk_tokens, base.decode_seqs, serving.decode_context_tokens),
         TokenLoad()) if serving.decoding_first_token_s else 0.0
     terms = _prefill_terms(now, serving, slo, chunk_tokens)
     limit = _ceiling(now, serving, slo, terms, serving_s, reserve_s)
-    if limit > serving_s:
-        limit = serving_s + min(share * (limit - serving_s), max_rollout_s)
+    limit = _where(limit > serving_s, serving_s + _min(share * (limit - serving_s), max_rollout_s), limit)
     return limit, terms, base
 
 
 def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency: LatencyModel,
                     chunk_tokens: int = CHUNK_TOKENS, share: float = 1.0,
-                    max_rollout_s: float = math.inf) -> float:
+                    max_rollout_s: float = math.inf) -> Num:
     """The largest iteration time T that keeps every serving request within its SLOs and
     inflation budgets (module docstring), with the rollout part of it (T minus serving's own
     predicted time) scaled by `share` and capped at `max_rollout_s`. `inf` when no serving
@@ -286,43 +368,72 @@ def iteration_limit(now: float, serving: ServingState, slo: SLOBudgets, latency:
     return _limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)[0]
 
 
-def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
+def _take(x: Num, rows: np.ndarray | None) -> Num:
+    """The entries of `rows` of an array over the devices (all of them, or a number, as it is)."""
+    return x[rows] if rows is not None and isinstance(x, np.ndarray) else x
+
+
+def _largest(lo: Num, hi: Num, fits: Callable[[Num, np.ndarray | None], Num]) -> Num:
     """Largest k in [lo, hi] with fits(k), given fits is monotone (true then false) and fits(lo).
-    Tries hi first: admission usually has room for everything offered."""
-    if fits(hi):
+    Tries hi first: admission usually has room for everything offered. Arrays: every device's
+    search at once, bisecting only the devices where hi does not fit (`fits(k, rows)` judges
+    those rows; a device where fits(lo) fails gets lo)."""
+    top = fits(hi, None)
+    if _all(top):
         return hi
-    hi -= 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    rows = np.flatnonzero(~top) if isinstance(top, np.ndarray) else None
+    lo, below = _take(lo, rows), _take(hi, rows) - 1
+    for _ in range(int(np.max(_max(0, below - lo))).bit_length()):
+        mid = (lo + below + 1) // 2
+        ok = fits(mid, rows)
+        lo, below = _where(ok, mid, lo), _where(ok, below, mid - 1)
+    if rows is None:
+        return lo
+    out = np.broadcast_to(hi, top.shape).copy()
+    out[rows] = lo
+    return out
 
 
 class _Offer:
     """Predicted times of the next iteration with serving's `base` load and the first `d` rollout
-    decodes of `decode_context` plus `p` rollout prefill tokens, each predicted once (the
-    searches come back to some)."""
+    decodes of `decode_context` plus `p` rollout prefill tokens (a device's, each predicted once:
+    the searches come back to some; or every device's at once)."""
 
-    def __init__(self, latency: LatencyModel, base: TokenLoad, decode_context: Sequence[int]) -> None:
+    def __init__(self, latency: LatencyModel, base: TokenLoad,
+                 decode_context: Sequence[int] | np.ndarray) -> None:
         self.latency, self.base = latency, base
-        self.prefix = [0, *itertools.accumulate(decode_context)]
+        if isinstance(decode_context, np.ndarray):
+            self.prefix: Any = np.cumsum(np.pad(decode_context, ((0, 0), (1, 0))), axis=1)
+            self.rows = np.arange(len(decode_context))
+        else:
+            self.prefix = [0, *itertools.accumulate(decode_context)]
         self.times: dict[tuple[int, int], float] = {}
 
-    def time(self, d: int, p: int) -> float:
+    def time(self, d: Num, p: Num, rows: np.ndarray | None = None) -> Num:
+        """The iteration's predicted time (arrays: of the devices `rows`, or all)."""
+        if _is_array(self.prefix):
+            b = self.base
+            base = TokenLoad(_take(b.prefill_tokens, rows), _take(b.decode_seqs, rows),
+                             _take(b.context_tokens, rows)) if rows is not None else b
+            at = self.rows if rows is None else rows
+            return self.latency.iteration_time(base, TokenLoad(p, d, self.prefix[at, d]))
         t = self.times.get((d, p))
         if t is None:
             t = self.times[d, p] = self.latency.iteration_time(self.base, TokenLoad(p, d, self.prefix[d]))
         return t
 
-    def fill(self, limit: float, max_prefill: int) -> tuple[int, int]:
-        """The most decodes, then the most prefill tokens (up to `max_prefill`), under `limit`."""
-        if self.time(0, 0) >= limit:
+    def fill(self, limit: Num, decodes: Num, max_prefill: Num) -> tuple[Num, Num]:
+        """The most decodes (of the first `decodes`), then the most prefill tokens (up to
+        `max_prefill`), under `limit`."""
+        none = self.time(0, 0) >= limit
+        if _all(none):
             return 0, 0
-        d = _largest(0, len(self.prefix) - 1, lambda k: self.time(k, 0) < limit)
-        return d, _largest(0, max_prefill, lambda k: self.time(d, k) < limit)
+        d = _largest(0, decodes, lambda k, rows: self.time(k, 0, rows) < _take(limit, rows))
+        p = _largest(0, max_prefill, lambda k, rows: self.time(_take(d, rows), k, rows) < _take(limit, rows))
+        return _where(none, 0, d), _where(none, 0, p)
 
-    def admission(self, now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[float, int]],
-                  d: int, p: int, limit: float) -> Admission:
+    def admission(self, now: float, serving: ServingState, slo: SLOBudgets, terms: list[tuple[Num, Num]],
+                  d: Num, p: Num, limit: Num) -> Admission:
         t = self.time(d, p)
         s_prf, s_dec = _slacks(serving, slo, now, terms, t)
         return Admission(d, p, t, limit, s_prf, s_dec)
@@ -339,7 +450,8 @@ def admit(now: float, serving: ServingState, rollout: RolloutDemand, latency: La
     cap the rollout part of the ceiling (the feedback guard; `rollout_time_cap`)."""
     limit, terms, base = _limit(now, serving, slo, latency, chunk_tokens, share, max_rollout_s)
     offer = _Offer(latency, base, rollout.decode_context)
-    d, p = offer.fill(limit, min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens))
+    max_prefill = _min(rollout.prefill_tokens, rollout_chunk_tokens or chunk_tokens)
+    d, p = offer.fill(limit, rollout.decodes, max_prefill)
     return offer.admission(now, serving, slo, terms, d, p, limit)
 
 
@@ -367,15 +479,15 @@ def admission_step(now: float, serving: ServingState, rollout: RolloutDemand, la
     limit, terms, base = _limit(now, serving, bound, latency, chunk_tokens, share,
                                 rollout_time_cap(slo, reserve_s))
     offer = _Offer(latency, base, rollout.decode_context)
-    decodes = len(rollout.decode_context)
-    d, p = offer.fill(limit, min(rollout.prefill_tokens, chunk_tokens))
-    if d < decodes:
-        p = 0
-    if not serving.waiting and not serving.decoding_last_token_s:
-        limit = math.inf
-        if d + p < idle_min_tokens:
-            d = min(decodes, idle_min_tokens)
-            p = min(rollout.prefill_tokens, idle_min_tokens - d)
+    decodes = rollout.decodes
+    d, p = offer.fill(limit, decodes, _min(rollout.prefill_tokens, chunk_tokens))
+    p = _where(d < decodes, 0, p)
+    idle = (serving.waiting_requests == 0) & (serving.decoding_requests == 0)
+    if _any(idle):
+        lift = idle & (d + p < idle_min_tokens)
+        d_min = _min(decodes, idle_min_tokens)
+        d, p = _where(lift, d_min, d), _where(lift, _min(rollout.prefill_tokens, idle_min_tokens - d_min), p)
+        limit = _where(idle, math.inf, limit)
     return offer.admission(now, serving, bound, terms, d, p, limit)
 
 
@@ -388,37 +500,42 @@ def rollout_time_cap(slo: SLOBudgets, reserve_prefill_s: float) -> float:
 
 def rollout_capacity(now: float, serving: ServingState, running: RolloutDemand, latency: LatencyModel,
                      slo: SLOBudgets, typical_context: int, chunk_tokens: int = CHUNK_TOKENS,
-                     limit: int = 1024, share: float = 1.0) -> int:
+                     limit: Num = 1024, share: float = 1.0) -> Num:
     """The free rollout slots a serving device reports to the rollout scheduler, so that turns go
     where admission will run them: how many more sequences of `typical_context` tokens could
     decode beside the `running` ones, at most `limit` (what `memory_room` and the lease slots
     leave). Under the SLOs alone, beside serving's decodes: a waiting prompt passes, and the
     inflation budgets are kept over time; admission enforces both per iteration, so neither is
     held against a turn that will run over many."""
-    if limit <= 0:
+    if not _any(limit > 0):
         return 0
-    decoding = ServingState((), serving.decoding_last_token_s, serving.decode_context_tokens, (),
-                            serving.decoding_first_token_s, serving.decoding_output_tokens,
-                            serving.decoding_rollout_s)
+    decoding = dataclasses.replace(serving, waiting=(), waiting_rollout_s=())
     base = decoding.load(chunk_tokens)
     ceiling = iteration_limit(now, decoding, slo.without_inflation, latency, chunk_tokens, share)
-    d0, c0 = len(running.decode_context), sum(running.decode_context)
+    d0, c0 = running.decodes, running.context_tokens
 
-    def fits(k: int) -> bool:
-        return latency.iteration_time(base, TokenLoad(0, d0 + k, c0 + k * typical_context)) < ceiling
+    def fits(k: Num, rows: np.ndarray | None = None) -> Num:
+        b = base if rows is None else TokenLoad(0, _take(base.decode_seqs, rows),
+                                                _take(base.context_tokens, rows))
+        rollout = TokenLoad(0, _take(d0, rows) + k, _take(c0, rows) + k * typical_context)
+        return latency.iteration_time(b, rollout) < _take(ceiling, rows)
 
-    return _largest(0, limit, fits) if fits(0) else 0
+    room = fits(0) & (limit > 0)
+    if not _any(room):
+        return 0
+    return _where(room, _largest(0, _max(limit, 0), fits), 0)
 
 
-def rollout_duty(serving_s: float, with_rollout_s: float, inflation: float) -> float:
+def rollout_duty(serving_s: Num, with_rollout_s: Num, inflation: float) -> Num:
     """The share of serving iterations that may carry rollout work (making them `with_rollout_s`
     long instead of `serving_s`) so that rollouts add at most `inflation` of serving's own time:
     the steady state the banked inflation budgets of `iteration_limit` reach, in closed form,
     for the simulator's fluid model. 1.0 where serving has no work or no budget is set."""
-    extra = with_rollout_s - serving_s
-    if serving_s <= 0 or extra <= 0 or math.isinf(inflation):
+    if math.isinf(inflation):
         return 1.0
-    return min(1.0, inflation * serving_s / extra)
+    extra = with_rollout_s - serving_s
+    bounded = (serving_s > 0) & (extra > 0)
+    return _where(bounded, _min(1.0, inflation * serving_s / _where(bounded, extra, 1.0)), 1.0)
 
 
 def priority_tokens(serving_tokens: int, max_batched_tokens: int) -> int:
@@ -484,9 +601,13 @@ class MemoryDecision:
 
 
 class BurstController:
-    """The burst state machine of one device's shared page pool (units: pages or bytes)."""
+    """The burst state machine of one device's shared page pool (units: pages or bytes).
 
-    def __init__(self, pool: int, headroom: float = HEADROOM, high_watermark: float = HIGH_WATERMARK) -> None:
+    Arrays: `devices` > 0 makes one machine per device, all in arrays (`state`, `budget`,
+    `bursts`, `aborted`), each observation deciding for every device at once."""
+
+    def __init__(self, pool: int, headroom: float = HEADROOM, high_watermark: float = HIGH_WATERMARK,
+                 devices: int = 0) -> None:
         if pool <= 0:
             raise ValueError(f"pool must be positive, got {pool}")
         if not 0.0 < headroom < 1.0:
@@ -497,46 +618,57 @@ class BurstController:
         self.headroom = int(pool * headroom)
         # Free pages at or below this means serving has used `high_watermark` of its headroom.
         self.trigger_free = self.headroom * (1.0 - high_watermark)
-        self.state = BurstState.NORMAL
-        self.budget = pool - self.headroom
-        self.bursts = 0           # emergency cuts so far
-        self.aborted = 0          # rollout sequences aborted so far
+        self.state: Any = np.full(devices, BurstState.NORMAL) if devices else BurstState.NORMAL
+        self.budget: Any = np.full(devices, pool - self.headroom) if devices else pool - self.headroom
+        self.bursts: Any = np.zeros(devices, np.int64) if devices else 0     # emergency cuts so far
+        self.aborted: Any = np.zeros(devices, np.int64) if devices else 0    # rollout sequences aborted
 
-    def observe(self, serving_used: int, rollout: Sequence[tuple[Hashable, int]]) -> MemoryDecision:
+    def crossed(self, serving_used: Num, rollout_used: Num) -> Num:
+        """Whether free pages are at or below the trigger: the watermark inside the headroom."""
+        return self.pool - serving_used - rollout_used <= self.trigger_free
+
+    def observe(self, serving_used: Num, rollout: Sequence[tuple[Hashable, Num]]) -> MemoryDecision:
         """Update with current usage; `rollout` is (sequence id, units held) oldest first.
-        The caller aborts the returned sequences before granting any rollout page again."""
+        The caller aborts the returned sequences before granting any rollout page again.
+        Arrays: `serving_used` per device, `rollout` columns of (ids, units) over the devices,
+        padded with id -1 and 0 units; `abort` then holds, column by column from the newest, the
+        ids of the sequences the cut devices abort."""
         rollout_used = sum(units for _, units in rollout)
-        crossed = self.pool - serving_used - rollout_used <= self.trigger_free
-        if crossed and rollout_used > 0:
-            return self._cut(rollout, rollout_used)
-        if self.state is BurstState.NORMAL:
-            self.budget = max(0, self.pool - self.headroom - serving_used)
-        elif self.state is BurstState.BURST and not crossed:
-            self.state = BurstState.FROZEN
-        return MemoryDecision(self.state, self.budget)
+        crossed = self.crossed(serving_used, rollout_used)
+        cut = crossed & (rollout_used > 0)
+        burst = self.state == BurstState.BURST
+        calm = self.pool - serving_used - rollout_used > self.trigger_free
+        self.budget = _where(cut, _min(self.budget, rollout_used) // 2,
+                             _where(self.state == BurstState.NORMAL,
+                                    _max(0, self.pool - self.headroom - serving_used), self.budget))
+        self.state = _where(cut, BurstState.BURST, _where(burst & calm, BurstState.FROZEN, self.state))
+        victims: list[Hashable] = []
+        if _any(cut):
+            self.bursts += cut
+            held = rollout_used
+            for seq_id, units in reversed(rollout):
+                take = cut & (held > self.budget)
+                if isinstance(take, np.ndarray):
+                    take &= seq_id >= 0
+                    held = held - np.where(take, units, 0)
+                    victims.append(seq_id[take])
+                    self.aborted += take
+                    continue
+                held -= units if take else 0
+                if take:
+                    victims.append(seq_id)
+                    self.aborted += 1
+        return MemoryDecision(self.state, self.budget, tuple(victims), cut)
 
-    def _cut(self, rollout: Sequence[tuple[Hashable, int]], rollout_used: int) -> MemoryDecision:
-        self.budget = min(self.budget, rollout_used) // 2
-        self.state = BurstState.BURST
-        self.bursts += 1
-        victims, held = [], rollout_used
-        for seq_id, units in reversed(rollout):
-            if held <= self.budget:
-                break
-            victims.append(seq_id)
-            held -= units
-        self.aborted += len(victims)
-        return MemoryDecision(self.state, self.budget, tuple(victims), cut=True)
-
-    def new_rl_step(self) -> None:
-        """A new RL step began: the rollout budget may grow again."""
-        self.state = BurstState.NORMAL
+    def new_rl_step(self, devices: Num = True) -> None:
+        """A new RL step began (on `devices`, arrays: a mask): the rollout budget may grow again."""
+        self.state = _where(devices, BurstState.NORMAL, self.state)
 
 
-def memory_room(state: BurstState, free: float, per_turn: float) -> int:
+def memory_room(state: Num, free: Num, per_turn: float) -> Num:
     """The memory rule of a device's free-slot count: how many rollout turns of `per_turn` (the
     typical turn's pages, bytes or tokens) the free part `free` of the rollout budget holds;
     none in a burst, while the burst state machine takes pages back."""
-    if state is BurstState.BURST:
-        return 0
-    return max(0, int(free // per_turn))
+    room = _max(0, free // per_turn)
+    room = room.astype(np.int64) if isinstance(room, np.ndarray) else int(room)
+    return _where(state == BurstState.BURST, 0, room)

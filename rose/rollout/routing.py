@@ -9,7 +9,7 @@ trajectory is routed, in this order:
 
 1. cache affinity: the worker that ran the trajectory's previous turn, if it has capacity (its
    prefix KV is reusable, so only the new observation needs a prefill); a serving executor
-   keeps the trajectory only while moving to a dedicated worker would not pay (`_pays`);
+   keeps the trajectory only while moving to a dedicated worker would not pay (`pays`);
 2. else the least-loaded dedicated worker with room (occupied slots over its concurrency cap);
 3. else a serving-GPU executor with free rollout slots (it counts them with the admission
    policy, `rose.coserve.admission.rollout_capacity`: sequences that would still decode within
@@ -38,6 +38,9 @@ import collections
 import dataclasses
 import enum
 from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import numpy as np
 
 from rose.contracts import WorkerKind
 
@@ -126,20 +129,93 @@ MOVE_MARGIN = 1.25        # a move must promise this much faster decoding (it co
 RATE_SMOOTHING = 0.5      # weight of the newest measurement in a worker's decode rate
 
 
-def _pays(dst: WorkerState, dst_load: int, src: WorkerState, src_load: int) -> bool:
-    """Whether a turn on serving executor `src` (holding `src_load`) decodes faster on dedicated
-    worker `dst` once it holds `dst_load` + 1. With both rates measured: `dst`'s rate, taken
-    to fall as 1/sequences (KV-bound decode; pessimistic), beats `src`'s by MOVE_MARGIN (the
-    moved turn re-prefills its context); otherwise by counts, fewer sequences than `src`."""
-    if dst.seq_rate > 0 and src.seq_rate > 0:
-        return dst.seq_rate * max(1, dst.occupied) / (dst_load + 1) > MOVE_MARGIN * src.seq_rate
-    return dst_load < src_load
+def pays(dst_rate: Any, dst_occupied: Any, dst_load: Any, src_rate: Any, src_load: Any) -> Any:
+    """Whether a turn on a serving executor (decode rate per sequence `src_rate`, holding
+    `src_load`) decodes faster on a dedicated worker (`dst_rate`, `dst_occupied` when measured)
+    once that holds `dst_load` + 1. With both rates measured: the dedicated rate, taken to fall
+    as 1/sequences (KV-bound decode; pessimistic), beats the executor's by MOVE_MARGIN (the
+    moved turn re-prefills its context); otherwise by counts, fewer sequences than `src`.
+    Numbers, or arrays over many pairs."""
+    measured = (dst_rate > 0) & (src_rate > 0)
+    faster = dst_rate * np.maximum(1, dst_occupied) / (dst_load + 1) > MOVE_MARGIN * src_rate
+    return np.where(measured, faster, dst_load < src_load)
+
+
+def _picks(count: np.ndarray, start: np.ndarray, scale: np.ndarray | float = 1.0,
+           most: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Worker i's `count[i]` picks, its j-th at key `(start[i] + j) / scale[i]`, all in order of
+    key, ties to the lower index: the workers a one-by-one argmin of the key picks while each pick
+    adds one to its worker's `start`; at most the first `most`. Returns (worker, j) of each."""
+    count = count.astype(np.int64)
+    if most is not None:
+        # Only the `most` lowest first keys can be among the first `most` picks (ties kept).
+        count = np.minimum(count, most)
+        first = np.flatnonzero(count)
+        if len(first) > most:
+            key = start[first] / (scale[first] if isinstance(scale, np.ndarray) else scale)
+            count[first[key > np.partition(key, most - 1)[most - 1]]] = 0
+    w = np.repeat(np.arange(len(count)), count)
+    j = np.arange(len(w)) - np.repeat(np.cumsum(count) - count, count)
+    order = np.lexsort((w, (start[w] + j) / (scale[w] if isinstance(scale, np.ndarray) else scale)))
+    if most is not None:
+        order = order[:most]
+    return w[order], j[order]
+
+
+def spread(n: int, occupied: np.ndarray, cap: np.ndarray, free_slots: np.ndarray,
+           serving: np.ndarray) -> np.ndarray:
+    """The workers that `n` turns without affinity go to, turn by turn (fewer where room runs
+    out): the least-loaded dedicated worker with room (occupied over its cap; ties to the
+    first), then, when no dedicated worker has room, the serving executor with the most room
+    (its free rollout slots, at most its cap's room; ties to the first). Each turn placed fills
+    one slot. Arrays over the workers; the caller gives an ineligible worker (stale, behind the
+    turn's version, or paused) no room."""
+    room = np.maximum(0, np.where(serving, np.minimum(cap - occupied, free_slots), cap - occupied))
+    ded = ~serving & (room > 0)
+    if n == 1:  # one turn (a turn routed on its own): the first of the picks below
+        if ded.any():
+            return np.array([np.argmin(np.where(ded, occupied / cap, np.inf))])
+        srv = serving & (room > 0)
+        return np.array([np.argmax(np.where(srv, room, -1))]) if srv.any() else np.zeros(0, np.int64)
+    d, _ = _picks(np.where(ded, room, 0), occupied, cap, n)
+    if len(d) >= n:
+        return d
+    s, _ = _picks(np.where(serving, room, 0), -room.astype(float), 1.0, n - len(d))
+    return np.concatenate([d, s])
+
+
+def rebalance_moves(occupied: np.ndarray, cap: np.ndarray, rate: np.ndarray, active: np.ndarray,
+                    serving: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The moves `RoutingTable.rebalance` makes, as (dedicated worker, serving executor) pairs in
+    order: while the least-occupied dedicated worker (ties to the first) has room, and the most
+    occupied executor (ties to the first) has a turn in flight (`active`) that `pays` to move,
+    one moves; each move shifts one slot. Arrays over the workers (dedicated ones alive and not
+    paused, serving ones with turns in flight: the caller passes only those)."""
+    ded, srv = np.flatnonzero(~serving), np.flatnonzero(serving)
+    if not len(ded) or not len(srv):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    room = np.maximum(0, cap[ded] - occupied[ded])
+    if not room.any():       # the least-occupied dedicated worker is full
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # Each worker's picks and, after them, one that stops the moves: a full least-occupied
+    # worker, an executor out of turns. No more moves than the dedicated room.
+    most = int(min(room.sum(), active[srv].sum())) + 1
+    dw, dj = _picks(room + 1, occupied[ded].astype(float), 1.0, most)
+    sw, sj = _picks(active[srv] + 1, -occupied[srv].astype(float), 1.0, most)
+    m = min(len(dw), len(sw))
+    dw, dj, sw, sj = dw[:m], dj[:m], sw[:m], sj[:m]
+    dst, src = ded[dw], srv[sw]
+    ok = (dj < room[dw]) & (sj < active[src]) & pays(rate[dst], occupied[dst], occupied[dst] + dj, rate[src],
+                                                     occupied[src] - sj)
+    k = int(np.argmin(ok)) if not ok.all() else m
+    return dst[:k], src[:k]
 
 
 def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: WorkerState | None,
                   now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
     """The routing decision for one turn; `previous` is the worker of its previous turn (None
-    for a first turn or with affinity disabled). One pass over the workers."""
+    for a first turn or with affinity disabled). Without affinity the turn goes where `spread`
+    sends one."""
     version = turn.policy_version
 
     def eligible(w: WorkerState) -> bool:
@@ -148,31 +224,22 @@ def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: Wo
     if (previous is not None and previous.kind is WorkerKind.DEDICATED and eligible(previous)
             and previous.room() > 0):
         return Route(previous.worker_id, RouteReason.AFFINITY)
-    best_serving, best_room = None, 0
-    least_ded, least_ded_load = None, 2.0
-    for w in workers:
-        room = w.max_concurrency - w.occupied
-        if room <= 0 or not eligible(w):
-            continue
-        load = w.occupied / w.max_concurrency
-        if w.kind is WorkerKind.SERVING:
-            room = min(room, w.free_slots)
-            if room <= 0:
-                continue
-            if room > best_room:
-                best_serving, best_room = w, room
-        elif load < least_ded_load:
-            least_ded, least_ded_load = w, load
+    ws = list(workers)
+    cap, occupied, serving, free = np.array(
+        [(w.max_concurrency, w.occupied if eligible(w) else w.max_concurrency, w.kind is WorkerKind.SERVING,
+          w.free_slots) for w in ws], float).reshape(-1, 4).T
+    first = spread(1, occupied, cap, free, serving > 0)
+    pick = ws[int(first[0])] if len(first) else None
     if previous is not None and eligible(previous) and previous.room() > 0:
         # `previous` is a serving executor: keep it unless a dedicated worker runs turns faster.
-        if least_ded is None or not _pays(least_ded, least_ded.occupied, previous, previous.occupied):
+        if (pick is None or pick.kind is WorkerKind.SERVING or not pays(
+                pick.seq_rate, pick.occupied, pick.occupied, previous.seq_rate, previous.occupied)):
             return Route(previous.worker_id, RouteReason.AFFINITY)
-        return Route(least_ded.worker_id, RouteReason.LEAST_LOADED)
-    if least_ded is not None:
-        return Route(least_ded.worker_id, RouteReason.LEAST_LOADED)
-    if best_serving is not None:
-        return Route(best_serving.worker_id, RouteReason.SERVING)
-    return QUEUED
+        return Route(pick.worker_id, RouteReason.LEAST_LOADED)
+    if pick is None:
+        return QUEUED
+    return Route(pick.worker_id, RouteReason.SERVING if pick.kind is WorkerKind.SERVING
+                 else RouteReason.LEAST_LOADED)
 
 
 class RoutingTable:
@@ -311,28 +378,25 @@ class RoutingTable:
     def rebalance(self, now: float) -> list[tuple[RoutedTurn, Hashable, Hashable]]:
         """Moves (turn, from serving executor, to dedicated worker): while the least-loaded
         eligible dedicated worker has room and a turn of the busiest serving executor would
-        decode faster there (`_pays`), that executor's longest-running turn moves to it. The
+        decode faster there (`pays`), that executor's longest-running turn moves to it. The
         caller aborts each on its executor and calls `move` with the tokens it produced."""
-        dedicated = [w for w in self.workers.values() if w.kind is WorkerKind.DEDICATED
-                     and w.alive(now, self.stall_timeout_s) and not w.paused]
-        serving = [w for w in self.workers.values() if w.kind is WorkerKind.SERVING and w.active]
-        if not dedicated or not serving:
-            return []
-        load = {w.worker_id: w.occupied for w in (*dedicated, *serving)}
-        taken = {w.worker_id: iter(self.in_flight[w.worker_id].values()) for w in serving}
+        ws = [w for w in self.workers.values()
+              if (w.kind is WorkerKind.DEDICATED and w.alive(now, self.stall_timeout_s) and not w.paused)
+              or (w.kind is WorkerKind.SERVING and w.active)]
+        n = len(ws)
+        dst, src = rebalance_moves(np.fromiter((w.occupied for w in ws), np.int64, n),
+                                   np.fromiter((w.max_concurrency for w in ws), np.int64, n),
+                                   np.fromiter((w.seq_rate for w in ws), float, n),
+                                   np.fromiter((w.active for w in ws), np.int64, n),
+                                   np.fromiter((w.kind is WorkerKind.SERVING for w in ws), bool, n))
+        taken = {ws[i].worker_id: iter(self.in_flight[ws[i].worker_id].values()) for i in set(src.tolist())}
         moves = []
-        while True:
-            dst = min(dedicated, key=lambda w: load[w.worker_id])
-            src = max(serving, key=lambda w: load[w.worker_id])
-            if load[dst.worker_id] >= dst.max_concurrency or not _pays(dst, load[dst.worker_id], src,
-                                                                        load[src.worker_id]):
-                return moves
-            turn = next(taken[src.worker_id], None)
-            if turn is None or turn.policy_version > dst.policy_version:
-                return moves
-            moves.append((turn, src.worker_id, dst.worker_id))
-            load[src.worker_id] -= 1
-            load[dst.worker_id] += 1
+        for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+            turn = next(taken[ws[s].worker_id])
+            if turn.policy_version > ws[d].policy_version:
+                break
+            moves.append((turn, ws[s].worker_id, ws[d].worker_id))
+        return moves
 
     def move(self, trajectory_id: Hashable, src: Hashable, dst: Hashable, produced: int) -> Route:
         """Carry out one `rebalance` move: the turn resumes on `dst` with `produced` tokens."""

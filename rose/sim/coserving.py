@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from rose.contracts import TokenLoad
 from rose.coserve.admission import (
     Admission,
+    Num,
     RolloutDemand,
     ServingState,
     SLOBudgets,
@@ -24,9 +26,10 @@ from rose.coserve.admission import (
     rollout_duty,
 )
 from rose.coserve.loadgen import fit_lengths
+from rose.sim.aggregate import AggregateServing
 from rose.sim.burst import BurstMemory
 from rose.sim.costs import Device, Efficiency, ModelShape, RooflineLatency, forward_cost
-from rose.sim.rollout import ActiveView, Round, TickRates
+from rose.sim.rollout import TickRates
 from rose.sim.scenarios import Scenario, ServingFleetConfig
 from rose.sim.serving import ServingFleet
 from rose.sim.systems import Sharing
@@ -75,11 +78,12 @@ class CoServing:
             prompts, outputs = fit_lengths(trace, s.max_context, s.max_output)
             trace = Trace(trace.name, trace.arrival_s, prompts, outputs)
         diurnal = diurnal_for_peak(s.trace, s.minute_peak_to_mean)
-        self.fleet = ServingFleet(n, trace, trace.mean_rate * s.load, diurnal, s.start_hour * 3600.0,
-                                  e.chunk_tokens, sc.sim.seed + 1,
-                                  replay_start(trace, s))
         roofline = forward_cost(serving_model, device, c.serving_tp, eff)
         self.serve_cost = dataclasses.replace(roofline, fixed=roofline.fixed + s.engine_overhead_ms / 1e3)
+        replay = (n, trace, trace.mean_rate * s.load, diurnal, s.start_hour * 3600.0, e.chunk_tokens,
+                  sc.sim.seed + 1, replay_start(trace, s))
+        self.fleet = (AggregateServing(*replay, decode_floor_s=float(self.serve_cost.time(0, 1, 0)))
+                      if sc.sim.serving_model == "aggregate" else ServingFleet(*replay))
         self.cs_cost = forward_cost(policy, device, c.serving_tp, eff)
         self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
         rollout_weights = 0.0 if alone else policy.weight_bytes
@@ -129,123 +133,137 @@ class CoServing:
         return t_d + float(self.cs_cost.time(0, 1, self.typical_ctx))
 
     # -- the rollout scheduler's view --------------------------------------------------------------
-    def free_slots(self, t: float, workers: Workers, view: ActiveView) -> list[tuple[int, int]]:
-        """Each registered executor's capacity report: free rollout slots, from its memory budget
-        (`memory_room`) and its compute slack (`rollout_capacity`), as the executor counts them."""
+    def free_slots(self, t: float, workers: Workers,
+                   held: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Each registered executor's capacity report (workers, free rollout slots): from its
+        memory budget (`memory_room`) and its compute slack (`rollout_capacity`), as the executor
+        counts them; every executor's at once. `held(wids)`: the KV tokens of each sequence holding pages on
+        those workers, [workers, sequences]."""
         reps = np.flatnonzero(workers.registered[self.first_wid:])
-        held = view.held(self.first_wid)
-        out = []
-        for r, st in zip(reps.tolist(), self.fleet.admission_states(t, reps), strict=True):
-            wid = self.first_wid + r
-            ctxs = [int(k) for _, k in held.get(wid, [])]
-            room = memory_room(self.memory.state(r), workers.kv_cap[wid] - sum(ctxs), self.typical_ctx)
-            out.append((wid, rollout_capacity(
-                t, st, RolloutDemand(ctxs), self.latency, self.slo, self.typical_ctx, self.chunk, room)
-                if self.sharing is Sharing.ROSE else room))
-        return out
+        wids = self.first_wid + reps
+        if not len(reps):
+            return wids, np.zeros(0, np.int64)
+        ctxs = held(wids)
+        room = memory_room(self.memory.state(reps), workers.kv_cap[wids] - ctxs.sum(axis=1), self.typical_ctx)
+        if self.sharing is Sharing.ROSE:
+            room = rollout_capacity(t, self.fleet.admission_state(t, reps), RolloutDemand(ctxs), self.latency,
+                                    self.slo, self.typical_ctx, self.chunk, room)
+        return wids, np.broadcast_to(room, wids.shape)
 
     # -- the tick's plan ---------------------------------------------------------------------------
-    def plan(self, plan: TickRates, view: ActiveView, rnd: Round, t: float,
-             pending: np.ndarray) -> ServingTimes:
+    def plan(self, plan: TickRates, t: float, pending: np.ndarray, decoding: np.ndarray,
+             contexts_of: Callable[[np.ndarray], np.ndarray]) -> ServingTimes:
         """Per serving replica with rollout work: admission for prefill-chunk iterations and for
         decode-only ones, the share of the tick each takes, and the rollout rates that follow
-        (written into `plan`). Returns the serving fleet's times for the tick; replicas without
-        rollout work run serving alone."""
+        (written into `plan`), every replica's at once; `pending` prompt tokens and `decoding`
+        sequences per worker, `contexts_of(wids)` the contexts of those workers' decoding
+        sequences in the order admission takes them, [workers, sequences]. Returns the serving
+        fleet's times for the tick; replicas without rollout work run serving alone."""
         f, chunk = self.fleet, self.chunk
         t_p, t_d = self.alone_times()
         serve_pf = self.prefill_chunk()   # as admission sees serving's share (`ServingState.load`)
-        wids_all = self.first_wid + np.arange(self.n)
-        contexts = view.decode_contexts(rnd, wids_all)
-        busy = np.flatnonzero([bool(c) for c in contexts] | (pending[wids_all] > 0))
+        mine = slice(self.first_wid, self.first_wid + self.n)
+        busy = np.flatnonzero((decoding[mine] > 0) | (pending[mine] > 0))
         if not len(busy):
             return t_p, t_d, serve_pf
-        states = f.admission_states(t, busy)
-        backlog = f.prefill_backlog()[busy].tolist()
-        serving_dec = f.decode_seqs()[busy].tolist()
-        # Without burst control a serving prompt waits for pages: under naive sharing what the
-        # rollouts leave of the pool, under a static split serving's own share of it.
-        rollout_bytes = np.array([sum(contexts[r]) for r in busy]) * self.policy.kv_bytes_per_token
-        static = self.sharing is Sharing.STATIC
-        serving_room = self.pool - (self.memory.static_bytes if static else rollout_bytes)
-        blocked = (serving_room - f.kv_tokens()[busy] * self.serving_model.kv_bytes_per_token
-                   < f.first_waiting_prompt()[busy] * self.serving_model.kv_bytes_per_token).tolist()
-        for i, (r, st) in enumerate(zip(busy.tolist(), states, strict=True)):
-            wid = self.first_wid + r
-            # Fluid prefill leaves fractions of a token: a fraction still needs an iteration.
-            demand = RolloutDemand(contexts[r], math.ceil(pending[wid]))
-            if self.sharing is Sharing.ROSE:
-                a_p, a_d, duty_p, duty_d = self._admit(t, st, demand)
-            else:
-                a_p, a_d, serve_pf[r] = (
-                    self._naive(serving_dec[i], st.decode_context_tokens, demand, backlog[i], chunk)
-                    if self.sharing is Sharing.NAIVE else
-                    self._static(serving_dec[i], st.decode_context_tokens, demand, serve_pf[r]))
-                if blocked[i]:
-                    serve_pf[r] = 0.0           # no free pages for the next serving prompt
-                duty_d = duty_p = 1.0
-            tp, td = max(a_p.iteration_s, 1e-4), max(a_d.iteration_s, 1e-4)
-            t_p[r], t_d[r] = tp, td
-            frac = min(1.0, backlog[i] / serve_pf[r] * tp / self.dt) if backlog[i] and serve_pf[r] else 0.0
-            plan.cap1[wid], plan.rate1[wid] = a_d.decode_seqs, (1.0 - frac) * duty_d / td
-            plan.cap2[wid], plan.rate2[wid] = a_p.decode_seqs, frac * duty_p / tp
-            plan.prefill_rate[wid] = ((1.0 - frac) * duty_d * a_d.prefill_tokens / td
-                                      + frac * duty_p * a_p.prefill_tokens / tp)
+        wids = self.first_wid + busy
+        contexts = contexts_of(wids)
+        # Fluid prefill leaves fractions of a token: a fraction still needs an iteration.
+        demand = RolloutDemand(contexts, np.ceil(pending[wids]).astype(np.int64))
+        backlog = f.prefill_backlog()[busy]
+        if self.sharing is Sharing.ROSE:
+            a_p, a_d, duty_p, duty_d = self._admit(t, f.admission_state(t, busy), demand)
+        else:
+            dec, ctx = f.decode_seqs()[busy], f.decode_context()[busy]
+            a_p, a_d, serve_pf[busy] = (self._naive(dec, ctx, demand, backlog, chunk)
+                                        if self.sharing is Sharing.NAIVE else
+                                        self._static(dec, ctx, demand, serve_pf[busy]))
+            # Without burst control a serving prompt waits for pages: under naive sharing what the
+            # rollouts leave of the pool, under a static split serving's own share of it.
+            static = self.sharing is Sharing.STATIC
+            rollout_bytes = contexts.sum(axis=1) * self.policy.kv_bytes_per_token
+            serving_room = self.pool - (self.memory.static_bytes if static else rollout_bytes)
+            blocked = (serving_room - f.kv_tokens()[busy] * self.serving_model.kv_bytes_per_token
+                       < f.first_waiting_prompt()[busy] * self.serving_model.kv_bytes_per_token)
+            serve_pf[busy[blocked]] = 0.0           # no free pages for the next serving prompt
+            duty_d = duty_p = 1.0
+        tp, td = np.maximum(a_p.iteration_s, 1e-4), np.maximum(a_d.iteration_s, 1e-4)
+        t_p[busy], t_d[busy] = tp, td
+        pf = serve_pf[busy]
+        queued = (backlog > 0) & (pf > 0)
+        frac = np.where(queued, np.minimum(1.0, backlog / np.where(queued, pf, 1.0) * tp / self.dt), 0.0)
+        plan.cap1[wids], plan.rate1[wids] = a_d.decode_seqs, (1.0 - frac) * duty_d / td
+        plan.cap2[wids], plan.rate2[wids] = a_p.decode_seqs, frac * duty_p / tp
+        plan.prefill_rate[wids] = ((1.0 - frac) * duty_d * a_d.prefill_tokens / td
+                                   + frac * duty_p * a_p.prefill_tokens / tp)
         return t_p, t_d, serve_pf
 
     def _admit(self, t: float, st: ServingState,
-               demand: RolloutDemand) -> tuple[Admission, Admission, float, float]:
-        """The executor's admission for a replica's prefill-chunk and decode-only iterations,
-        with the share of each kind that carries rollout work. One rollout iteration is bounded
-        by the SLOs alone (`banked=False`); the inflation budgets bound how many serving
-        iterations carry one (`rollout_duty`), as banked budgets do on a device. Each kind's
-        admission comes back with its mean iteration time, with rollout work and without."""
-        decoding = ServingState((), st.decoding_last_token_s, st.decode_context_tokens)
+               demand: RolloutDemand) -> tuple[Admission, Admission, Num, Num]:
+        """The executor's admission for the replicas' prefill-chunk and decode-only iterations
+        (arrays over them), with the share of each kind that carries rollout work. One rollout
+        iteration is bounded by the SLOs alone (`banked=False`); the inflation budgets bound how
+        many serving iterations carry one (`rollout_duty`), as banked budgets do on a device.
+        Each kind's admission comes back with its mean iteration time, with rollout work and
+        without. (A replica with no prompt waiting gets the same for both kinds.) Both kinds are
+        decided in one call, the replicas twice over: decode-only first."""
+        n = len(st.decode_context_tokens)
+        none = np.full(n, np.inf), np.zeros(n)
+        both = ServingState([(np.r_[none[0], a], np.r_[none[1], w]) for a, w in st.waiting],
+                            [np.r_[d, d] for d in st.decoding_last_token_s],
+                            np.r_[st.decode_context_tokens, st.decode_context_tokens],
+                            [np.r_[k, k] for k in st.decoding_counts])
         e = self.settings
+        twice = RolloutDemand(np.r_[demand.decode_context, demand.decode_context],
+                              np.r_[demand.prefill_tokens, demand.prefill_tokens])
+        a = admission_step(t, both, twice, self.latency, self.slo, self.chunk, banked=False,
+                           arrival_reserve_tokens=e.arrival_reserve_tokens,
+                           idle_min_tokens=e.idle_min_rollout_tokens)
+        alone = self.latency.iteration_time(both.load(self.chunk), TokenLoad())
+        duty = np.r_[np.broadcast_to(rollout_duty(alone[:n], a.iteration_s[:n], self.slo.tpot_inflation), n),
+                     np.broadcast_to(rollout_duty(alone[n:], a.iteration_s[n:], self.slo.ttft_inflation), n)]
+        iteration = duty * a.iteration_s + (1 - duty) * alone
 
-        def step(state: ServingState) -> Admission:
-            return admission_step(t, state, demand, self.latency, self.slo, self.chunk, banked=False,
-                                  arrival_reserve_tokens=e.arrival_reserve_tokens,
-                                  idle_min_tokens=e.idle_min_rollout_tokens)
+        def kind(part: slice) -> Admission:
+            return Admission(*(np.broadcast_to(x, (2 * n,))[part]
+                               for x in (a.decode_seqs, a.prefill_tokens, iteration, a.limit_s,
+                                         a.prefill_slack_s, a.decode_slack_s)))
 
-        a_d = step(decoding)
-        a_p = step(st) if st.waiting else a_d
-        alone_d = self.latency.iteration_time(decoding.load(self.chunk), TokenLoad())
-        alone_p = self.latency.iteration_time(st.load(self.chunk), TokenLoad()) if st.waiting else alone_d
-        duty_d = rollout_duty(alone_d, a_d.iteration_s, self.slo.tpot_inflation)
-        duty_p = rollout_duty(alone_p, a_p.iteration_s, self.slo.ttft_inflation)
-        a_d = dataclasses.replace(a_d, iteration_s=duty_d * a_d.iteration_s + (1 - duty_d) * alone_d)
-        a_p = dataclasses.replace(a_p, iteration_s=duty_p * a_p.iteration_s + (1 - duty_p) * alone_p)
-        return a_p, a_d, duty_p, duty_d
+        return kind(slice(n, None)), kind(slice(None, n)), duty[n:], duty[:n]
 
-    def _naive(self, serving_decodes: int, serving_ctx: int, demand: RolloutDemand, backlog: float,
-               chunk: int) -> tuple[Admission, Admission, float]:
+    def _naive(self, serving_decodes: np.ndarray, serving_ctx: np.ndarray, demand: RolloutDemand,
+               backlog: np.ndarray, chunk: int) -> tuple[Admission, Admission, np.ndarray]:
         """No admission control: every rollout sequence that has pages decodes in every
         iteration, and serving and rollout prompts share the prefill chunk in proportion to what
         each has queued (first come, first served, on average). Returns the two iteration kinds
-        and serving's prefill tokens per prefill iteration."""
+        and serving's prefill tokens per prefill iteration (arrays over the replicas)."""
         r_pending = demand.prefill_tokens
-        d, ctx = len(demand.decode_context), sum(demand.decode_context)
-        share = chunk * backlog / (backlog + r_pending) if backlog else float(chunk)
-        r_p = min(r_pending, chunk - int(share)) if backlog else 0
-        r_d = min(r_pending, chunk)
-        t_p = self.latency.iteration_time(TokenLoad(max(1, int(share)), serving_decodes, serving_ctx),
-                                          TokenLoad(r_p, d, ctx))
+        d, ctx = demand.decodes, demand.context_tokens
+        queued = backlog > 0
+        share = np.where(queued, chunk * backlog / np.where(queued, backlog + r_pending, 1.0), float(chunk))
+        r_p = np.where(queued, np.minimum(r_pending, chunk - np.floor(share)), 0)
+        r_d = np.minimum(r_pending, chunk)
+        serving_pf = TokenLoad(np.maximum(1, np.floor(share)), serving_decodes, serving_ctx)
+        t_p = self.latency.iteration_time(serving_pf, TokenLoad(r_p, d, ctx))
         t_d = self.latency.iteration_time(TokenLoad(0, serving_decodes, serving_ctx), TokenLoad(r_d, d, ctx))
-        inf = math.inf
-        return Admission(d, r_p, t_p, inf, inf, inf), Admission(d, r_d, t_d, inf, inf, inf), max(share, 1.0)
+        inf = np.full(len(d), math.inf)
+        return (Admission(d, r_p, t_p, inf, inf, inf), Admission(d, r_d, t_d, inf, inf, inf),
+                np.maximum(share, 1.0))
 
-    def _static(self, serving_decodes: int, serving_ctx: int, demand: RolloutDemand,
-                serving_prefill: float) -> tuple[Admission, Admission, float]:
+    def _static(self, serving_decodes: np.ndarray, serving_ctx: np.ndarray, demand: RolloutDemand,
+                serving_prefill: np.ndarray) -> tuple[Admission, Admission, np.ndarray]:
         """A static split (the executor's `static` policy): every iteration carries up to
         `static_rollout_tokens` rollout tokens, decodes first, whatever serving's slack; serving
         prefills its whole chunk. Returns the two iteration kinds and serving's prefill tokens per
-        prefill iteration."""
+        prefill iteration (arrays over the replicas)."""
         budget = self.settings.static_rollout_tokens
-        d = min(len(demand.decode_context), budget)
-        rollout = TokenLoad(min(demand.prefill_tokens, budget - d), d, sum(demand.decode_context[:d]))
-        prefill = TokenLoad(max(1, int(serving_prefill)), serving_decodes, serving_ctx)
+        d = np.minimum(demand.decodes, budget)
+        first = np.arange(demand.decode_context.shape[1])[None, :] < d[:, None]
+        rollout = TokenLoad(np.minimum(demand.prefill_tokens, budget - d), d,
+                            np.where(first, demand.decode_context, 0).sum(axis=1))
+        prefill = TokenLoad(np.maximum(1, np.floor(serving_prefill)), serving_decodes, serving_ctx)
         t_p = self.latency.iteration_time(prefill, rollout)
         t_d = self.latency.iteration_time(TokenLoad(0, serving_decodes, serving_ctx), rollout)
-        inf = math.inf
+        inf = np.full(len(d), math.inf)
         return (Admission(d, rollout.prefill_tokens, t_p, inf, inf, inf),
                 Admission(d, rollout.prefill_tokens, t_d, inf, inf, inf), serving_prefill)

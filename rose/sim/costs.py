@@ -8,8 +8,9 @@ from published measurements, not fitted to this simulator's results.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 
+import numba
 import numpy as np
 
 from rose.contracts import TokenLoad
@@ -177,25 +178,55 @@ class ForwardCost:
     def time(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount = 1) -> Amount:
         """Forward time for `prefill` prompt tokens (in chunks over `chunk_seqs` sequences),
         `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
-        over numpy arrays."""
-        return self._roofline(prefill, decode, ctx, chunk_seqs, np.minimum, np.maximum)
+        over numpy arrays (`_roofline` compiled, each load in one loop: a simulator of thousands of
+        replicas asks it tens of times a tick)."""
+        args = [x if isinstance(x, np.ndarray) else np.array(x, np.float64)
+                for x in (prefill, decode, ctx, chunk_seqs)]
+        shape = max((x.shape for x in args), key=len)
+        out = _roofline_each(*(x.astype(np.float64, copy=False).reshape(-1) for x in args), *self.terms)
+        return out.reshape(shape) if shape else float(out[0])
 
-    def scalar(self, load: TokenLoad) -> float:
+    def scalar(self, load: TokenLoad) -> Amount:
         """`time` of one iteration's load, as the admission policy asks it (about 600k times a
-        paper-8b run): the same formula on plain numbers, with the builtin min and max, as numpy's
-        ufuncs cost microseconds a call on scalars."""
-        return self._roofline(load.prefill_tokens, load.decode_seqs, load.context_tokens, 1, min, max)
+        paper-8b run): on plain numbers the formula itself, as numpy's ufuncs cost microseconds a
+        call on scalars; on arrays (one entry per replica: the policy deciding for many replicas
+        at once) `time`."""
+        p, d, c = load.prefill_tokens, load.decode_seqs, load.context_tokens
+        if isinstance(p, np.ndarray) or isinstance(d, np.ndarray) or isinstance(c, np.ndarray):
+            return self.time(p, d, c)
+        return _roofline(p, d, c, 1, *self.terms)
 
-    def _roofline(self, prefill: Amount, decode: Amount, ctx: Amount, chunk_seqs: Amount,
-                  minimum: Callable[[Amount, Amount], Amount],
-                  maximum: Callable[[Amount, Amount], Amount]) -> Amount:
-        tokens = prefill + decode
-        seqs = decode + minimum(prefill, chunk_seqs)
-        compute = (self.s_token * tokens + self.s_attn * ctx + self.s_head * seqs
-                   + self.prefill_attn * prefill * prefill / maximum(chunk_seqs, 1))
-        memory = self.s_weights + self.s_kv * (ctx + tokens)
-        # A bool (array) times the time: 0 where there is no work, for numbers and arrays alike.
-        return (tokens > 0) * (maximum(compute, memory) + self.fixed)
+    @functools.cached_property
+    def terms(self) -> tuple[float, ...]:
+        return dataclasses.astuple(self)
+
+
+def _roofline(prefill: float, decode: float, ctx: float, chunk_seqs: float, s_token: float, s_attn: float,
+              s_head: float, s_weights: float, s_kv: float, fixed: float, prefill_attn: float) -> float:
+    """`ForwardCost.time` of one load, the cost's terms given."""
+    tokens = prefill + decode
+    if tokens <= 0:
+        return 0.0
+    seqs = decode + min(prefill, chunk_seqs)
+    compute = (s_token * tokens + s_attn * ctx + s_head * seqs
+               + prefill_attn * prefill * prefill / max(chunk_seqs, 1.0))
+    return max(compute, s_weights + s_kv * (ctx + tokens)) + fixed
+
+
+_roofline_compiled = numba.njit(cache=True)(_roofline)
+
+
+@numba.njit(cache=True)
+def _roofline_each(prefill: np.ndarray, decode: np.ndarray, ctx: np.ndarray, chunk_seqs: np.ndarray,
+                   *terms: float) -> np.ndarray:
+    """`_roofline` of each load: arrays of one length, or of one entry (the same for all)."""
+    n = max(len(prefill), len(decode), len(ctx), len(chunk_seqs))
+    out = np.empty(n)
+    for i in range(n):
+        out[i] = _roofline_compiled(prefill[i if len(prefill) > 1 else 0],
+                                    decode[i if len(decode) > 1 else 0], ctx[i if len(ctx) > 1 else 0],
+                                    chunk_seqs[i if len(chunk_seqs) > 1 else 0], *terms)
+    return out
 
 
 # Measured iteration times of this project's engine on one core of this machine (torch threads

@@ -6,13 +6,14 @@ concurrency caps."""
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
 import numpy as np
 
 from rose.contracts import WorkerKind
-from rose.rollout.routing import Route, RoutedTurn, RoutingTable, WorkerState, resume
+from rose.rollout.routing import Route, RoutedTurn, RouteReason, RoutingTable, WorkerState, resume
 from rose.sim.rollout import DONE, ActiveView, Round, TickRates
 from rose.sim.workers import COSERVE, DEDICATED, ELASTIC, Workers
 
@@ -32,6 +33,10 @@ class Dispatch:
         self.round_start = 0.0
         self.aborted = 0              # turns that lost their worker (abort, preemption, release)
         self.paused = False           # the dedicated workers' devices are the trainer's for now
+
+    @property
+    def counts(self) -> collections.Counter[RouteReason]:
+        return self.table.counts
 
     def begin_round(self, rnd: Round, t: float) -> None:
         self.round_start = t

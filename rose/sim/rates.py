@@ -11,21 +11,28 @@ from rose.sim.costs import ForwardCost
 from rose.sim.rollout import ActiveView, Round, TickRates
 
 
-def plan_rates(rnd: Round, view: ActiveView, workers: int, cost: ForwardCost, dt: float,
-               batched_tokens: float) -> tuple[TickRates, np.ndarray, np.ndarray, np.ndarray]:
-    """Rates of every worker as a replica of `cost` that runs only rollouts, at most
-    `batched_tokens` of prefill per iteration. Returns them with each worker's prefill tokens
-    pending, its mean iteration time over the tick and its decoding sequences."""
-    n = workers
+def view_load(rnd: Round, view: ActiveView,
+              workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per worker, of the sequences of `view` that fit: decoding ones, their context tokens,
+    prompt tokens pending and prompts pending."""
     fit = view.fits
     wk = view.worker[fit]
     rows = view.idx[fit]
     is_dec = view.decode_rank[fit] >= 0
-    dec = np.bincount(wk[is_dec], minlength=n).astype(float)
-    ctx = np.bincount(wk[is_dec], weights=rnd.ctx[rows[is_dec]], minlength=n)
-    pending = np.bincount(wk[~is_dec], weights=rnd.prefill_left[rows[~is_dec]], minlength=n)
+    dec = np.bincount(wk[is_dec], minlength=workers).astype(float)
+    ctx = np.bincount(wk[is_dec], weights=rnd.ctx[rows[is_dec]], minlength=workers)
+    pending = np.bincount(wk[~is_dec], weights=rnd.prefill_left[rows[~is_dec]], minlength=workers)
+    return dec, ctx, pending, np.bincount(wk[~is_dec], minlength=workers)
+
+
+def plan_rates(dec: np.ndarray, ctx: np.ndarray, pending: np.ndarray, prompts: np.ndarray, cost: ForwardCost,
+               dt: float, batched_tokens: float) -> tuple[TickRates, np.ndarray]:
+    """Rates of every worker as a replica of `cost` that runs only rollouts, at most
+    `batched_tokens` of prefill per iteration, given its decoding sequences, their context, its
+    pending prompt tokens and prompts. Returns them with each worker's mean iteration time."""
+    n = len(dec)
     pf = np.minimum(batched_tokens, pending)
-    chunk_seqs = np.maximum(1, np.bincount(wk[~is_dec], minlength=n))
+    chunk_seqs = np.maximum(1, prompts)
     # The prompts pending at the tick's start take their chunked iterations, and the rest of
     # the tick runs decode-only ones (as on serving GPUs): decodes do not crawl at a prefill
     # iteration's pace for a whole tick because a few chunks were pending at its start.
@@ -36,7 +43,7 @@ def plan_rates(rnd: Round, view: ActiveView, workers: int, cost: ForwardCost, dt
     iter_s = dt / iters                            # the tick's mean iteration time
     plan = TickRates(prefill_rate=pf / np.maximum(iter_p, 1e-12),
                      cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
-    return plan, pending, iter_s, dec
+    return plan, iter_s
 
 
 def charge_manager(plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, dedicated: np.ndarray,

@@ -15,6 +15,7 @@ into each.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,24 +45,30 @@ class ActiveView:
     decode_rank: np.ndarray      # rank among the worker's fitting decode sequences (-1: none)
     kv: np.ndarray               # KV tokens each holds now
 
-    def held(self, first_worker: int) -> dict[int, list[tuple[int, float]]]:
-        """Per worker from `first_worker` on: (row, KV tokens) of the sequences that ran (held
-        pages), oldest first. Sequences waiting for pages hold none."""
-        sel = self.fits & (self.worker >= first_worker)
-        w, rows, kv = self.worker[sel], self.idx[sel], self.kv[sel]
-        if not len(w):
-            return {}
-        cuts = np.flatnonzero(w[1:] != w[:-1]) + 1
-        parts = zip(np.split(w, cuts), np.split(rows, cuts), np.split(kv, cuts), strict=True)
-        return {int(ws[0]): list(zip(rs.tolist(), ks.tolist(), strict=True)) for ws, rs, ks in parts}
+    def held_kv(self, workers: np.ndarray) -> np.ndarray:
+        """[workers, sequences]: the KV tokens of each sequence holding pages on `workers`."""
+        return self.matrix(self.fits, workers, self.kv.astype(np.int64))
 
-    def decode_contexts(self, rnd: Round, workers: np.ndarray) -> list[list[int]]:
-        """Per worker in `workers` (sorted ids): contexts of its fitting decode sequences, in
-        rank order (what admission is offered)."""
-        sel = self.fits & (self.decode_rank >= 0)
-        w, ctx = self.worker[sel], rnd.ctx[self.idx[sel]].astype(np.int64).tolist()
-        lo, hi = np.searchsorted(w, workers, "left").tolist(), np.searchsorted(w, workers, "right").tolist()
-        return [ctx[a:b] for a, b in zip(lo, hi, strict=True)]
+    def decode_contexts(self, rnd: Round) -> Callable[[np.ndarray], np.ndarray]:
+        """The contexts of the fitting decodes of given workers, in rank order (what admission is
+        offered), [workers, sequences]."""
+        decoding = self.fits & (self.decode_rank >= 0)
+        ctx = rnd.ctx[self.idx].astype(np.int64)
+        return lambda workers: self.matrix(decoding, workers, ctx)
+
+    def matrix(self, sel: np.ndarray, workers: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """[workers, sequences]: per worker of `workers` (sorted ids) the `values` (one per
+        sequence of the view) of its sequences selected by `sel`, in view order, then zeros; for
+        example the contexts of its fitting decodes, what admission is offered."""
+        w, v = self.worker[sel], values[sel]
+        pos = np.minimum(np.searchsorted(workers, w), max(0, len(workers) - 1))
+        mine = (workers[pos] == w) if len(workers) else np.zeros(len(w), bool)
+        w, v, pos = w[mine], v[mine], pos[mine]
+        first = np.r_[True, w[1:] != w[:-1]] if len(w) else np.zeros(0, bool)
+        rank = np.arange(len(w)) - np.maximum.accumulate(np.where(first, np.arange(len(w)), 0))
+        out = np.zeros((len(workers), int(rank.max()) + 1 if len(rank) else 0), values.dtype)
+        out[pos, rank] = v
+        return out
 
 
 class Round:

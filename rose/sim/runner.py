@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 from omegaconf import OmegaConf
 
+from rose.sim.aggregate import LatencyHistogram
+from rose.sim.batched import BatchedSimulation
 from rose.sim.costs import WeightSync, model_by_name
 from rose.sim.engine import SimRun, Simulation, serving_alone, weight_sync_times, with_serving_engine
 from rose.sim.scenarios import SWEEPS, Scenario, Sweep, apply_overrides, load_scenario, scale_overrides
-from rose.sim.systems import SYSTEMS, Extra
+from rose.sim.serving import ServingLog
+from rose.sim.systems import SYSTEMS, Extra, System
 
 WINDOW_S = 60.0     # SLOs are judged per minute: P99 of the requests that arrived in it
 
@@ -31,9 +34,14 @@ class ServingStats:
     minute_tpot_ms: np.ndarray
 
 
-def serving_stats(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario,
-                  until_s: float) -> ServingStats:
-    arrival, ttft, tpot = log
+def serving_stats(log: ServingLog | LatencyHistogram | tuple[np.ndarray, np.ndarray, np.ndarray],
+                  sc: Scenario, until_s: float) -> ServingStats:
+    """Serving's P99s, SLO attainment and per-minute P99s of the requests that arrived before
+    `until_s`: from every request (`ServingLog`, or its arrays), or from the aggregate model's
+    histograms (the minutes that began before `until_s`)."""
+    if isinstance(log, LatencyHistogram):
+        return _histogram_stats(log, sc, until_s)
+    arrival, ttft, tpot = log.arrays() if isinstance(log, ServingLog) else log
     keep = arrival < until_s
     arrival, ttft, tpot = arrival[keep], ttft[keep] * 1e3, tpot[keep] * 1e3
     slo_t, slo_o = sc.serving.executor.slo_ttft_ms, sc.serving.executor.slo_tpot_ms
@@ -56,14 +64,27 @@ def serving_stats(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario,
         minutes=len(starts), minute_t=np.array(starts), minute_ttft_ms=p_t, minute_tpot_ms=p_o)
 
 
-def spike_parts(log: tuple[np.ndarray, np.ndarray, np.ndarray], sc: Scenario
-                ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _histogram_stats(log: LatencyHistogram, sc: Scenario, until_s: float) -> ServingStats:
+    slo_t, slo_o = sc.serving.executor.slo_ttft_ms, sc.serving.executor.slo_tpot_ms
+    minutes = [m for m in log.minutes() if m * WINDOW_S < until_s]
+    per_minute = np.array([log.p99([m]) for m in minutes]).reshape(-1, 2) * 1e3
+    p99_t, p99_o = log.p99(minutes)
+    return ServingStats(
+        p99_ttft_ms=p99_t * 1e3, p99_tpot_ms=p99_o * 1e3,
+        attainment=log.within(slo_t / 1e3, slo_o / 1e3, minutes),
+        violations=int(np.count_nonzero((per_minute[:, 0] > slo_t) | (per_minute[:, 1] > slo_o))),
+        minutes=len(minutes), minute_t=np.array(minutes, float) * WINDOW_S,
+        minute_ttft_ms=per_minute[:, 0], minute_tpot_ms=per_minute[:, 1])
+
+
+def spike_parts(log: ServingLog, sc: Scenario) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The requests of `log` that arrive inside the scenario's spike (`serving.spike_at_s`) and
     the rest."""
     s = sc.serving
-    arrival = log[0]
+    arrays = log.arrays()
+    arrival = arrays[0]
     inside = (arrival >= s.spike_at_s) & (arrival < s.spike_at_s + s.spike_s)
-    return {"inside": tuple(x[inside] for x in log), "outside": tuple(x[~inside] for x in log)}
+    return {"inside": tuple(x[inside] for x in arrays), "outside": tuple(x[~inside] for x in arrays)}
 
 
 @dataclasses.dataclass
@@ -191,6 +212,11 @@ class ScenarioResult:
                 "systems": systems, "serving": serving, "summary": self.summary()}
 
 
+def simulation(sc: Scenario, system: System) -> Simulation:
+    """The system on the scenario, its rollouts per turn or in batches (`sim.rollout_model`)."""
+    return (BatchedSimulation if sc.sim.rollout_model == "batched" else Simulation)(sc, system)
+
+
 def run_scenario(sc: Scenario, progress: Callable[[str, SimRun], None] | None = None) -> ScenarioResult:
     """Every system of `sc.sim.systems` on the same workload and traffic, then serving alone
     over the same span for the SLO baseline."""
@@ -198,7 +224,7 @@ def run_scenario(sc: Scenario, progress: Callable[[str, SimRun], None] | None = 
     sc = with_serving_engine(sc)
     runs: dict[str, SimRun] = {}
     for name in sc.sim.systems:
-        runs[name] = Simulation(sc, SYSTEMS[name]).run()
+        runs[name] = simulation(sc, SYSTEMS[name]).run()
         if progress:
             progress(name, runs[name])
     serving: dict[str, ServingStats] = {}

@@ -15,7 +15,7 @@ from typing import Any
 from rose.config import load, read_named_config
 from rose.coserve.settings import ExecutorConfig
 from rose.sim.costs import DEVICES, MODELS, WeightSync
-from rose.sim.systems import SYSTEMS, Extra
+from rose.sim.systems import SYSTEMS, Extra, batchable
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
 from rose.traces import TRACE_FILES
 
@@ -179,6 +179,16 @@ class SimConfig:
     # statistically identical, so per-replica load is unchanged. (The inter-cluster link is not
     # sliced: one copy of the weights crosses it whatever the number of receivers.)
     slice: int = 1
+    # How serving replicas are simulated: "requests", every request its own row (exact within
+    # the fluid model; a day of thousands of replicas is billions of rows), or "aggregate", every
+    # replica one row, its requests counted from the trace's running sums, latencies from its
+    # fluid queue into per-minute histograms (`rose.sim.aggregate`; docs/simulator.md compares).
+    serving_model: str = "requests"
+    # How rollout turns are simulated: "turns", each routed through the routing table and
+    # advanced every tick, or "batched", the turns due in a tick routed together and each worker
+    # keeping clocks its sequences are targets on (`rose.sim.batched`; fixed-sync and ROSE's
+    # synchronous systems with fixed per-worker caps).
+    rollout_model: str = "turns"
     systems: list[str] = dataclasses.field(default_factory=lambda: [
         "fixed-sync", "fixed-async", "elastic-spot", "elastic-serverless", "rose", "naive-share"])
 
@@ -270,6 +280,20 @@ def validate(sc: Scenario) -> Scenario:
          s.minute_peak_to_mean)
     need(r.step_after_burst_s >= 0, "rl.step_after_burst_s", ">= 0", r.step_after_burst_s)
     need(sc.sim.duration_s >= 0, "sim.duration_s", ">= 0", sc.sim.duration_s)
+    need(sc.sim.serving_model in ("requests", "aggregate"), "sim.serving_model", "requests or aggregate",
+         sc.sim.serving_model)
+    need(sc.sim.rollout_model in ("turns", "batched"), "sim.rollout_model", "turns or batched",
+         sc.sim.rollout_model)
+    if sc.sim.rollout_model == "batched":
+        unbatched = [x for x in sc.sim.systems if x in SYSTEMS and not batchable(SYSTEMS[x])]
+        need(not unbatched, "sim.systems", "systems sim.rollout_model=batched simulates (the synchronous "
+             "ones with fixed per-worker caps: fixed-sync, rose, rose-no-affinity, rose-full-weights, "
+             "naive-share, static-split; not the asynchronous ones, whose training pauses or splits the "
+             "dedicated devices, nor the elastic ones)", sc.sim.systems)
+        need(r.fixed_concurrency > 0, "rl.fixed_concurrency",
+             "> 0 with sim.rollout_model=batched (its slots)", r.fixed_concurrency)
+    need(sc.sim.serving_model == "requests" or s.spike_at_s is None, "serving.spike_at_s",
+         "null with sim.serving_model=aggregate (a spike's figures need every request)", s.spike_at_s)
     idle = [x for x in sc.sim.systems if SYSTEMS.get(x) and SYSTEMS[x].colocated
             and SYSTEMS[x].extra is Extra.NONE]
     need(c.trainer_rolls_out or c.rollout_gpus or not idle, "cluster.trainer_rolls_out",
@@ -318,6 +342,9 @@ PAPER_ADMISSION = {"tpot_inflation": math.inf, "ttft_inflation": math.inf}
 # serving fleet"). Its iterations prefill up to vLLM's default token budget for its OpenAI server on
 # a GPU of 70 GiB or more (`max_num_batched_tokens`): the paper's executor lives inside vLLM 0.10.0.
 VLLM_SERVER_BATCHED_TOKENS = 8192
+# paper-8b's serving engine beyond the roofline as its `serving.target_p99_tpot_ms` solves it (the
+# summary's serving_engine_overhead_ms), for scenarios that state the same engine.
+PAPER_8B_ENGINE_OVERHEAD_MS = 57.5
 
 
 def _paper_8b() -> Scenario:
@@ -457,8 +484,28 @@ def _cpu_bench_coserve() -> Scenario:
     )
 
 
+def _fleet_day() -> Scenario:
+    # paper-8b's models, SLOs, per-GPU workload (85 trajectories a training GPU, 3 serving GPUs to
+    # each training GPU, as sweep-scale) on 10,000 H800s, every GPU simulated, through a whole
+    # day of the diurnal trace from midnight: serving replicas in aggregate, rollouts in batches.
+    # The serving engine is paper-8b's as solved for Table 1's P99 TPOT, stated (solving it again
+    # here would fit the night's trough, not the paper's load).
+    base = _paper_8b()
+    return dataclasses.replace(
+        base, name="fleet-day",
+        description="paper-8b's models, SLOs and per-GPU workload on 2,500 training and 7,500 serving H800s, "
+                    "24 h of the diurnal trace, every GPU simulated (aggregate serving, batched rollouts)",
+        cluster=ClusterConfig(train_gpus=2500, serving_gpus=7500),
+        serving=dataclasses.replace(base.serving, start_hour=0.0, target_p99_tpot_ms=0.0,
+                                    engine_overhead_ms=PAPER_8B_ENGINE_OVERHEAD_MS),
+        rl=dataclasses.replace(base.rl, trajectories=256 * round(85 * 2500 / 256), steps=1000),
+        sim=SimConfig(tick_s=16.0, duration_s=86400.0, serving_model="aggregate", rollout_model="batched",
+                      systems=["rose"]))
+
+
 SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b, "cpu-bench-train": _cpu_bench_train,
-             "cpu-bench-burst": _cpu_bench_burst, "cpu-bench-coserve": _cpu_bench_coserve}
+             "cpu-bench-burst": _cpu_bench_burst, "cpu-bench-coserve": _cpu_bench_coserve,
+             "fleet-day": _fleet_day}
 SWEEPS: dict[str, Sweep] = {s.name: s for s in (
     Sweep("sweep-bandwidth", "cross-cluster bandwidth 10-200 Gb/s: sparse deltas against full weights",
           "paper-8b", "cluster.cross_gbps", (10, 25, 50, 100, 200),

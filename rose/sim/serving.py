@@ -40,6 +40,11 @@ class ServingLog:
             return np.zeros(0), np.zeros(0), np.zeros(0)
         return np.concatenate(self.arrival), np.concatenate(self.ttft), np.concatenate(self.tpot)
 
+    def p99_tpot_s(self, until_s: float) -> float:
+        """P99 TPOT of the requests that arrived before `until_s`."""
+        arrival, _, tpot = self.arrays()
+        return float(np.nanpercentile(tpot[arrival < until_s], 99))
+
 
 class ServingFleet:
     """`n` serving replicas. Time is simulation time; day time is `day_start_s` later. Each
@@ -125,21 +130,27 @@ class ServingFleet:
             out[self.w_rep[first]] = self.w_left[first]
         return out
 
-    def admission_states(self, now: float, replicas: np.ndarray) -> list[ServingState]:
-        """The admission controller's view of each replica in `replicas`. Every decoding request
-        emitted a token in the iteration that just ended, so their last-token time is `now`; each
-        is one, as serving's share of an iteration counts its decodes (`ServingState.load`)."""
-        bounds = np.searchsorted(self.w_rep, np.r_[replicas, replicas + 1]).reshape(2, -1)
-        dec, ctx = self.decode_seqs(), self.decode_context()
+    def admission_state(self, now: float, replicas: np.ndarray) -> ServingState:
+        """The admission controller's view of the replicas in `replicas` (sorted), in arrays over
+        them (`ServingState`'s arrays: waiting requests in columns, FIFO). Every decoding request
+        emitted a token in the iteration that just ended, so their last-token time is `now`: they
+        are one entry with their count, as serving's share of an iteration counts its decodes
+        (`ServingState.load`)."""
+        lo, hi = np.searchsorted(self.w_rep, replicas, "left"), np.searchsorted(self.w_rep, replicas, "right")
+        count = hi - lo
+        k = int(count.max()) if len(count) else 0
+        arrival, left = np.full((len(replicas), k), np.inf), np.zeros((len(replicas), k))
+        row = np.repeat(np.arange(len(replicas)), count)
+        col = np.arange(len(row)) - np.repeat(np.cumsum(count) - count, count)
+        at = np.repeat(lo, count) + col
         # A request keeps its arrival time, so the TTFT it has already spent waiting counts, as the
         # executor's `arrival_time` does. One that arrives during the tick is judged as arriving
         # now (with its full budget ahead and the whole queue before it): the slack the executor
         # would compute at its arrival, or less, as the tick's iteration time is fixed from now.
-        arr, left = np.minimum(self.w_arr, now).tolist(), self.w_left.tolist()
-        return [ServingState(list(zip(arr[lo:hi], left[lo:hi], strict=True)),
-                             (now,) * int(dec[r]), int(ctx[r]))
-                for r, lo, hi in zip(replicas.tolist(), bounds[0].tolist(), bounds[1].tolist(),
-                                     strict=True)]
+        arrival[row, col], left[row, col] = np.minimum(self.w_arr[at], now), self.w_left[at]
+        dec = self.decode_seqs()[replicas]
+        return ServingState(list(zip(arrival.T, left.T, strict=True)), [np.where(dec > 0, now, np.inf)],
+                            self.decode_context()[replicas].astype(np.int64), [dec])
 
     # -- one tick ---------------------------------------------------------------------------------
     def advance(self, t: float, dt: float, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,

@@ -57,3 +57,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("static-split", "static split (fixed pages and tokens)", extra=Extra.COSERVE,
            sharing=Sharing.STATIC),
 )}
+
+
+def batchable(system: System) -> bool:
+    """Whether `sim.rollout_model=batched` simulates the system: synchronous, on the job's GPUs
+    and serving GPUs only (no elastic capacity, no split or shared devices)."""
+    return system.colocated and system.staleness == 0 and system.extra in (Extra.NONE, Extra.COSERVE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from rose.contracts import TokenLoad
@@ -342,3 +343,84 @@ def test_bad_controller_arguments():
     for kwargs in (dict(pool=0), dict(pool=10, headroom=1.0), dict(pool=10, high_watermark=0)):
         with pytest.raises(ValueError):
             BurstController(**kwargs)
+
+
+def _columns(entries: list[list[tuple[float, float]]], width: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per-device lists of (time, tokens) as `ServingState`'s arrays: columns, padded with inf."""
+    return [(np.array([e[k][0] if k < len(e) else np.inf for e in entries]),
+             np.array([e[k][1] if k < len(e) else 0.0 for e in entries])) for k in range(width)]
+
+
+class ArrayLatency:
+    """`LinearLatency` on numbers and on arrays of them alike."""
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        def part(x: TokenLoad) -> float:
+            busy = np.asarray(x.prefill_tokens + x.decode_seqs + x.context_tokens) > 0
+            return np.where(busy, 0.005 + x.prefill_tokens * 1e-5 + x.decode_seqs * 1e-4, 0.0)
+        return 0.005 + part(serving) + part(rollout)
+
+
+def test_arrays_decide_for_each_device_as_the_device_alone():
+    """The simulator's call for thousands of devices at once is the executor's call for each."""
+    latency = ArrayLatency()
+    rng = np.random.default_rng(0)
+    slo = SLOBudgets(0.5, 0.15, 0.3, 0.2)
+    for _ in range(50):
+        n, now = 6, 100.0
+        waiting = [[(now - float(rng.uniform(0, 0.6)), int(rng.integers(1, 3000)))
+                    for _ in range(int(rng.integers(0, 4)))] for _ in range(n)]
+        decoding = rng.integers(0, 4, n)
+        ctx = rng.integers(0, 50000, n) * (decoding > 0)
+        running = [rng.integers(100, 20000, int(rng.integers(0, 9))).tolist() for _ in range(n)]
+        prefill = rng.integers(0, 3000, n) * rng.integers(0, 2, n)
+        limit = rng.integers(-1, 20, n)
+        states = [ServingState(sorted(w), (now,) * int(d), int(c))
+                  for w, d, c in zip(waiting, decoding, ctx, strict=True)]
+        one = [admission_step(now, s, RolloutDemand(r, int(p)), latency, slo, 512, banked=False)
+               for s, r, p in zip(states, running, prefill, strict=True)]
+        free = [rollout_capacity(now, s, RolloutDemand(r), latency, slo, 3000, 512, limit=int(k))
+                for s, r, k in zip(states, running, limit, strict=True)]
+        matrix = np.zeros((n, 8), np.int64)
+        for i, r in enumerate(running):
+            matrix[i, :len(r)] = r
+        # The decoding requests, all with a token just emitted, as one entry with their count.
+        state = ServingState(_columns([sorted(w) for w in waiting], 3),
+                             [np.where(decoding > 0, now, np.inf)], ctx, [decoding])
+        many = admission_step(now, state, RolloutDemand(matrix, prefill), latency, slo, 512, banked=False)
+        assert many.decode_seqs.tolist() == [a.decode_seqs for a in one]
+        assert many.prefill_tokens.tolist() == [a.prefill_tokens for a in one]
+        assert many.iteration_s.tolist() == pytest.approx([a.iteration_s for a in one])
+        assert many.limit_s.tolist() == pytest.approx([a.limit_s for a in one])
+        decodes_only = ServingState((), state.decoding_last_token_s, ctx, state.decoding_counts)
+        capacity = rollout_capacity(now, decodes_only, RolloutDemand(matrix), latency, slo, 3000, 512,
+                                    limit=limit)
+        assert np.broadcast_to(capacity, n).tolist() == free
+
+
+def test_one_controller_of_arrays_is_a_controller_per_device():
+    rng = np.random.default_rng(1)
+    n, width = 5, 4
+    each = [BurstController(1000, 0.2, 0.5) for _ in range(n)]
+    many = BurstController(1000, 0.2, 0.5, devices=n)
+    for _ in range(60):
+        serving = rng.integers(0, 1000, n)
+        held = rng.integers(1, 120, (n, width))
+        count = rng.integers(0, width + 1, n)
+        ids = np.arange(n * width).reshape(n, width)
+        present = np.arange(width)[None, :] < count[:, None]
+        held, ids = np.where(present, held, 0), np.where(present, ids, -1)
+        one = [c.observe(int(serving[i]), [(int(ids[i, k]), int(held[i, k])) for k in range(count[i])])
+               for i, c in enumerate(each)]
+        all_ = many.observe(serving, list(zip(ids.T, held.T, strict=True)))
+        aborted = set(np.concatenate(all_.abort).tolist()) if all_.abort else set()
+        for i, d in enumerate(one):
+            assert (d.state, d.rollout_budget, d.cut) == (all_.state[i], all_.rollout_budget[i], all_.cut[i])
+            assert set(d.abort) == {a for a in aborted if a // width == i}
+        if rng.random() < 0.2:
+            step = rng.random(n) < 0.5
+            for c, s in zip(each, step, strict=True):
+                if s:
+                    c.new_rl_step()
+            many.new_rl_step(step)
+    assert [c.bursts for c in each] == many.bursts.tolist()

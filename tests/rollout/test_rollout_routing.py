@@ -3,6 +3,9 @@ queue; rebalancing by measured decode rates."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
 from rose.rollout.routing import (
@@ -13,6 +16,7 @@ from rose.rollout.routing import (
     WorkerState,
     choose_worker,
     resume,
+    spread,
 )
 
 D, S = WorkerKind.DEDICATED, WorkerKind.SERVING
@@ -228,3 +232,30 @@ def test_a_served_trajectory_moves_to_dedicated_only_when_it_decodes_faster_ther
     t.measure("s", 5.0)                                      # 11.25 tokens/s: 1.25 x 11.25 < 20
     moved = t.route(turn("a", 2), 0.2)
     assert moved.worker_id == "d" and moved.reason is RouteReason.LEAST_LOADED
+
+
+def test_spread_sends_a_batch_where_one_by_one_routing_sends_each_turn():
+    """The simulator routes a tick's turns in one call (`spread`); it must be `choose_worker`'s
+    rule, turn after turn, each placement filling a slot."""
+    rng = random.Random(0)
+    for _ in range(300):
+        workers = []
+        for i in range(rng.randint(1, 10)):
+            cap = rng.choice([3, 4, 6])
+            workers.append(WorkerState(i, rng.choice([D, S]), cap, active=rng.randint(0, cap),
+                                       free_slots=rng.randint(0, 5)))
+        n = rng.randint(1, 25)
+        batch = spread(n, np.array([w.occupied for w in workers], float),
+                       np.array([w.max_concurrency for w in workers], float),
+                       np.array([w.free_slots for w in workers], float),
+                       np.array([w.kind is S for w in workers]))
+        one_by_one = []
+        for _ in range(n):
+            route = choose_worker(turn("t"), workers, None, 0.0)
+            if route.worker_id is None:
+                break
+            one_by_one.append(route.worker_id)
+            w = workers[route.worker_id]
+            w.active += 1
+            w.free_slots -= w.kind is S
+        assert batch.tolist() == one_by_one

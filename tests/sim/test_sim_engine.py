@@ -78,7 +78,7 @@ def test_bursts_cut_rollouts_and_lose_nothing():
     def checked_report(t, free_slots):
         memory = sim.coserving.memory
         in_burst.extend(slots for wid, slots in free_slots
-                        if memory.state(wid - sim.first_cs) is BurstState.BURST)
+                        if memory.state(np.array([wid - sim.first_cs]))[0] == BurstState.BURST)
         report(t, free_slots)
 
     sim.dispatch.report = checked_report
