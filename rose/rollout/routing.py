@@ -325,7 +325,7 @@ class RoutingTable:
     def drain(self, now: float,
               owned: Callable[[RoutedTurn], bool] = lambda turn: True) -> list[tuple[RoutedTurn, Route]]:
         """Route the queued turns `owned` passes (each rollout manager drains its own: a held-out
-        evaluation's manager beside an asynchronous run's), first first, until one finds no room."""
+        evaluation's manager beside an asynchronous run's), in queue order, until one finds no room."""
         placed = []
         i = 0
         while i < len(self.queue):

@@ -233,7 +233,8 @@ class Replicas:
         except asyncio.TimeoutError:
             raise TimeoutError(f"{wid} was not up {REVIVE_TIMEOUT_S:g} s after it was started again "
                                "(no node free to hold it?)") from None
-        # An asynchronous run trains meanwhile: the trainer may be a version ahead once it is synced.
+        # Routed as of the version it is synced to: an asynchronous run trains meanwhile, and the
+        # trainer's version may move on before it is registered (its heartbeats then catch up).
         version = self.trainers.version
         await self.sync({wid: new}, revive=False)
         await self.register(wid, version)
