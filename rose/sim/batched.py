@@ -379,8 +379,9 @@ class BatchedRound:
         # none decodes yet, those that finish their prefill in the tick decode at the top tier
         # (as the per-turn model has them).
         n = np.maximum(dec0, 1)
-        shared = (np.minimum(n, plan.cap1) * plan.rate1 + np.minimum(n, plan.cap2) * plan.rate2) / n
-        drate = np.where(dec0 > 0, shared, plan.rate1 + plan.rate2)
+        shared = plan.rate0 + (np.minimum(n, plan.cap1) * plan.rate1
+                               + np.minimum(n, plan.cap2) * plan.rate2) / n
+        drate = np.where(dec0 > 0, shared, plan.rate0 + plan.rate1 + plan.rate2)
         prate = plan.prefill_rate / np.maximum(self.prefill_load()[1], 1)
         # What does not fit in a worker's KV budget waits: its rates shrink in proportion.
         kv = self.kv()
@@ -630,7 +631,7 @@ class BatchedSimulation(Simulation):
         pending, prompts = rnd.prefill_load()
         plan, iter_s = plan_rates(dec, rnd.decode_context(), pending, prompts, self.ded_cost, self.dt,
                                   float(self.sc.rl.rollout_batched_tokens))
-        serving_times = (self.coserving.plan(plan, t, pending, dec, rnd.mean_contexts) if self.coserving
-                         else None)
+        serving_times = (self.coserving.plan(plan, t, (dec, rnd.decode_context(), pending, prompts),
+                                             rnd.mean_contexts) if self.coserving else None)
         self._charge_and_share(plan, iter_s, dec, t)
         return plan, serving_times, dec

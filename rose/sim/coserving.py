@@ -29,6 +29,7 @@ from rose.coserve.loadgen import fit_lengths
 from rose.sim.aggregate import AggregateServing
 from rose.sim.burst import BurstMemory
 from rose.sim.costs import Device, Efficiency, ModelShape, RooflineLatency, forward_cost
+from rose.sim.rates import WorkerLoad, plan_rates
 from rose.sim.rollout import TickRates
 from rose.sim.scenarios import Scenario, ServingFleetConfig
 from rose.sim.serving import ServingFleet
@@ -70,6 +71,9 @@ class CoServing:
         self.settings = e = s.executor
         self.n, self.first_wid, self.typical_ctx, self.sharing = n, first_wid, typical_ctx, sharing
         self.dt, self.chunk = sc.sim.tick_s, e.chunk_tokens
+        self.batched_tokens = float(sc.rl.rollout_batched_tokens)
+        # The time a serving iteration leaves the GPU idle for a rollout engine beside it.
+        self.host_s = s.engine_host_share * s.engine_overhead_ms / 1e3
         self.policy, self.serving_model = policy, serving_model
         self.slo = SLOBudgets.of(e)
         trace = load_trace(s.trace).scaled(prompt_tokens=s.prompt_scale, output_tokens=s.output_scale)
@@ -127,10 +131,11 @@ class CoServing:
         return t
 
     def seq_s(self) -> np.ndarray:
-        """Each replica's time per decode iteration of one typical rollout sequence: the serving
-        model's decodes run in every iteration too."""
+        """Each replica's time per token of one typical rollout sequence: the serving model's
+        decodes run in every iteration too, and the rollout's own iterations in its host time."""
         _, t_d = self.alone_times()
-        return t_d + float(self.cs_cost.time(0, 1, self.typical_ctx))
+        one = float(self.cs_cost.time(0, 1, self.typical_ctx))
+        return (t_d + one) / (1.0 + math.floor(self.host_s / one))
 
     # -- the rollout scheduler's view --------------------------------------------------------------
     def free_slots(self, t: float, workers: Workers,
@@ -151,15 +156,16 @@ class CoServing:
         return wids, np.broadcast_to(room, wids.shape)
 
     # -- the tick's plan ---------------------------------------------------------------------------
-    def plan(self, plan: TickRates, t: float, pending: np.ndarray, decoding: np.ndarray,
+    def plan(self, plan: TickRates, t: float, load: WorkerLoad,
              contexts_of: Callable[[np.ndarray], np.ndarray]) -> ServingTimes:
         """Per serving replica with rollout work: admission for prefill-chunk iterations and for
         decode-only ones, the share of the tick each takes, and the rollout rates that follow
-        (written into `plan`), every replica's at once; `pending` prompt tokens and `decoding`
-        sequences per worker, `contexts_of(wids)` the contexts of those workers' decoding
-        sequences in the order admission takes them, [workers, sequences]. Returns the serving
-        fleet's times for the tick; replicas without rollout work run serving alone."""
+        (written into `plan`), every replica's at once; `load` per worker (`rates.view_load`),
+        `contexts_of(wids)` the contexts of those workers' decoding sequences in the order
+        admission takes them, [workers, sequences]. Returns the serving fleet's times for the
+        tick; replicas without rollout work run serving alone."""
         f, chunk = self.fleet, self.chunk
+        decoding, _, pending, _ = load
         t_p, t_d = self.alone_times()
         serve_pf = self.prefill_chunk()   # as admission sees serving's share (`ServingState.load`)
         mine = slice(self.first_wid, self.first_wid + self.n)
@@ -196,7 +202,22 @@ class CoServing:
         plan.cap2[wids], plan.rate2[wids] = a_p.decode_seqs, frac * duty_p / tp
         plan.prefill_rate[wids] = ((1.0 - frac) * duty_d * a_d.prefill_tokens / td
                                    + frac * duty_p * a_p.prefill_tokens / tp)
+        if self.host_s:
+            self._in_host_time(plan, wids, (1.0 - frac) / td + frac / tp, load)
         return t_p, t_d, serve_pf
+
+    def _in_host_time(self, plan: TickRates, wids: np.ndarray, serving_iters_per_s: np.ndarray,
+                      load: WorkerLoad) -> None:
+        """While each serving iteration's engine works on the host the GPU idles, and the rollout
+        engine beside it runs as on a GPU of its own: as many whole decode iterations of all its
+        sequences as fit in that time (`host_s`), its prompts prefilled in chunks that fit;
+        added to what admission gives it inside serving's iterations."""
+        dec, ctx, pending, prompts = (x[wids] for x in load)
+        own, _ = plan_rates(dec, ctx, pending, prompts, self.cs_cost, self.dt, self.batched_tokens)
+        t_d = self.cs_cost.time(0.0, np.maximum(dec, 1), ctx)
+        share = serving_iters_per_s * np.floor(self.host_s / t_d) * t_d   # of the tick, the GPU's
+        plan.rate0[wids] = share * own.rate1
+        plan.prefill_rate[wids] += share * own.prefill_rate
 
     def _admit(self, t: float, st: ServingState,
                demand: RolloutDemand) -> tuple[Admission, Admission, Num, Num]:

@@ -331,11 +331,11 @@ class Simulation:
 
     def _plan(self, rnd: Round, view: ActiveView, t: float) -> tuple[TickRates, ServingTimes | None]:
         """Every worker's rates for the tick, and the serving fleet's times where rollouts share it."""
-        dec, ctx, pending, prompts = view_load(rnd, view, len(self.workers.kind))
-        plan, iter_s = plan_rates(dec, ctx, pending, prompts, self.ded_cost, self.dt,
-                                  float(self.sc.rl.rollout_batched_tokens))
+        load = view_load(rnd, view, len(self.workers.kind))
+        plan, iter_s = plan_rates(*load, self.ded_cost, self.dt, float(self.sc.rl.rollout_batched_tokens))
         cs = self.coserving
-        serving_times = cs.plan(plan, t, pending, dec, view.decode_contexts(rnd)) if cs else None
+        serving_times = cs.plan(plan, t, load, view.decode_contexts(rnd)) if cs else None
+        dec = load[0]
         self._charge_and_share(plan, iter_s, dec, t)
         return plan, serving_times
 
@@ -346,7 +346,8 @@ class Simulation:
         if self.manager_s:
             charge_manager(plan, iter_s, dec, dedicated, self.manager_s)
         if self._paused(t):  # the trainer has the devices
-            plan.prefill_rate[dedicated] = plan.rate1[dedicated] = plan.rate2[dedicated] = 0.0
+            for rates in (plan.prefill_rate, plan.rate0, plan.rate1, plan.rate2):
+                rates[dedicated] = 0.0
 
     def _paused(self, t: float) -> bool:
         """Whether a step's training has the dedicated devices at `t` (`shares_devices`)."""

@@ -10,9 +10,11 @@ from rose.contracts import TURN_CHUNK_S
 from rose.sim.costs import ForwardCost
 from rose.sim.rollout import ActiveView, Round, TickRates
 
+# Per worker: decoding sequences, their context tokens, prompt tokens pending, prompts pending.
+WorkerLoad = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
-def view_load(rnd: Round, view: ActiveView,
-              workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+
+def view_load(rnd: Round, view: ActiveView, workers: int) -> WorkerLoad:
     """Per worker, of the sequences of `view` that fit: decoding ones, their context tokens,
     prompt tokens pending and prompts pending."""
     fit = view.fits
@@ -41,7 +43,7 @@ def plan_rates(dec: np.ndarray, ctx: np.ndarray, pending: np.ndarray, prompts: n
     n_pre = np.minimum(pending / np.maximum(pf, 1.0), dt / np.maximum(iter_p, 1e-12))
     iters = n_pre + np.maximum(0.0, dt - n_pre * iter_p) / iter_d
     iter_s = dt / iters                            # the tick's mean iteration time
-    plan = TickRates(prefill_rate=pf / np.maximum(iter_p, 1e-12),
+    plan = TickRates(prefill_rate=pf / np.maximum(iter_p, 1e-12), rate0=np.zeros(n),
                      cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
     return plan, iter_s
 
@@ -55,10 +57,11 @@ def charge_manager(plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, dedicat
     tick's planned rates, take a share of the tick from the dedicated workers alike (none left
     when the manager would need more than all of it)."""
     n1, n2 = np.minimum(dec, plan.cap1), np.minimum(dec, plan.cap2)   # sequences at each tier
-    both, one = np.minimum(n1, n2), np.abs(n1 - n2)
+    both, one, rest = np.minimum(n1, n2), np.abs(n1 - n2), dec - np.maximum(n1, n2)
     one_rate = np.where(n1 > n2, plan.rate1, plan.rate2)
-    chunks = (both * np.minimum(plan.rate1 + plan.rate2, 1.0 / TURN_CHUNK_S)
-              + one * np.minimum(one_rate, 1.0 / TURN_CHUNK_S))
+    most = 1.0 / TURN_CHUNK_S
+    chunks = (both * np.minimum(plan.rate0 + plan.rate1 + plan.rate2, most)
+              + one * np.minimum(plan.rate0 + one_rate, most) + rest * np.minimum(plan.rate0, most))
     others = manager_s * float(chunks[~dedicated].sum()) / max(1, int(dedicated.sum()))
     own_s = iter_s[dedicated] + manager_s * dec[dedicated] * np.minimum(1.0, iter_s[dedicated] / TURN_CHUNK_S)
     scale = max(0.0, 1.0 - others) * iter_s[dedicated] / np.maximum(own_s, 1e-12)

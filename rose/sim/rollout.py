@@ -29,7 +29,8 @@ class TickRates:
     """Per-worker rates for one tick (arrays indexed by worker)."""
 
     prefill_rate: np.ndarray     # prompt tokens/s, shared by the worker's prefilling sequences
-    cap1: np.ndarray             # decode ranks below cap1 get rate1 tokens/s ...
+    rate0: np.ndarray            # every decode gets rate0 tokens/s, ...
+    cap1: np.ndarray             # ... those ranked below cap1 also rate1 ...
     rate1: np.ndarray
     cap2: np.ndarray             # ... and those below cap2 also rate2
     rate2: np.ndarray
@@ -205,9 +206,10 @@ class Round:
         # Decode: tier rates by rank; sequences that just finished prefill decode with what is
         # left of the tick at the worker's top tier.
         rank = view.decode_rank[run]
-        drate = (np.where((rank >= 0) & (rank < plan.cap1[w]), plan.rate1[w], 0.0)
+        drate = (np.where(rank >= 0, plan.rate0[w], 0.0)
+                 + np.where((rank >= 0) & (rank < plan.cap1[w]), plan.rate1[w], 0.0)
                  + np.where((rank >= 0) & (rank < plan.cap2[w]), plan.rate2[w], 0.0))
-        drate = np.where(pre_done, plan.rate1[w] + plan.rate2[w], drate)
+        drate = np.where(pre_done, plan.rate0[w] + plan.rate1[w] + plan.rate2[w], drate)
         dbegin = np.where(pre_done, begin + np.where(pre_done, need, 0.0), begin)
         decoding = (self.phase[idx] == DECODE) | pre_done
         left = self.decode_left[idx]

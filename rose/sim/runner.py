@@ -231,8 +231,11 @@ def run_scenario(sc: Scenario, progress: Callable[[str, SimRun], None] | None = 
     spike: dict[str, dict[str, ServingStats]] = {}
     coserving = [n for n, r in runs.items() if SYSTEMS[n].extra is Extra.COSERVE]
     if coserving and sc.cluster.serving_gpus:
+        # Each measured over the requests that arrived before the shortest run ended, serving
+        # alone run as long as the longest so that those requests finish there too.
         span = min(runs[n].total_s for n in coserving)
-        logs = {"serving-alone": serving_alone(sc, span), **{n: runs[n].serving for n in coserving}}
+        alone = serving_alone(sc, max(runs[n].total_s for n in coserving))
+        logs = {"serving-alone": alone, **{n: runs[n].serving for n in coserving}}
         for n, log in logs.items():
             serving[n] = serving_stats(log, sc, span)
             if sc.serving.spike_at_s is not None:

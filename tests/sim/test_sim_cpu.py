@@ -61,12 +61,14 @@ def test_the_manager_charges_the_dedicated_device_for_every_worker_s_tokens():
     sim = Simulation(load_scenario("cpu-bench-train"), SYSTEMS["rose"])
     assert sim.workers.kind.tolist() == [DEDICATED, COSERVE]
     iter_s, dec = np.array([0.010, 0.008]), np.array([16.0, 8.0])
-    plan = TickRates(prefill_rate=np.array([1e4, 5e3]), cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
-                cap2=np.array([0.0, 4.0]), rate2=np.array([0.0, 20.0]))
+    plan = TickRates(prefill_rate=np.array([1e4, 5e3]), rate0=np.array([0.0, 5.0]),
+                     cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
+                     cap2=np.array([0.0, 4.0]), rate2=np.array([0.0, 20.0]))
     charge_manager(plan, iter_s, dec, sim.workers.kind == DEDICATED, sim.manager_s)
-    # Chunks of TURN_CHUNK_S (50 ms): the serving device's 6 sequences stream 20 a second each;
-    # the dedicated one's 16, one chunk per 5 iterations each.
-    serving_chunks_per_s = 6 * 20.0
+    # Chunks of TURN_CHUNK_S (50 ms): the serving device's first 6 sequences stream 20 a second
+    # each, its other 2 (rate0 only) 5 a second; the dedicated one's 16, one chunk per 5
+    # iterations each.
+    serving_chunks_per_s = 6 * 20.0 + 2 * 5.0
     rate = (1.0 - DRIVER_CHUNK_S * serving_chunks_per_s) / (0.010 + 16 * 0.2 * DRIVER_CHUNK_S)
     assert plan.rate1.tolist() == pytest.approx([rate, 125.0])
     assert plan.prefill_rate.tolist() == pytest.approx([1e4 * 0.010 * rate, 5e3])

@@ -15,6 +15,9 @@ from rose.sim.scenarios import load_scenario
 
 # Table 1 of the paper, serving alone (ServerlessLLM): P99 TTFT and TPOT, ms.
 TABLE_1_ALONE = {"paper-8b": (314.8, 117.8), "paper-32b": (716.1, 312.8)}
+# ROSE over fixed-sync at least: the paper's 1.31x for 8B; for 32B (the paper: 1.46x over
+# ROLL-GRPO, 3.31x over ROLL-DAPO) what the simulator reaches, short of it (seeds 0-4: 1.28-1.37x).
+GAIN = {"paper-8b": 1.31, "paper-32b": 1.25}
 
 
 def _check(name: str) -> None:
@@ -23,7 +26,7 @@ def _check(name: str) -> None:
     ttft, tpot = TABLE_1_ALONE[name]
     assert summary["serving_alone_p99_ttft_ms"] == pytest.approx(ttft, rel=0.2)
     assert summary["serving_alone_p99_tpot_ms"] == pytest.approx(tpot, rel=0.2)
-    assert summary["throughput_vs_fixed_sync"] > 1.0
+    assert summary["throughput_vs_fixed_sync"] >= GAIN[name]
     assert summary["allocation_overhead"]["rose"] < 0.01
     slo = sc.serving.executor   # the paper's "no SLO violation", over the run
     assert summary["serving_p99_ttft_ms"] <= slo.slo_ttft_ms
