@@ -397,6 +397,8 @@ def _prompt_before(g: int, requests: int, total: float, prompt_sum: np.ndarray) 
 
 @numba.njit(cache=True)
 def _bin_of(seconds: float) -> int:
+    if seconds <= _LO_S:     # the lowest bin, without a log (most arrivals meet no backlog)
+        return 0
     if seconds >= 1e300:
         return _BINS - 1
     return min(_BINS - 1, int(math.log(max(seconds, _LO_S) / _LO_S) / math.log1p(_STEP)))

@@ -59,21 +59,25 @@ def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(cache=True)
-def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, cell: np.ndarray,
-           pre_clock: np.ndarray, dec_clock: np.ndarray, prate: np.ndarray, drate: np.ndarray,
-           pre1: np.ndarray, dec1: np.ndarray, target: np.ndarray, left: np.ndarray, hist: np.ndarray,
-           phase: np.ndarray, n_pre: np.ndarray, n_dec: np.ndarray, pre_targets: np.ndarray,
-           pre_kv: np.ndarray, dec_base: np.ndarray, made: np.ndarray, rows: np.ndarray,
-           ends: np.ndarray) -> int:
+def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, pre_soonest: np.ndarray,
+           dec_soonest: np.ndarray, cell: np.ndarray, pre_clock: np.ndarray, dec_clock: np.ndarray,
+           prate: np.ndarray, drate: np.ndarray, pre1: np.ndarray, dec1: np.ndarray, target: np.ndarray,
+           left: np.ndarray, hist: np.ndarray, phase: np.ndarray, n_pre: np.ndarray, n_dec: np.ndarray,
+           pre_targets: np.ndarray, pre_kv: np.ndarray, dec_base: np.ndarray, made: np.ndarray,
+           rows: np.ndarray, ends: np.ndarray) -> int:
     """The slots whose sequence reaches its target in [t, t1) on its worker's clocks (at `prate`
     and `drate` each from `pre_clock` and `dec_clock` to `pre1` and `dec1`): a prefill that ends
     starts decoding then, with the rest of the tick at the decode rate; a decode that ends is a
     turn done. Updates the rows, the slots' targets and the workers' sums and tokens `made`;
     writes the rows whose turn ended and when into `rows` and `ends` and returns how many.
-    (Compiled: a tick scans every slot.)"""
+    (Compiled: a tick scans every slot of the workers whose `pre_soonest` or `dec_soonest`, at
+    most their slots' least targets, the tick's clocks reach; it sets them to those targets.)"""
     workers, slots = cell.shape
     done = 0
     for w in range(workers):
+        if pre_soonest[w] > pre1[w] and dec_soonest[w] > dec1[w]:
+            continue
+        pre_least = dec_least = np.inf
         for k in range(slots):
             if pre_at[w, k] <= pre1[w]:
                 r = cell[w, k]
@@ -99,6 +103,9 @@ def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, cell: np
                 rows[done] = r
                 ends[done] = min(at, t1)
                 done += 1
+            pre_least = min(pre_least, pre_at[w, k])
+            dec_least = min(dec_least, dec_at[w, k])
+        pre_soonest[w], dec_soonest[w] = pre_least, dec_least
     return done
 
 
@@ -134,7 +141,7 @@ def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarr
 def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.ndarray, slot: np.ndarray,
                    target: np.ndarray, begins: np.ndarray, hist: np.ndarray, placed: np.ndarray,
                    pre_clock: np.ndarray, n_pre: np.ndarray, pre_targets: np.ndarray, pre_kv: np.ndarray,
-                   pre_at: np.ndarray) -> None:
+                   pre_at: np.ndarray, pre_soonest: np.ndarray) -> None:
     """`BatchedRound.start_prefill`, row by row: each target on its worker's prefill clock."""
     for r in rows:
         w = worker[r]
@@ -143,6 +150,7 @@ def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.nda
         pre_targets[w] += target[r]
         pre_kv[w] += hist[r]
         pre_at[w, slot[r]] = target[r]
+        pre_soonest[w] = min(pre_soonest[w], target[r])
         placed[r] = False
 
 
@@ -244,6 +252,9 @@ class BatchedRound:
         # Targets per slot, inf where none: what a tick compares its clocks with.
         self.pre_at = np.full((w, k), np.inf)
         self.dec_at = np.full((w, k), np.inf)
+        # Per worker, at most its least target of each kind (taking one off leaves it): a tick's
+        # scan skips the workers whose clocks reach neither.
+        self.pre_soonest, self.dec_soonest = np.full(w, np.inf), np.full(w, np.inf)
         self._rows, self._ends = np.empty(w * k, np.int64), np.empty(w * k)   # turns ending in a pass
 
     def all_done(self) -> bool:
@@ -317,7 +328,8 @@ class BatchedRound:
     def start_prefill(self, rows: np.ndarray, t: float, prate: np.ndarray) -> None:
         """Placed rows join their worker's prefill from `begin` at the tick's per-prompt rate."""
         _start_prefill(rows, t, prate, self.worker, self.slot, self.target, self.begin, self.hist,
-                       self.placed, self.pre_clock, self.n_pre, self.pre_targets, self.pre_kv, self.pre_at)
+                       self.placed, self.pre_clock, self.n_pre, self.pre_targets, self.pre_kv, self.pre_at,
+                       self.pre_soonest)
 
     def _release(self, rows: np.ndarray) -> None:
         """Free the slots `rows` hold (between turns, or before a move)."""
@@ -410,9 +422,10 @@ class BatchedRound:
         """Prefills and decodes that reach their targets by the tick's end; returns the decode
         tokens to correct the tick's count by (joining and leaving within it)."""
         made = np.zeros(len(drate))
-        done = _reach(t, t1, self.pre_at, self.dec_at, self.cell, self.pre_clock, self.dec_clock, prate,
-                      drate, pre1, dec1, self.target, self.left, self.hist, self.phase, self.n_pre,
-                      self.n_dec, self.pre_targets, self.pre_kv, self.dec_base, made, self._rows, self._ends)
+        done = _reach(t, t1, self.pre_at, self.dec_at, self.pre_soonest, self.dec_soonest, self.cell,
+                      self.pre_clock, self.dec_clock, prate, drate, pre1, dec1, self.target, self.left,
+                      self.hist, self.phase, self.n_pre, self.n_dec, self.pre_targets, self.pre_kv,
+                      self.dec_base, made, self._rows, self._ends)
         if done:
             self._finish_turns(self._rows[:done].copy(), self._ends[:done].copy())
         return made
