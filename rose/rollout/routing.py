@@ -170,6 +170,8 @@ def spread(n: int, occupied: np.ndarray, cap: np.ndarray, free_slots: np.ndarray
     (its free rollout slots, at most its cap's room; ties to the first). Each turn placed fills
     one slot. Arrays over the workers; the caller gives an ineligible worker (stale, behind the
     turn's version, or paused) no room."""
+    if n <= 0:
+        return np.zeros(0, np.int64)
     room = np.maximum(0, np.where(serving, np.minimum(cap - occupied, free_slots), cap - occupied))
     ded = ~serving & (room > 0)
     if n == 1:  # one turn (a turn routed on its own): the first of the picks below

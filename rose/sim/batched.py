@@ -53,9 +53,9 @@ def _add(to: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
 def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
     """[rows, most count]: each row's `count` entries of `total` / `count` tokens (at least 1)."""
     n = count.astype(np.int64)
-    mean = np.maximum(1, total / np.maximum(n, 1))
+    mean = np.maximum(1, total / np.maximum(n, 1)).astype(np.int64)
     cols = np.arange(int(n.max()) if len(n) else 0)
-    return np.where(cols[None, :] < n[:, None], mean[:, None], 0).astype(np.int64)
+    return np.where(cols[None, :] < n[:, None], mean[:, None], 0)
 
 
 @numba.njit(cache=True)
@@ -240,6 +240,7 @@ class BatchedRound:
         self.finished = np.full(n, np.nan)
         self.queue = np.zeros(0, np.int64)           # queued rows, FIFO
         self._env = np.arange(n)                     # rows in their environment, not yet routed
+        self._done = 0                               # rows DONE
         self._placements = 0
         # Per worker: its slots' rows, the two clocks, and running sums.
         self.cell = np.full((w, k), -1)
@@ -258,7 +259,7 @@ class BatchedRound:
         self._rows, self._ends = np.empty(w * k, np.int64), np.empty(w * k)   # turns ending in a pass
 
     def all_done(self) -> bool:
-        return bool(np.all(self.phase == DONE))
+        return self._done == len(self.phase)
 
     def responses(self, rows: np.ndarray) -> np.ndarray:
         return self.demand.response[rows, self.turn[rows]]
@@ -439,6 +440,7 @@ class BatchedRound:
                        float(self.env.obs_tokens), self.env.env_step_s, self.left, self.hist, self.cached,
                        self.produced, self.turn, self.previous, self.worker, self.slot, self.cell, self.occ,
                        self.router.free, self.phase, self.finished, self.ready)
+        self._done += len(rows) - len(more)
         self._env = np.r_[self._env, more]
 
     # -- routing ------------------------------------------------------------------------------------
