@@ -198,6 +198,8 @@ class BatchedRouter:
 
     def __init__(self, workers: Workers, slots: int, affinity: bool, hold_slots: bool) -> None:
         self.workers, self.slots, self.affinity, self.hold_slots = workers, slots, affinity, hold_slots
+        self.serving = workers.kind == COSERVE            # the executors (kinds do not change)
+        self.cap = np.full(len(workers.kind), slots)      # every worker's slots
         self.rate = np.zeros(len(workers.kind))          # measured tokens/s of one sequence
         self.free = np.zeros(len(workers.kind))          # an executor's last free-slot report
         self.counts: collections.Counter[RouteReason] = collections.Counter()
@@ -435,8 +437,7 @@ class BatchedRound:
         """Generation of the current turns of `rows` ended at `ends`; the environment steps. The
         executor's free slots grow back at once, as `RoutingTable.complete` has them; a
         trajectory keeps its slot between turns where the cap counts trajectories."""
-        w = self.router.workers
-        more = _finish(rows, ends, self.demand.turns, w.kind == COSERVE, self.router.hold_slots,
+        more = _finish(rows, ends, self.demand.turns, self.router.serving, self.router.hold_slots,
                        float(self.env.obs_tokens), self.env.env_step_s, self.left, self.hist, self.cached,
                        self.produced, self.turn, self.previous, self.worker, self.slot, self.cell, self.occ,
                        self.router.free, self.phase, self.finished, self.ready)
@@ -451,7 +452,7 @@ class BatchedRound:
         if not len(self.queue):
             return False
         r, w = self.router, self.router.workers
-        room = np.where(w.kind == COSERVE, np.minimum(r.slots - self.occ, r.free), r.slots - self.occ)
+        room = np.where(r.serving, np.minimum(r.slots - self.occ, r.free), r.slots - self.occ)
         return bool((w.registered & (room > 0)).any())
 
     def _due(self, t1: float) -> np.ndarray:
@@ -471,12 +472,13 @@ class BatchedRound:
         many as the dedicated room left), the others by `spread`; the rest queue. A turn placed
         starts at its ready time, at most a tick back with `credit` (the tick's first pass: it
         became ready during the previous tick). Returns the rows placed."""
-        r, w = self.router, self.router.workers
-        cap = np.full(len(w.kind), r.slots)
-        serving, eligible = w.kind == COSERVE, w.registered
+        r = self.router
+        cap, serving, eligible = r.cap, r.serving, r.workers.registered
         back = t - (t1 - t) if credit else t
         placed = [self._spread(self.queue, back, queue_rest=False)]
         due = self._due(t1)
+        if not len(due):
+            return placed[0]
         occupied = self.occupied()
         prev = self.previous[due] if r.affinity else np.full(len(due), -1)
         p = np.maximum(prev, 0)
@@ -525,12 +527,11 @@ class BatchedRound:
         queue, already waiting). Returns the rows placed."""
         if not len(rows):
             return rows
-        r, w = self.router, self.router.workers
+        r = self.router
         if queue_rest:
             self._release(rows[self.worker[rows] >= 0])
-        cap = np.full(len(w.kind), r.slots)
-        serving = w.kind == COSERVE
-        occupied = np.where(w.registered, self.occupied(), cap)
+        cap, serving = r.cap, r.serving
+        occupied = np.where(r.workers.registered, self.occupied(), cap)
         wids = spread(len(rows), occupied, cap, np.where(serving, r.free, 0), serving)
         placed, queued = rows[: len(wids)], rows[len(wids):]
         if len(placed):
@@ -557,7 +558,7 @@ class BatchedRound:
         """`RoutingTable.rebalance`'s moves: the oldest turns of the busiest executors to the
         least-loaded dedicated workers, resumed there with their tokens. Returns the rows moved."""
         r, w = self.router, self.router.workers
-        serving = w.kind == COSERVE
+        serving = r.serving
         dedicated = ~serving & w.registered
         if not (self.occ[dedicated] < r.slots).any():    # no dedicated room: no move (the common case)
             return np.zeros(0, np.int64)
