@@ -150,7 +150,7 @@ def _picks(count: np.ndarray, start: np.ndarray, scale: np.ndarray | float = 1.0
     if most is not None:
         # Only the `most` lowest first keys can be among the first `most` picks (ties kept).
         count = np.minimum(count, most)
-        first = np.flatnonzero(count)
+        first = np.flatnonzero(count != 0)     # numpy finds nonzero booleans faster than integers
         if len(first) > most:
             key = start[first] / (scale[first] if isinstance(scale, np.ndarray) else scale)
             count[first[key > np.partition(key, most - 1)[most - 1]]] = 0

@@ -99,7 +99,7 @@ class LatencyHistogram:
         before the last are kept as their nonzero cells only)."""
         for m in [m for m in self._open if m < minute - 1]:
             h = self._open.pop(m)
-            nz = np.flatnonzero(h)
+            nz = np.flatnonzero(h != 0)   # faster than on the floats themselves
             self.ttft[m] = nz, h[nz]
         if minute not in self._open:
             self._open[minute] = np.zeros(_BINS * _SPEEDS)
@@ -139,7 +139,7 @@ class LatencyHistogram:
 
     def tpot_samples(self, minutes: list[int]) -> tuple[np.ndarray, np.ndarray]:
         h = sum((self.tpot[m] for m in minutes if m in self.tpot), np.zeros(_BINS))
-        nz = np.flatnonzero(h)
+        nz = np.flatnonzero(h != 0)   # faster than on the floats themselves
         return _value(nz), h[nz]
 
     def p99(self, minutes: list[int]) -> tuple[float, float]:

@@ -50,12 +50,15 @@ def _add(to: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
         to += np.bincount(at, weights=np.broadcast_to(values, at.shape), minlength=len(to))
 
 
+@numba.njit(cache=True)
 def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """[rows, most count]: each row's `count` entries of `total` / `count` tokens (at least 1)."""
+    """[rows, most count]: each row's `count` entries of `total` / `count` tokens (at least 1).
+    (Compiled: numpy's broadcasting over rows this short costs more than filling them.)"""
     n = count.astype(np.int64)
-    mean = np.maximum(1, total / np.maximum(n, 1)).astype(np.int64)
-    cols = np.arange(int(n.max()) if len(n) else 0)
-    return np.where(cols[None, :] < n[:, None], mean[:, None], 0)
+    out = np.zeros((len(n), n.max() if len(n) else 0), np.int64)
+    for i in range(len(n)):
+        out[i, : n[i]] = int(max(1.0, total[i] / max(n[i], 1)))
+    return out
 
 
 @numba.njit(cache=True)
@@ -111,10 +114,11 @@ def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, pre_soon
 
 @numba.njit(cache=True)
 def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray, placements: int,
-           response: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray, occ: np.ndarray,
-           phase: np.ndarray, target: np.ndarray, hist: np.ndarray, cached: np.ndarray, begins: np.ndarray,
-           placed: np.ndarray, order: np.ndarray, left: np.ndarray) -> None:
-    """`BatchedRound.place`, row by row. (Compiled: thousands of turns a tick.)"""
+           response: np.ndarray, turn: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
+           occ: np.ndarray, phase: np.ndarray, target: np.ndarray, hist: np.ndarray, cached: np.ndarray,
+           begins: np.ndarray, placed: np.ndarray, order: np.ndarray, left: np.ndarray) -> None:
+    """`BatchedRound.place`, row by row; a new turn's length from `response` [rows, turns].
+    (Compiled: thousands of turns a tick.)"""
     for i in range(len(rows)):
         r, w = rows[i], wids[i]
         if worker[r] != w:
@@ -134,7 +138,7 @@ def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarr
         placed[r] = True
         order[r] = placements + i + 1
         if left[r] <= 0:
-            left[r] = response[i]
+            left[r] = response[r, turn[r]]
 
 
 @numba.njit(cache=True)
@@ -263,9 +267,6 @@ class BatchedRound:
     def all_done(self) -> bool:
         return self._done == len(self.phase)
 
-    def responses(self, rows: np.ndarray) -> np.ndarray:
-        return self.demand.response[rows, self.turn[rows]]
-
     # -- per worker -----------------------------------------------------------------------------
     def occupied(self) -> np.ndarray:
         return self.occ
@@ -323,9 +324,9 @@ class BatchedRound:
         keeps the slot it holds there, else takes a free one (routing gave it room)."""
         if not len(rows):
             return
-        _place(rows, wids, hits, begin, self._placements, self.responses(rows), self.worker, self.slot,
-               self.cell, self.occ, self.phase, self.target, self.hist, self.cached, self.begin, self.placed,
-               self.order, self.left)
+        _place(rows, wids, hits, begin, self._placements, self.demand.response, self.turn, self.worker,
+               self.slot, self.cell, self.occ, self.phase, self.target, self.hist, self.cached, self.begin,
+               self.placed, self.order, self.left)
         self._placements += len(rows)
 
     def start_prefill(self, rows: np.ndarray, t: float, prate: np.ndarray) -> None:
