@@ -265,15 +265,17 @@ class RolloutDemand:
     decode_context: Sequence[int] | np.ndarray = ()
     prefill_tokens: Num = 0
 
+    # Arrays: summed along their rows by einsum, several times faster than numpy's reductions
+    # along rows this short (and exact: the entries are integers).
     @property
     def decodes(self) -> Num:
         c = self.decode_context
-        return np.count_nonzero(c, axis=1) if isinstance(c, np.ndarray) else len(c)
+        return np.einsum("ij->i", (c != 0).astype(np.intp)) if isinstance(c, np.ndarray) else len(c)
 
     @property
     def context_tokens(self) -> Num:
         c = self.decode_context
-        return c.sum(axis=1) if isinstance(c, np.ndarray) else sum(c)
+        return np.einsum("ij->i", c) if isinstance(c, np.ndarray) else sum(c)
 
 
 @dataclasses.dataclass(frozen=True)
