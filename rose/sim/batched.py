@@ -142,6 +142,36 @@ def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarr
 
 
 @numba.njit(cache=True)
+def _come_back(p: np.ndarray, ok: np.ndarray, holds: np.ndarray, cap: np.ndarray, occupied: np.ndarray,
+               serving: np.ndarray, free: np.ndarray) -> None:
+    """`BatchedRound.route`'s affinity room: of the turns `ok` to go back to their previous worker
+    `p`, where more come back than it has room for (its own held slots and those nobody holds; an
+    executor's also within its free rollout slots), the holders are kept first, then the others,
+    each in order; the rest are no longer ok. (Compiled: a pass that counts, one that ranks.)"""
+    holders, back = np.zeros(len(cap), np.int64), np.zeros(len(cap), np.int64)
+    for i in range(len(p)):
+        if ok[i]:
+            back[p[i]] += 1
+            holders[p[i]] += holds[i]
+    ranked_holders, ranked_others = np.zeros(len(cap), np.int64), np.zeros(len(cap), np.int64)
+    for i in range(len(p)):
+        if not ok[i]:
+            continue
+        w = p[i]
+        allow = holders[w] + max(0, cap[w] - occupied[w])
+        if serving[w]:
+            allow = min(allow, free[w])
+        if back[w] > allow:
+            if holds[i]:
+                rank = ranked_holders[w]
+                ranked_holders[w] += 1
+            else:
+                rank = holders[w] + ranked_others[w]
+                ranked_others[w] += 1
+            ok[i] = rank < allow
+
+
+@numba.njit(cache=True)
 def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.ndarray, slot: np.ndarray,
                    target: np.ndarray, begins: np.ndarray, hist: np.ndarray, placed: np.ndarray,
                    pre_clock: np.ndarray, n_pre: np.ndarray, pre_targets: np.ndarray, pre_kv: np.ndarray,
@@ -488,18 +518,7 @@ class BatchedRound:
         ok = (prev >= 0) & eligible[p]
         # Each goes back to its previous worker while that has room: its own held slot, or one
         # nobody holds; an executor also only within its free rollout slots.
-        holders = np.bincount(p[ok & holds], minlength=len(cap))
-        allow = holders + np.maximum(0, cap - occupied)
-        allow = np.where(serving, np.minimum(allow, r.free), allow)
-        idx = np.flatnonzero(ok)
-        over = np.bincount(p[idx], minlength=len(cap)) > allow
-        idx = idx[over[p[idx]]]          # only where more turns come back than there is room
-        if len(idx):
-            order = idx[np.lexsort((~holds[idx], p[idx]))]
-            pk = p[order]
-            starts = np.r_[True, pk[1:] != pk[:-1]]
-            rank = np.arange(len(pk)) - np.maximum.accumulate(np.where(starts, np.arange(len(pk)), 0))
-            ok[order[rank >= allow[pk]]] = False
+        _come_back(p, ok, holds, cap, occupied, serving, r.free)
         # An executor keeps its turns unless the least-loaded dedicated workers with room pay
         # (weighed in order of readiness; the rest go back unordered: each to its own worker).
         stay = np.flatnonzero(ok & serving[p])
