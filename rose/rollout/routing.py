@@ -147,6 +147,8 @@ def _picks(count: np.ndarray, start: np.ndarray, scale: np.ndarray | float = 1.0
     key, ties to the lower index: the workers a one-by-one argmin of the key picks while each pick
     adds one to its worker's `start`; at most the first `most`. Returns (worker, j) of each."""
     count = count.astype(np.int64)
+    if not count.any():
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if most is not None:
         # Only the `most` lowest first keys can be among the first `most` picks (ties kept).
         count = np.minimum(count, most)

@@ -172,6 +172,26 @@ def _come_back(p: np.ndarray, ok: np.ndarray, holds: np.ndarray, cap: np.ndarray
 
 
 @numba.njit(cache=True)
+def _running(wids: np.ndarray, cell: np.ndarray, phase: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """`BatchedRound.running`: [workers, slots], each worker's running rows oldest first (in order
+    of placement, ties in slot order), -1 after them. (Compiled: a stable sort of a few slots.)"""
+    out = np.full((len(wids), cell.shape[1]), -1)
+    for i in range(len(wids)):
+        n = 0
+        for k in range(cell.shape[1]):
+            r = cell[wids[i], k]
+            if r < 0 or (phase[r] != PREFILL and phase[r] != DECODE):
+                continue
+            j = n
+            while j > 0 and order[out[i, j - 1]] > order[r]:
+                out[i, j] = out[i, j - 1]
+                j -= 1
+            out[i, j] = r
+            n += 1
+    return out
+
+
+@numba.njit(cache=True)
 def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.ndarray, slot: np.ndarray,
                    target: np.ndarray, begins: np.ndarray, hist: np.ndarray, placed: np.ndarray,
                    pre_clock: np.ndarray, n_pre: np.ndarray, pre_targets: np.ndarray, pre_kv: np.ndarray,
@@ -327,18 +347,18 @@ class BatchedRound:
         pages, for the free-slot reports)."""
         return _evenly(self.active()[wids], self.kv()[wids])
 
+    def running(self, wids: np.ndarray) -> np.ndarray:
+        """[workers, sequences]: the rows of each running sequence of `wids`, oldest first (-1 after
+        them)."""
+        return _running(wids, self.cell, self.phase, self.order)
+
     def running_kv(self, wids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[workers, sequences]: the rows and KV tokens of each running sequence of `wids`, oldest
-        first (rows -1 and 0 tokens after them)."""
-        cells = self.cell[wids]
-        rows = np.where(cells >= 0, cells, 0)
-        phase = self.phase[rows]
-        run = (cells >= 0) & ((phase == PREFILL) | (phase == DECODE))
-        decoded = self.dec_clock[wids][:, None] - self._v0(rows)
-        kv = np.where(phase == PREFILL, self.hist[rows], self.hist[rows] + decoded)
-        order = np.argsort(np.where(run, self.order[rows], np.inf), axis=1, kind="stable")
-        run, rows, kv = (np.take_along_axis(x, order, 1) for x in (run, rows, kv))
-        return np.where(run, rows, -1), np.where(run, kv, 0.0)
+        """`running(wids)`, and the KV tokens of each (0 after them)."""
+        rows = self.running(wids)
+        r = np.maximum(rows, 0)
+        decoded = self.dec_clock[wids][:, None] - self._v0(r)
+        kv = np.where(self.phase[r] == PREFILL, self.hist[r], self.hist[r] + decoded)
+        return rows, np.where(rows >= 0, kv, 0.0)
 
     def prefill_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker: prompt tokens to prefill and prompts, those placed this tick included."""
@@ -595,8 +615,7 @@ class BatchedRound:
         dst, src = dst[order], src[order]
         first_of = np.r_[True, src[1:] != src[:-1]]
         rank = np.arange(len(src)) - np.maximum.accumulate(np.where(first_of, np.arange(len(src)), 0))
-        rows, _ = self.running_kv(src)
-        moved = rows[np.arange(len(src)), rank]
+        moved = self.running(src)[np.arange(len(src)), rank]
         self.interrupt(moved)
         self.place(moved, dst, np.zeros(len(moved), bool), np.full(len(moved), t))
         r.counts[RouteReason.LEAST_LOADED] += len(moved)
