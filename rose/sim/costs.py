@@ -181,10 +181,14 @@ class ForwardCost:
         `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
         over numpy arrays (`_roofline` compiled, each load in one loop: a simulator of thousands of
         replicas asks it tens of times a tick)."""
-        args = [np.asarray(x, np.float64) for x in (prefill, decode, ctx, chunk_seqs)]
+        args = [np.asarray(x) for x in (prefill, decode, ctx, chunk_seqs)]
         shape = max((x.shape for x in args), key=len)
         # One entry: a number the kernel compiles in (an array of the rest's length loops faster).
-        loads = (float(x.reshape(-1)[0]) if x.size == 1 else x.reshape(-1) for x in args)
+        # Integer counts go in as they are, not copied as floats: the kernel's arithmetic with
+        # them is the same (exact below 2**53).
+        flat = (x.reshape(-1) for x in args)
+        loads = (float(x[0]) if len(x) == 1 else x if x.dtype in _KERNEL_TYPES else x.astype(np.float64)
+                 for x in flat)
         out = _roofline_each(math.prod(shape), *loads, *self.terms)
         return out.reshape(shape) if shape else float(out[0])
 
@@ -216,6 +220,9 @@ def _roofline(prefill: float, decode: float, ctx: float, chunk_seqs: float, s_to
 
 
 _roofline_compiled = numba.njit(cache=True)(_roofline)
+
+
+_KERNEL_TYPES = (np.dtype(np.float64), np.dtype(np.int64))
 
 
 @numba.njit(cache=True)
