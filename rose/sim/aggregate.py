@@ -238,7 +238,11 @@ class AggregateServing:
 
     # -- the tiled trace ----------------------------------------------------------------------
     def _trace_time(self, t: float) -> np.ndarray:
-        return self.phase + float(self.diurnal.cumulative(np.array(self.day_start_s + t))) / self.scale
+        return self.phase + self._day_units(t)
+
+    def _day_units(self, t: float) -> float:
+        """Trace time passed from the replicas' `phase` by t."""
+        return float(self.diurnal.cumulative(np.array(self.day_start_s + t))) / self.scale
 
     def _index(self, x: np.ndarray) -> np.ndarray:
         """Running index of the first request at or after trace time x (the trace tiled)."""
@@ -283,19 +287,13 @@ class AggregateServing:
         has as much time left and fewer tokens ahead), what arrives in the tick as one arriving
         now (as the per-request model judges it), the decoding requests as one entry with their
         count (the fluid count rounded) and context, all of them emitting a token now."""
-        head = self.head[replicas]
-        carried = self.at_tick_tokens[replicas] - self.prefilled[replicas]
-        new = self.arrived_tokens[replicas] - self.at_tick_tokens[replicas]
-        waited = head < self.at_tick[replicas]
-        k, j = np.divmod(head, self.count)
-        x = k * self.trace.period_s + self.trace.arrival_s[np.minimum(j, self.count - 1)]
         # Back from trace time to simulated time, at the current rate (the head is recent).
         rate = float(self.diurnal.multiplier(self.day_start_s + now)) / self.scale
-        head_at = np.minimum(now, now - (self._trace_time(now)[replicas] - x) / rate)
-        dec = np.rint(self._dec[replicas]).astype(np.int64)
-        return ServingState([(np.where(waited, head_at, np.inf), np.where(waited, carried, 0.0)),
-                             (np.where(new > 0, now, np.inf), new)],
-                            [np.where(dec > 0, now, np.inf)], self._ctx[replicas].astype(np.int64), [dec])
+        waited_at, carried, new_at, new, last, ctx, dec = _admission_view(
+            now, replicas, self._day_units(now), rate, self.trace.period_s, self.trace.arrival_s, self.count,
+            self.phase, self.head, self.at_tick, self.at_tick_tokens, self.arrived_tokens, self.prefilled,
+            self._dec, self._ctx)
+        return ServingState([(waited_at, carried), (new_at, new)], [last], ctx, [dec])
 
     # -- one tick ---------------------------------------------------------------------------------
     def advance(self, t: float, dt: float, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
@@ -386,6 +384,36 @@ def _tick(dt: float, rate: np.ndarray, prefill_iter_s: np.ndarray, decode_iter_s
         if finished > 0:
             tpot[_bin_of(per_token)] += finished
     return arrivals
+
+
+@numba.njit(cache=True)
+def _admission_view(now: float, replicas: np.ndarray, units: float, rate: float, period_s: float,
+                    arrival_s: np.ndarray, count: int, phase: np.ndarray, head: np.ndarray,
+                    at_tick: np.ndarray, at_tick_tokens: np.ndarray, arrived_tokens: np.ndarray,
+                    prefilled: np.ndarray, decoding: np.ndarray,
+                    context: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`AggregateServing.admission_state`'s arrays for `replicas`: what waited (at the head's
+    arrival, back at `rate` from the replica's trace time now, `phase` + `units`), what arrives,
+    the decoding requests and their context. (Compiled: every replica, twice a tick.)"""
+    n = len(replicas)
+    waited_at, carried, new_at, new, last = np.empty(n), np.empty(n), np.empty(n), np.empty(n), np.empty(n)
+    ctx, dec = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i in range(n):
+        r = replicas[i]
+        h = head[r]
+        waited_at[i], carried[i] = np.inf, 0.0
+        if h < at_tick[r]:
+            k = h // count
+            x = k * period_s + arrival_s[min(h - k * count, count - 1)]
+            back = now - (phase[r] + units - x) / rate
+            waited_at[i] = now if now <= back else back
+            carried[i] = at_tick_tokens[r] - prefilled[r]
+        new[i] = arrived_tokens[r] - at_tick_tokens[r]
+        new_at[i] = now if new[i] > 0 else np.inf
+        dec[i] = int(np.rint(decoding[r]))
+        last[i] = now if dec[i] > 0 else np.inf
+        ctx[i] = int(context[r])
+    return waited_at, carried, new_at, new, last, ctx, dec
 
 
 @numba.njit(cache=True)
