@@ -61,6 +61,49 @@ def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
     return out
 
 
+# A worker's sums, compiled: each is asked several times a tick, of every worker.
+@numba.njit(cache=True)
+def _decode_context(n_dec: np.ndarray, dec_base: np.ndarray, dec_clock: np.ndarray) -> np.ndarray:
+    """Context tokens of each worker's decoding sequences."""
+    out = np.zeros(len(n_dec))
+    for w in range(len(n_dec)):
+        if n_dec[w] > 0:
+            out[w] = dec_base[w] + n_dec[w] * dec_clock[w]
+    return out
+
+
+@numba.njit(cache=True)
+def _kv(n_dec: np.ndarray, dec_base: np.ndarray, dec_clock: np.ndarray, n_pre: np.ndarray,
+        pre_kv: np.ndarray) -> np.ndarray:
+    """KV tokens of each worker's running sequences: its decoding ones' contexts and its
+    prefilling ones'."""
+    out = _decode_context(n_dec, dec_base, dec_clock)
+    for w in range(len(n_pre)):
+        out[w] += pre_kv[w] if n_pre[w] > 0 else 0.0
+    return out
+
+
+@numba.njit(cache=True)
+def _prefill_load(placed: np.ndarray, worker: np.ndarray, target: np.ndarray, n_pre: np.ndarray,
+                  pre_targets: np.ndarray, pre_clock: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`BatchedRound.prefill_load`: the prompt tokens each worker still has to prefill, to a
+    millionth, not a sum's rounding (a whole prompt's tokens must not come out a hair over, and
+    cost an iteration more), those of the rows `placed` (not started) added; and its prompts."""
+    placed_tokens, placed_prompts = np.zeros(len(n_pre)), np.zeros(len(n_pre), np.int64)
+    for r in placed:
+        placed_tokens[worker[r]] += target[r]
+        placed_prompts[worker[r]] += 1
+    tokens, prompts = np.empty(len(n_pre)), np.empty(len(n_pre))
+    for w in range(len(n_pre)):
+        left = 0.0
+        if n_pre[w] > 0:
+            left = pre_targets[w] - n_pre[w] * pre_clock[w]
+            left = left if left > 0.0 else 0.0
+        tokens[w] = np.rint(left * 1e6) / 1e6 + placed_tokens[w]      # numpy's round to 6 decimals
+        prompts[w] = n_pre[w] + placed_prompts[w]
+    return tokens, prompts
+
+
 @numba.njit(cache=True)
 def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, pre_soonest: np.ndarray,
            dec_soonest: np.ndarray, cell: np.ndarray, pre_clock: np.ndarray, dec_clock: np.ndarray,
@@ -324,18 +367,12 @@ class BatchedRound:
     def active(self) -> np.ndarray:
         return self.n_pre + self.n_dec
 
-    def pending(self) -> np.ndarray:
-        """Prompt tokens each worker still has to prefill: to a millionth, not a sum's rounding
-        (a whole prompt's tokens must not come out a hair over, and cost an iteration more)."""
-        left = np.where(self.n_pre > 0, np.maximum(0.0, self.pre_targets - self.n_pre * self.pre_clock), 0.0)
-        return np.round(left, 6)
-
     def decode_context(self) -> np.ndarray:
-        return np.where(self.n_dec > 0, self.dec_base + self.n_dec * self.dec_clock, 0.0)
+        return _decode_context(self.n_dec, self.dec_base, self.dec_clock)
 
     def kv(self) -> np.ndarray:
         """KV tokens of each worker's running sequences."""
-        return self.decode_context() + np.where(self.n_pre > 0, self.pre_kv, 0.0)
+        return _kv(self.n_dec, self.dec_base, self.dec_clock, self.n_pre, self.pre_kv)
 
     def mean_contexts(self, wids: np.ndarray) -> np.ndarray:
         """[workers, sequences]: each decoding sequence of `wids` at their mean context (what
@@ -362,10 +399,8 @@ class BatchedRound:
 
     def prefill_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker: prompt tokens to prefill and prompts, those placed this tick included."""
-        w = len(self.n_pre)
-        placed = np.flatnonzero(self.placed)
-        return (self.pending() + np.bincount(self.worker[placed], weights=self.target[placed], minlength=w),
-                self.n_pre + np.bincount(self.worker[placed], minlength=w))
+        return _prefill_load(np.flatnonzero(self.placed), self.worker, self.target, self.n_pre,
+                             self.pre_targets, self.pre_clock)
 
     # -- moving sequences -------------------------------------------------------------------------
     def place(self, rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray) -> None:
