@@ -289,6 +289,16 @@ def _finish(rows: np.ndarray, ends: np.ndarray, turns: np.ndarray, serving: np.n
     return more[:going]
 
 
+@numba.njit(cache=True)
+def _measure(rate: np.ndarray, made: np.ndarray, decoding: np.ndarray, registered: np.ndarray,
+             dt: float) -> None:
+    """`BatchedRouter.measure`, worker by worker."""
+    for w in range(len(rate)):
+        if decoding[w] > 0 and registered[w]:
+            now = made[w] / dt / decoding[w]
+            rate[w] = 0.5 * now + 0.5 * rate[w] if rate[w] > 0 else now
+
+
 class BatchedRouter:
     """What the rollout scheduler keeps across rounds: which workers are in the table, each
     one's measured decode rate per sequence, the route counts."""
@@ -311,9 +321,7 @@ class BatchedRouter:
 
     def measure(self, made: np.ndarray, decoding: np.ndarray, dt: float) -> None:
         """Smoothed as `RoutingTable.measure` smooths (half the newest measurement)."""
-        m = (decoding > 0) & self.workers.registered
-        now = made[m] / dt / decoding[m]
-        self.rate[m] = np.where(self.rate[m] > 0, 0.5 * now + 0.5 * self.rate[m], now)
+        _measure(self.rate, made, decoding, self.workers.registered, dt)
 
 
 class BatchedRound:

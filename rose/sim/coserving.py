@@ -143,11 +143,12 @@ class CoServing:
         wids = self.first_wid + reps
         if not len(reps):
             return wids, np.zeros(0, np.int64)
-        ctxs = held(wids)
-        room = memory_room(self.memory.state(reps), workers.kv_cap[wids] - ctxs.sum(axis=1), self.typical_ctx)
+        running = RolloutDemand(held(wids))
+        free = workers.kv_cap[wids] - running.context_tokens
+        room = memory_room(self.memory.state(reps), free, self.typical_ctx)
         if self.sharing is Sharing.ROSE:
-            room = rollout_capacity(t, self.fleet.admission_state(t, reps), RolloutDemand(ctxs), self.latency,
-                                    self.slo, self.typical_ctx, self.chunk, room)
+            room = rollout_capacity(t, self.fleet.admission_state(t, reps), running, self.latency, self.slo,
+                                    self.typical_ctx, self.chunk, room)
         return wids, np.broadcast_to(room, wids.shape)
 
     # -- the tick's plan ---------------------------------------------------------------------------
