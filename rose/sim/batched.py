@@ -536,7 +536,7 @@ class BatchedRound:
                        self.produced, self.turn, self.previous, self.worker, self.slot, self.cell, self.occ,
                        self.router.free, self.phase, self.finished, self.ready)
         self._done += len(rows) - len(more)
-        self._env = np.r_[self._env, more]
+        self._env = np.concatenate((self._env, more))
 
     # -- routing ------------------------------------------------------------------------------------
     def _routable(self, t1: float) -> bool:

@@ -115,8 +115,10 @@ def sample_round(env: EnvProfile, groups: int, group_size: int, multiplier: floa
     turns = np.minimum(rng.geometric(env.end_prob, size=n), env.max_turns)
     resp = rng.lognormal(math.log(env.response_median * multiplier), env.response_sigma,
                          size=(n, env.max_turns))
-    resp = np.clip(np.rint(resp), 1, env.max_response).astype(np.int64)
-    resp[np.arange(env.max_turns)[None, :] >= turns[:, None]] = 0
+    # In place: a round's arrays are millions of entries (each new one costs its pages).
+    np.clip(np.rint(resp, out=resp), 1, env.max_response, out=resp)
+    resp = resp.astype(np.int64)
+    resp *= np.arange(env.max_turns)[None, :] < turns[:, None]
     return RoundDemand(env, resp, turns, groups)
 
 
