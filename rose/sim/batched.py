@@ -585,9 +585,9 @@ class BatchedRound:
         # An executor keeps its turns unless the least-loaded dedicated workers with room pay
         # (weighed in order of readiness; the rest go back unordered: each to its own worker).
         stay = np.flatnonzero(ok & serving[p])
-        stay = stay[np.argsort(self.ready[due[stay]], kind="stable")]
         dst = spread(len(stay), np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
-        stay, dst = stay[: len(dst)], dst
+        # In order of readiness where the dedicated workers have room (usually they have none).
+        stay = stay[np.argsort(self.ready[due[stay]], kind="stable")][: len(dst)] if len(dst) else stay[:0]
         move = pays(r.rate[dst], occupied[dst], occupied[dst], r.rate[p[stay]], load[stay])
         movers, dst = stay[move], dst[move]
         ok[movers] = False
