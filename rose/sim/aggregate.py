@@ -161,30 +161,24 @@ class LatencyHistogram:
 
 class _Sorted:
     """`np.searchsorted(values, y, side)` for y in [0, span) by a grid of starting points, a few
-    steps from the answer (a binary search per replica per tick costs more than the rest)."""
+    steps from the answer (a binary search per replica per tick costs more than the rest): the
+    tables `_find` searches."""
 
     def __init__(self, values: np.ndarray, span: float, side: str) -> None:
         self.cells = 4 * len(values)
         self.per_cell = self.cells / span
         self.values = np.r_[values, np.inf]
         self.start = np.searchsorted(values, np.arange(self.cells) / self.per_cell, side)
-        self.right = side == "right"
-
-    def __call__(self, y: np.ndarray) -> np.ndarray:
-        return _search(self.values, self.start, self.per_cell, self.right, y)
 
 
 @numba.njit(cache=True)
-def _search(values: np.ndarray, start: np.ndarray, per_cell: float, right: bool, y: np.ndarray) -> np.ndarray:
-    """`_Sorted`'s search: from one cell back (the grid's float rounding may not put y past its
+def _find(values: np.ndarray, start: np.ndarray, per_cell: float, right: bool, y: float) -> int:
+    """`_Sorted`'s search of y: from one cell back (the grid's float rounding may not put y past its
     cell's start), step to the first value above y (at or above: not `right`)."""
-    out = np.empty(len(y), np.int64)
-    for i in range(len(y)):
-        j = start[min(max(int(y[i] * per_cell) - 1, 0), len(start) - 1)]
-        while values[j] < y[i] or (right and values[j] == y[i]):
-            j += 1
-        out[i] = j
-    return out
+    j = start[min(max(int(y * per_cell) - 1, 0), len(start) - 1)]
+    while values[j] < y or (right and values[j] == y):
+        j += 1
+    return j
 
 
 class AggregateServing:
@@ -228,8 +222,7 @@ class AggregateServing:
         # Running indices into the tiled trace, and the prompt tokens before them: the next request
         # to arrive, the same as the tick began, the first not whole prefilled; and the prompt
         # tokens prefilled so far.
-        self.arrived = self._index(self._trace_time(0.0))
-        self.arrived_tokens = self._prompt_at(self.arrived)
+        self.arrived, self.arrived_tokens = self._arrivals(self._trace_time(0.0))
         self.at_tick, self.at_tick_tokens = self.arrived.copy(), self.arrived_tokens.copy()
         self.head, self.head_tokens = self.arrived.copy(), self.arrived_tokens.copy()
         self.prefilled = self.arrived_tokens.copy()
@@ -244,10 +237,12 @@ class AggregateServing:
         """Trace time passed from the replicas' `phase` by t."""
         return float(self.diurnal.cumulative(np.array(self.day_start_s + t))) / self.scale
 
-    def _index(self, x: np.ndarray) -> np.ndarray:
-        """Running index of the first request at or after trace time x (the trace tiled)."""
-        k = np.floor(x / self.trace.period_s)
-        return k.astype(np.int64) * self.count + self._arrival_index(x - k * self.trace.period_s)
+    def _arrivals(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Running index of the first request at or after trace time x (the trace tiled), and the
+        prompt tokens of the requests before it."""
+        a = self._arrival_index
+        return _arrivals(x, self.trace.period_s, self.count, self.tokens, a.values, a.start, a.per_cell,
+                         self.prompt_sum)
 
     def _prompt_at(self, g: np.ndarray) -> np.ndarray:
         """Prompt tokens of the requests before running index g."""
@@ -258,8 +253,7 @@ class AggregateServing:
     def arrivals_until(self, t1: float) -> None:
         if t1 != self._until:
             self._until = t1
-            self.arrived = self._index(self._trace_time(t1))
-            self.arrived_tokens = self._prompt_at(self.arrived)
+            self.arrived, self.arrived_tokens = self._arrivals(self._trace_time(t1))
 
     def decode_seqs(self) -> np.ndarray:
         return self._dec
@@ -414,6 +408,18 @@ def _admission_view(now: float, replicas: np.ndarray, units: float, rate: float,
         last[i] = now if dec[i] > 0 else np.inf
         ctx[i] = int(context[r])
     return waited_at, carried, new_at, new, last, ctx, dec
+
+
+@numba.njit(cache=True)
+def _arrivals(x: np.ndarray, period_s: float, count: int, tokens: float, values: np.ndarray,
+              start: np.ndarray, per_cell: float, prompt_sum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`AggregateServing._arrivals` for every replica (compiled: every replica, every tick)."""
+    index, before = np.empty(len(x), np.int64), np.empty(len(x))
+    for i in range(len(x)):
+        k = math.floor(x[i] / period_s)
+        index[i] = k * count + _find(values, start, per_cell, False, x[i] - k * period_s)
+        before[i] = _prompt_before(index[i], count, tokens, prompt_sum)
+    return index, before
 
 
 @numba.njit(cache=True)
