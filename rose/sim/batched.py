@@ -235,6 +235,18 @@ def _running(wids: np.ndarray, cell: np.ndarray, phase: np.ndarray, order: np.nd
 
 
 @numba.njit(cache=True)
+def _release(rows: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
+             occ: np.ndarray) -> None:
+    """`BatchedRound._release`, row by row (compiled: no pass over every worker for a few rows)."""
+    for r in rows:
+        if slot[r] >= 0:
+            cell[worker[r], slot[r]] = -1
+            occ[worker[r]] -= 1
+            slot[r] = -1
+            worker[r] = -1
+
+
+@numba.njit(cache=True)
 def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.ndarray, slot: np.ndarray,
                    target: np.ndarray, begins: np.ndarray, hist: np.ndarray, placed: np.ndarray,
                    pre_clock: np.ndarray, n_pre: np.ndarray, pre_targets: np.ndarray, pre_kv: np.ndarray,
@@ -430,11 +442,7 @@ class BatchedRound:
 
     def _release(self, rows: np.ndarray) -> None:
         """Free the slots `rows` hold (between turns, or before a move)."""
-        held = rows[self.slot[rows] >= 0]
-        self.cell[self.worker[held], self.slot[held]] = -1
-        self.occ -= np.bincount(self.worker[held], minlength=len(self.occ))
-        self.slot[held] = -1
-        self.worker[held] = -1
+        _release(rows, self.worker, self.slot, self.cell, self.occ)
 
     def _leave_phase(self, rows: np.ndarray) -> None:
         """Take running `rows` out of their worker's sums."""
