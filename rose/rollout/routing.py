@@ -147,10 +147,12 @@ def _picks(count: np.ndarray, start: np.ndarray, scale: np.ndarray | float = 1.0
     key, ties to the lower index: the workers a one-by-one argmin of the key picks while each pick
     adds one to its worker's `start`; at most the first `most`. Returns (worker, j) of each."""
     count = count.astype(np.int64)
+    if not count.any():
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     if most is not None:
         # Only the `most` lowest first keys can be among the first `most` picks (ties kept).
         count = np.minimum(count, most)
-        first = np.flatnonzero(count)
+        first = np.flatnonzero(count != 0)     # numpy finds nonzero booleans faster than integers
         if len(first) > most:
             key = start[first] / (scale[first] if isinstance(scale, np.ndarray) else scale)
             count[first[key > np.partition(key, most - 1)[most - 1]]] = 0
@@ -170,6 +172,8 @@ def spread(n: int, occupied: np.ndarray, cap: np.ndarray, free_slots: np.ndarray
     (its free rollout slots, at most its cap's room; ties to the first). Each turn placed fills
     one slot. Arrays over the workers; the caller gives an ineligible worker (stale, behind the
     turn's version, or paused) no room."""
+    if n <= 0:
+        return np.zeros(0, np.int64)
     room = np.maximum(0, np.where(serving, np.minimum(cap - occupied, free_slots), cap - occupied))
     ded = ~serving & (room > 0)
     if n == 1:  # one turn (a turn routed on its own): the first of the picks below

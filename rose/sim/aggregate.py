@@ -99,7 +99,7 @@ class LatencyHistogram:
         before the last are kept as their nonzero cells only)."""
         for m in [m for m in self._open if m < minute - 1]:
             h = self._open.pop(m)
-            nz = np.flatnonzero(h)
+            nz = np.flatnonzero(h != 0)   # faster than on the floats themselves
             self.ttft[m] = nz, h[nz]
         if minute not in self._open:
             self._open[minute] = np.zeros(_BINS * _SPEEDS)
@@ -139,7 +139,7 @@ class LatencyHistogram:
 
     def tpot_samples(self, minutes: list[int]) -> tuple[np.ndarray, np.ndarray]:
         h = sum((self.tpot[m] for m in minutes if m in self.tpot), np.zeros(_BINS))
-        nz = np.flatnonzero(h)
+        nz = np.flatnonzero(h != 0)   # faster than on the floats themselves
         return _value(nz), h[nz]
 
     def p99(self, minutes: list[int]) -> tuple[float, float]:
@@ -161,30 +161,24 @@ class LatencyHistogram:
 
 class _Sorted:
     """`np.searchsorted(values, y, side)` for y in [0, span) by a grid of starting points, a few
-    steps from the answer (a binary search per replica per tick costs more than the rest)."""
+    steps from the answer (a binary search per replica per tick costs more than the rest): the
+    tables `_find` searches."""
 
     def __init__(self, values: np.ndarray, span: float, side: str) -> None:
         self.cells = 4 * len(values)
         self.per_cell = self.cells / span
         self.values = np.r_[values, np.inf]
         self.start = np.searchsorted(values, np.arange(self.cells) / self.per_cell, side)
-        self.right = side == "right"
-
-    def __call__(self, y: np.ndarray) -> np.ndarray:
-        return _search(self.values, self.start, self.per_cell, self.right, y)
 
 
 @numba.njit(cache=True)
-def _search(values: np.ndarray, start: np.ndarray, per_cell: float, right: bool, y: np.ndarray) -> np.ndarray:
-    """`_Sorted`'s search: from one cell back (the grid's float rounding may not put y past its
+def _find(values: np.ndarray, start: np.ndarray, per_cell: float, right: bool, y: float) -> int:
+    """`_Sorted`'s search of y: from one cell back (the grid's float rounding may not put y past its
     cell's start), step to the first value above y (at or above: not `right`)."""
-    out = np.empty(len(y), np.int64)
-    for i in range(len(y)):
-        j = start[min(max(int(y[i] * per_cell) - 1, 0), len(start) - 1)]
-        while values[j] < y[i] or (right and values[j] == y[i]):
-            j += 1
-        out[i] = j
-    return out
+    j = start[min(max(int(y * per_cell) - 1, 0), len(start) - 1)]
+    while values[j] < y or (right and values[j] == y):
+        j += 1
+    return j
 
 
 class AggregateServing:
@@ -228,8 +222,7 @@ class AggregateServing:
         # Running indices into the tiled trace, and the prompt tokens before them: the next request
         # to arrive, the same as the tick began, the first not whole prefilled; and the prompt
         # tokens prefilled so far.
-        self.arrived = self._index(self._trace_time(0.0))
-        self.arrived_tokens = self._prompt_at(self.arrived)
+        self.arrived, self.arrived_tokens = self._arrivals(self._trace_time(0.0))
         self.at_tick, self.at_tick_tokens = self.arrived.copy(), self.arrived_tokens.copy()
         self.head, self.head_tokens = self.arrived.copy(), self.arrived_tokens.copy()
         self.prefilled = self.arrived_tokens.copy()
@@ -238,12 +231,18 @@ class AggregateServing:
 
     # -- the tiled trace ----------------------------------------------------------------------
     def _trace_time(self, t: float) -> np.ndarray:
-        return self.phase + float(self.diurnal.cumulative(np.array(self.day_start_s + t))) / self.scale
+        return self.phase + self._day_units(t)
 
-    def _index(self, x: np.ndarray) -> np.ndarray:
-        """Running index of the first request at or after trace time x (the trace tiled)."""
-        k = np.floor(x / self.trace.period_s)
-        return k.astype(np.int64) * self.count + self._arrival_index(x - k * self.trace.period_s)
+    def _day_units(self, t: float) -> float:
+        """Trace time passed from the replicas' `phase` by t."""
+        return float(self.diurnal.cumulative(np.array(self.day_start_s + t))) / self.scale
+
+    def _arrivals(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Running index of the first request at or after trace time x (the trace tiled), and the
+        prompt tokens of the requests before it."""
+        a = self._arrival_index
+        return _arrivals(x, self.trace.period_s, self.count, self.tokens, a.values, a.start, a.per_cell,
+                         self.prompt_sum)
 
     def _prompt_at(self, g: np.ndarray) -> np.ndarray:
         """Prompt tokens of the requests before running index g."""
@@ -254,8 +253,7 @@ class AggregateServing:
     def arrivals_until(self, t1: float) -> None:
         if t1 != self._until:
             self._until = t1
-            self.arrived = self._index(self._trace_time(t1))
-            self.arrived_tokens = self._prompt_at(self.arrived)
+            self.arrived, self.arrived_tokens = self._arrivals(self._trace_time(t1))
 
     def decode_seqs(self) -> np.ndarray:
         return self._dec
@@ -283,19 +281,13 @@ class AggregateServing:
         has as much time left and fewer tokens ahead), what arrives in the tick as one arriving
         now (as the per-request model judges it), the decoding requests as one entry with their
         count (the fluid count rounded) and context, all of them emitting a token now."""
-        head = self.head[replicas]
-        carried = self.at_tick_tokens[replicas] - self.prefilled[replicas]
-        new = self.arrived_tokens[replicas] - self.at_tick_tokens[replicas]
-        waited = head < self.at_tick[replicas]
-        k, j = np.divmod(head, self.count)
-        x = k * self.trace.period_s + self.trace.arrival_s[np.minimum(j, self.count - 1)]
         # Back from trace time to simulated time, at the current rate (the head is recent).
         rate = float(self.diurnal.multiplier(self.day_start_s + now)) / self.scale
-        head_at = np.minimum(now, now - (self._trace_time(now)[replicas] - x) / rate)
-        dec = np.rint(self._dec[replicas]).astype(np.int64)
-        return ServingState([(np.where(waited, head_at, np.inf), np.where(waited, carried, 0.0)),
-                             (np.where(new > 0, now, np.inf), new)],
-                            [np.where(dec > 0, now, np.inf)], self._ctx[replicas].astype(np.int64), [dec])
+        waited_at, carried, new_at, new, last, ctx, dec = _admission_view(
+            now, replicas, self._day_units(now), rate, self.trace.period_s, self.trace.arrival_s, self.count,
+            self.phase, self.head, self.at_tick, self.at_tick_tokens, self.arrived_tokens, self.prefilled,
+            self._dec, self._ctx)
+        return ServingState([(waited_at, carried), (new_at, new)], [last], ctx, [dec])
 
     # -- one tick ---------------------------------------------------------------------------------
     def advance(self, t: float, dt: float, prefill_iter_s: np.ndarray, decode_iter_s: np.ndarray,
@@ -389,6 +381,48 @@ def _tick(dt: float, rate: np.ndarray, prefill_iter_s: np.ndarray, decode_iter_s
 
 
 @numba.njit(cache=True)
+def _admission_view(now: float, replicas: np.ndarray, units: float, rate: float, period_s: float,
+                    arrival_s: np.ndarray, count: int, phase: np.ndarray, head: np.ndarray,
+                    at_tick: np.ndarray, at_tick_tokens: np.ndarray, arrived_tokens: np.ndarray,
+                    prefilled: np.ndarray, decoding: np.ndarray,
+                    context: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`AggregateServing.admission_state`'s arrays for `replicas`: what waited (at the head's
+    arrival, back at `rate` from the replica's trace time now, `phase` + `units`), what arrives,
+    the decoding requests and their context. (Compiled: every replica, twice a tick.)"""
+    n = len(replicas)
+    waited_at, carried, new_at, new, last = np.empty(n), np.empty(n), np.empty(n), np.empty(n), np.empty(n)
+    ctx, dec = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i in range(n):
+        r = replicas[i]
+        h = head[r]
+        waited_at[i], carried[i] = np.inf, 0.0
+        if h < at_tick[r]:
+            k = h // count
+            x = k * period_s + arrival_s[min(h - k * count, count - 1)]
+            back = now - (phase[r] + units - x) / rate
+            waited_at[i] = now if now <= back else back
+            carried[i] = at_tick_tokens[r] - prefilled[r]
+        new[i] = arrived_tokens[r] - at_tick_tokens[r]
+        new_at[i] = now if new[i] > 0 else np.inf
+        dec[i] = int(np.rint(decoding[r]))
+        last[i] = now if dec[i] > 0 else np.inf
+        ctx[i] = int(context[r])
+    return waited_at, carried, new_at, new, last, ctx, dec
+
+
+@numba.njit(cache=True)
+def _arrivals(x: np.ndarray, period_s: float, count: int, tokens: float, values: np.ndarray,
+              start: np.ndarray, per_cell: float, prompt_sum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`AggregateServing._arrivals` for every replica (compiled: every replica, every tick)."""
+    index, before = np.empty(len(x), np.int64), np.empty(len(x))
+    for i in range(len(x)):
+        k = math.floor(x[i] / period_s)
+        index[i] = k * count + _find(values, start, per_cell, False, x[i] - k * period_s)
+        before[i] = _prompt_before(index[i], count, tokens, prompt_sum)
+    return index, before
+
+
+@numba.njit(cache=True)
 def _prompt_before(g: int, requests: int, total: float, prompt_sum: np.ndarray) -> float:
     """Prompt tokens of the requests before running index g (the trace tiled)."""
     k = g // requests
@@ -397,6 +431,8 @@ def _prompt_before(g: int, requests: int, total: float, prompt_sum: np.ndarray) 
 
 @numba.njit(cache=True)
 def _bin_of(seconds: float) -> int:
+    if seconds <= _LO_S:     # the lowest bin, without a log (most arrivals meet no backlog)
+        return 0
     if seconds >= 1e300:
         return _BINS - 1
     return min(_BINS - 1, int(math.log(max(seconds, _LO_S) / _LO_S) / math.log1p(_STEP)))

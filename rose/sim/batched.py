@@ -50,30 +50,80 @@ def _add(to: np.ndarray, at: np.ndarray, values: np.ndarray | float) -> None:
         to += np.bincount(at, weights=np.broadcast_to(values, at.shape), minlength=len(to))
 
 
+@numba.njit(cache=True)
 def _evenly(count: np.ndarray, total: np.ndarray) -> np.ndarray:
-    """[rows, most count]: each row's `count` entries of `total` / `count` tokens (at least 1)."""
+    """[rows, most count]: each row's `count` entries of `total` / `count` tokens (at least 1).
+    (Compiled: numpy's broadcasting over rows this short costs more than filling them.)"""
     n = count.astype(np.int64)
-    mean = np.maximum(1, total / np.maximum(n, 1))
-    cols = np.arange(int(n.max()) if len(n) else 0)
-    return np.where(cols[None, :] < n[:, None], mean[:, None], 0).astype(np.int64)
+    out = np.zeros((len(n), n.max() if len(n) else 0), np.int64)
+    for i in range(len(n)):
+        out[i, : n[i]] = int(max(1.0, total[i] / max(n[i], 1)))
+    return out
+
+
+# A worker's sums, compiled: each is asked several times a tick, of every worker.
+@numba.njit(cache=True)
+def _decode_context(n_dec: np.ndarray, dec_base: np.ndarray, dec_clock: np.ndarray) -> np.ndarray:
+    """Context tokens of each worker's decoding sequences."""
+    out = np.zeros(len(n_dec))
+    for w in range(len(n_dec)):
+        if n_dec[w] > 0:
+            out[w] = dec_base[w] + n_dec[w] * dec_clock[w]
+    return out
 
 
 @numba.njit(cache=True)
-def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, cell: np.ndarray,
-           pre_clock: np.ndarray, dec_clock: np.ndarray, prate: np.ndarray, drate: np.ndarray,
-           pre1: np.ndarray, dec1: np.ndarray, target: np.ndarray, left: np.ndarray, hist: np.ndarray,
-           phase: np.ndarray, n_pre: np.ndarray, n_dec: np.ndarray, pre_targets: np.ndarray,
-           pre_kv: np.ndarray, dec_base: np.ndarray, made: np.ndarray, rows: np.ndarray,
-           ends: np.ndarray) -> int:
+def _kv(n_dec: np.ndarray, dec_base: np.ndarray, dec_clock: np.ndarray, n_pre: np.ndarray,
+        pre_kv: np.ndarray) -> np.ndarray:
+    """KV tokens of each worker's running sequences: its decoding ones' contexts and its
+    prefilling ones'."""
+    out = _decode_context(n_dec, dec_base, dec_clock)
+    for w in range(len(n_pre)):
+        out[w] += pre_kv[w] if n_pre[w] > 0 else 0.0
+    return out
+
+
+@numba.njit(cache=True)
+def _prefill_load(placed: np.ndarray, worker: np.ndarray, target: np.ndarray, n_pre: np.ndarray,
+                  pre_targets: np.ndarray, pre_clock: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`BatchedRound.prefill_load`: the prompt tokens each worker still has to prefill, to a
+    millionth, not a sum's rounding (a whole prompt's tokens must not come out a hair over, and
+    cost an iteration more), those of the rows `placed` (not started) added; and its prompts."""
+    placed_tokens, placed_prompts = np.zeros(len(n_pre)), np.zeros(len(n_pre), np.int64)
+    for r in placed:
+        placed_tokens[worker[r]] += target[r]
+        placed_prompts[worker[r]] += 1
+    tokens, prompts = np.empty(len(n_pre)), np.empty(len(n_pre))
+    for w in range(len(n_pre)):
+        left = 0.0
+        if n_pre[w] > 0:
+            left = pre_targets[w] - n_pre[w] * pre_clock[w]
+            left = left if left > 0.0 else 0.0
+        tokens[w] = np.rint(left * 1e6) / 1e6 + placed_tokens[w]      # numpy's round to 6 decimals
+        prompts[w] = n_pre[w] + placed_prompts[w]
+    return tokens, prompts
+
+
+@numba.njit(cache=True)
+def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, pre_soonest: np.ndarray,
+           dec_soonest: np.ndarray, cell: np.ndarray, pre_clock: np.ndarray, dec_clock: np.ndarray,
+           prate: np.ndarray, drate: np.ndarray, pre1: np.ndarray, dec1: np.ndarray, target: np.ndarray,
+           left: np.ndarray, hist: np.ndarray, phase: np.ndarray, n_pre: np.ndarray, n_dec: np.ndarray,
+           pre_targets: np.ndarray, pre_kv: np.ndarray, dec_base: np.ndarray, made: np.ndarray,
+           rows: np.ndarray, ends: np.ndarray) -> int:
     """The slots whose sequence reaches its target in [t, t1) on its worker's clocks (at `prate`
     and `drate` each from `pre_clock` and `dec_clock` to `pre1` and `dec1`): a prefill that ends
     starts decoding then, with the rest of the tick at the decode rate; a decode that ends is a
     turn done. Updates the rows, the slots' targets and the workers' sums and tokens `made`;
     writes the rows whose turn ended and when into `rows` and `ends` and returns how many.
-    (Compiled: a tick scans every slot.)"""
+    (Compiled: a tick scans every slot of the workers whose `pre_soonest` or `dec_soonest`, at
+    most their slots' least targets, the tick's clocks reach; it sets them to those targets.)"""
     workers, slots = cell.shape
     done = 0
     for w in range(workers):
+        if pre_soonest[w] > pre1[w] and dec_soonest[w] > dec1[w]:
+            continue
+        pre_least = dec_least = np.inf
         for k in range(slots):
             if pre_at[w, k] <= pre1[w]:
                 r = cell[w, k]
@@ -99,15 +149,19 @@ def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, cell: np
                 rows[done] = r
                 ends[done] = min(at, t1)
                 done += 1
+            pre_least = min(pre_least, pre_at[w, k])
+            dec_least = min(dec_least, dec_at[w, k])
+        pre_soonest[w], dec_soonest[w] = pre_least, dec_least
     return done
 
 
 @numba.njit(cache=True)
 def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray, placements: int,
-           response: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray, occ: np.ndarray,
-           phase: np.ndarray, target: np.ndarray, hist: np.ndarray, cached: np.ndarray, begins: np.ndarray,
-           placed: np.ndarray, order: np.ndarray, left: np.ndarray) -> None:
-    """`BatchedRound.place`, row by row. (Compiled: thousands of turns a tick.)"""
+           response: np.ndarray, turn: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
+           occ: np.ndarray, phase: np.ndarray, target: np.ndarray, hist: np.ndarray, cached: np.ndarray,
+           begins: np.ndarray, placed: np.ndarray, order: np.ndarray, left: np.ndarray) -> None:
+    """`BatchedRound.place`, row by row; a new turn's length from `response` [rows, turns].
+    (Compiled: thousands of turns a tick.)"""
     for i in range(len(rows)):
         r, w = rows[i], wids[i]
         if worker[r] != w:
@@ -127,14 +181,76 @@ def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarr
         placed[r] = True
         order[r] = placements + i + 1
         if left[r] <= 0:
-            left[r] = response[i]
+            left[r] = response[r, turn[r]]
+
+
+@numba.njit(cache=True)
+def _come_back(p: np.ndarray, ok: np.ndarray, holds: np.ndarray, cap: np.ndarray, occupied: np.ndarray,
+               serving: np.ndarray, free: np.ndarray) -> None:
+    """`BatchedRound.route`'s affinity room: of the turns `ok` to go back to their previous worker
+    `p`, where more come back than it has room for (its own held slots and those nobody holds; an
+    executor's also within its free rollout slots), the holders are kept first, then the others,
+    each in order; the rest are no longer ok. (Compiled: a pass that counts, one that ranks.)"""
+    holders, back = np.zeros(len(cap), np.int64), np.zeros(len(cap), np.int64)
+    for i in range(len(p)):
+        if ok[i]:
+            back[p[i]] += 1
+            holders[p[i]] += holds[i]
+    ranked_holders, ranked_others = np.zeros(len(cap), np.int64), np.zeros(len(cap), np.int64)
+    for i in range(len(p)):
+        if not ok[i]:
+            continue
+        w = p[i]
+        allow = holders[w] + max(0, cap[w] - occupied[w])
+        if serving[w]:
+            allow = min(allow, free[w])
+        if back[w] > allow:
+            if holds[i]:
+                rank = ranked_holders[w]
+                ranked_holders[w] += 1
+            else:
+                rank = holders[w] + ranked_others[w]
+                ranked_others[w] += 1
+            ok[i] = rank < allow
+
+
+@numba.njit(cache=True)
+def _running(wids: np.ndarray, cell: np.ndarray, phase: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """`BatchedRound.running`: [workers, slots], each worker's running rows oldest first (in order
+    of placement, ties in slot order), -1 after them. (Compiled: a stable sort of a few slots.)"""
+    out = np.full((len(wids), cell.shape[1]), -1)
+    for i in range(len(wids)):
+        n = 0
+        for k in range(cell.shape[1]):
+            r = cell[wids[i], k]
+            if r < 0 or (phase[r] != PREFILL and phase[r] != DECODE):
+                continue
+            j = n
+            while j > 0 and order[out[i, j - 1]] > order[r]:
+                out[i, j] = out[i, j - 1]
+                j -= 1
+            out[i, j] = r
+            n += 1
+    return out
+
+
+@numba.njit(cache=True)
+def _release(rows: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
+             occ: np.ndarray) -> None:
+    """`BatchedRound._release`, row by row (compiled: no pass over every worker for a few rows)."""
+    for r in rows:
+        if slot[r] >= 0:
+            cell[worker[r], slot[r]] = -1
+            occ[worker[r]] -= 1
+            slot[r] = -1
+            worker[r] = -1
 
 
 @numba.njit(cache=True)
 def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.ndarray, slot: np.ndarray,
                    target: np.ndarray, begins: np.ndarray, hist: np.ndarray, placed: np.ndarray,
                    pre_clock: np.ndarray, n_pre: np.ndarray, pre_targets: np.ndarray, pre_kv: np.ndarray,
-                   pre_at: np.ndarray) -> None:
+                   pre_at: np.ndarray, pre_soonest: np.ndarray) -> None:
     """`BatchedRound.start_prefill`, row by row: each target on its worker's prefill clock."""
     for r in rows:
         w = worker[r]
@@ -143,6 +259,7 @@ def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.nda
         pre_targets[w] += target[r]
         pre_kv[w] += hist[r]
         pre_at[w, slot[r]] = target[r]
+        pre_soonest[w] = min(pre_soonest[w], target[r])
         placed[r] = False
 
 
@@ -184,12 +301,24 @@ def _finish(rows: np.ndarray, ends: np.ndarray, turns: np.ndarray, serving: np.n
     return more[:going]
 
 
+@numba.njit(cache=True)
+def _measure(rate: np.ndarray, made: np.ndarray, decoding: np.ndarray, registered: np.ndarray,
+             dt: float) -> None:
+    """`BatchedRouter.measure`, worker by worker."""
+    for w in range(len(rate)):
+        if decoding[w] > 0 and registered[w]:
+            now = made[w] / dt / decoding[w]
+            rate[w] = 0.5 * now + 0.5 * rate[w] if rate[w] > 0 else now
+
+
 class BatchedRouter:
     """What the rollout scheduler keeps across rounds: which workers are in the table, each
     one's measured decode rate per sequence, the route counts."""
 
     def __init__(self, workers: Workers, slots: int, affinity: bool, hold_slots: bool) -> None:
         self.workers, self.slots, self.affinity, self.hold_slots = workers, slots, affinity, hold_slots
+        self.serving = workers.kind == COSERVE            # the executors (kinds do not change)
+        self.cap = np.full(len(workers.kind), slots)      # every worker's slots
         self.rate = np.zeros(len(workers.kind))          # measured tokens/s of one sequence
         self.free = np.zeros(len(workers.kind))          # an executor's last free-slot report
         self.counts: collections.Counter[RouteReason] = collections.Counter()
@@ -204,9 +333,7 @@ class BatchedRouter:
 
     def measure(self, made: np.ndarray, decoding: np.ndarray, dt: float) -> None:
         """Smoothed as `RoutingTable.measure` smooths (half the newest measurement)."""
-        m = (decoding > 0) & self.workers.registered
-        now = made[m] / dt / decoding[m]
-        self.rate[m] = np.where(self.rate[m] > 0, 0.5 * now + 0.5 * self.rate[m], now)
+        _measure(self.rate, made, decoding, self.workers.registered, dt)
 
 
 class BatchedRound:
@@ -232,6 +359,7 @@ class BatchedRound:
         self.finished = np.full(n, np.nan)
         self.queue = np.zeros(0, np.int64)           # queued rows, FIFO
         self._env = np.arange(n)                     # rows in their environment, not yet routed
+        self._done = 0                               # rows DONE
         self._placements = 0
         # Per worker: its slots' rows, the two clocks, and running sums.
         self.cell = np.full((w, k), -1)
@@ -244,13 +372,13 @@ class BatchedRound:
         # Targets per slot, inf where none: what a tick compares its clocks with.
         self.pre_at = np.full((w, k), np.inf)
         self.dec_at = np.full((w, k), np.inf)
+        # Per worker, at most its least target of each kind (taking one off leaves it): a tick's
+        # scan skips the workers whose clocks reach neither.
+        self.pre_soonest, self.dec_soonest = np.full(w, np.inf), np.full(w, np.inf)
         self._rows, self._ends = np.empty(w * k, np.int64), np.empty(w * k)   # turns ending in a pass
 
     def all_done(self) -> bool:
-        return bool(np.all(self.phase == DONE))
-
-    def responses(self, rows: np.ndarray) -> np.ndarray:
-        return self.demand.response[rows, self.turn[rows]]
+        return self._done == len(self.phase)
 
     # -- per worker -----------------------------------------------------------------------------
     def occupied(self) -> np.ndarray:
@@ -259,18 +387,12 @@ class BatchedRound:
     def active(self) -> np.ndarray:
         return self.n_pre + self.n_dec
 
-    def pending(self) -> np.ndarray:
-        """Prompt tokens each worker still has to prefill: to a millionth, not a sum's rounding
-        (a whole prompt's tokens must not come out a hair over, and cost an iteration more)."""
-        left = np.where(self.n_pre > 0, np.maximum(0.0, self.pre_targets - self.n_pre * self.pre_clock), 0.0)
-        return np.round(left, 6)
-
     def decode_context(self) -> np.ndarray:
-        return np.where(self.n_dec > 0, self.dec_base + self.n_dec * self.dec_clock, 0.0)
+        return _decode_context(self.n_dec, self.dec_base, self.dec_clock)
 
     def kv(self) -> np.ndarray:
         """KV tokens of each worker's running sequences."""
-        return self.decode_context() + np.where(self.n_pre > 0, self.pre_kv, 0.0)
+        return _kv(self.n_dec, self.dec_base, self.dec_clock, self.n_pre, self.pre_kv)
 
     def mean_contexts(self, wids: np.ndarray) -> np.ndarray:
         """[workers, sequences]: each decoding sequence of `wids` at their mean context (what
@@ -282,25 +404,23 @@ class BatchedRound:
         pages, for the free-slot reports)."""
         return _evenly(self.active()[wids], self.kv()[wids])
 
+    def running(self, wids: np.ndarray) -> np.ndarray:
+        """[workers, sequences]: the rows of each running sequence of `wids`, oldest first (-1 after
+        them)."""
+        return _running(wids, self.cell, self.phase, self.order)
+
     def running_kv(self, wids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[workers, sequences]: the rows and KV tokens of each running sequence of `wids`, oldest
-        first (rows -1 and 0 tokens after them)."""
-        cells = self.cell[wids]
-        rows = np.where(cells >= 0, cells, 0)
-        phase = self.phase[rows]
-        run = (cells >= 0) & ((phase == PREFILL) | (phase == DECODE))
-        decoded = self.dec_clock[wids][:, None] - self._v0(rows)
-        kv = np.where(phase == PREFILL, self.hist[rows], self.hist[rows] + decoded)
-        order = np.argsort(np.where(run, self.order[rows], np.inf), axis=1, kind="stable")
-        run, rows, kv = (np.take_along_axis(x, order, 1) for x in (run, rows, kv))
-        return np.where(run, rows, -1), np.where(run, kv, 0.0)
+        """`running(wids)`, and the KV tokens of each (0 after them)."""
+        rows = self.running(wids)
+        r = np.maximum(rows, 0)
+        decoded = self.dec_clock[wids][:, None] - self._v0(r)
+        kv = np.where(self.phase[r] == PREFILL, self.hist[r], self.hist[r] + decoded)
+        return rows, np.where(rows >= 0, kv, 0.0)
 
     def prefill_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Per worker: prompt tokens to prefill and prompts, those placed this tick included."""
-        w = len(self.n_pre)
-        placed = np.flatnonzero(self.placed)
-        return (self.pending() + np.bincount(self.worker[placed], weights=self.target[placed], minlength=w),
-                self.n_pre + np.bincount(self.worker[placed], minlength=w))
+        return _prefill_load(np.flatnonzero(self.placed), self.worker, self.target, self.n_pre,
+                             self.pre_targets, self.pre_clock)
 
     # -- moving sequences -------------------------------------------------------------------------
     def place(self, rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray) -> None:
@@ -309,23 +429,20 @@ class BatchedRound:
         keeps the slot it holds there, else takes a free one (routing gave it room)."""
         if not len(rows):
             return
-        _place(rows, wids, hits, begin, self._placements, self.responses(rows), self.worker, self.slot,
-               self.cell, self.occ, self.phase, self.target, self.hist, self.cached, self.begin, self.placed,
-               self.order, self.left)
+        _place(rows, wids, hits, begin, self._placements, self.demand.response, self.turn, self.worker,
+               self.slot, self.cell, self.occ, self.phase, self.target, self.hist, self.cached, self.begin,
+               self.placed, self.order, self.left)
         self._placements += len(rows)
 
     def start_prefill(self, rows: np.ndarray, t: float, prate: np.ndarray) -> None:
         """Placed rows join their worker's prefill from `begin` at the tick's per-prompt rate."""
         _start_prefill(rows, t, prate, self.worker, self.slot, self.target, self.begin, self.hist,
-                       self.placed, self.pre_clock, self.n_pre, self.pre_targets, self.pre_kv, self.pre_at)
+                       self.placed, self.pre_clock, self.n_pre, self.pre_targets, self.pre_kv, self.pre_at,
+                       self.pre_soonest)
 
     def _release(self, rows: np.ndarray) -> None:
         """Free the slots `rows` hold (between turns, or before a move)."""
-        held = rows[self.slot[rows] >= 0]
-        self.cell[self.worker[held], self.slot[held]] = -1
-        self.occ -= np.bincount(self.worker[held], minlength=len(self.occ))
-        self.slot[held] = -1
-        self.worker[held] = -1
+        _release(rows, self.worker, self.slot, self.cell, self.occ)
 
     def _leave_phase(self, rows: np.ndarray) -> None:
         """Take running `rows` out of their worker's sums."""
@@ -411,9 +528,10 @@ class BatchedRound:
         """Prefills and decodes that reach their targets by the tick's end; returns the decode
         tokens to correct the tick's count by (joining and leaving within it)."""
         made = np.zeros(len(drate))
-        done = _reach(t, t1, self.pre_at, self.dec_at, self.cell, self.pre_clock, self.dec_clock, prate,
-                      drate, pre1, dec1, self.target, self.left, self.hist, self.phase, self.n_pre,
-                      self.n_dec, self.pre_targets, self.pre_kv, self.dec_base, made, self._rows, self._ends)
+        done = _reach(t, t1, self.pre_at, self.dec_at, self.pre_soonest, self.dec_soonest, self.cell,
+                      self.pre_clock, self.dec_clock, prate, drate, pre1, dec1, self.target, self.left,
+                      self.hist, self.phase, self.n_pre, self.n_dec, self.pre_targets, self.pre_kv,
+                      self.dec_base, made, self._rows, self._ends)
         if done:
             self._finish_turns(self._rows[:done].copy(), self._ends[:done].copy())
         return made
@@ -422,12 +540,12 @@ class BatchedRound:
         """Generation of the current turns of `rows` ended at `ends`; the environment steps. The
         executor's free slots grow back at once, as `RoutingTable.complete` has them; a
         trajectory keeps its slot between turns where the cap counts trajectories."""
-        w = self.router.workers
-        more = _finish(rows, ends, self.demand.turns, w.kind == COSERVE, self.router.hold_slots,
+        more = _finish(rows, ends, self.demand.turns, self.router.serving, self.router.hold_slots,
                        float(self.env.obs_tokens), self.env.env_step_s, self.left, self.hist, self.cached,
                        self.produced, self.turn, self.previous, self.worker, self.slot, self.cell, self.occ,
                        self.router.free, self.phase, self.finished, self.ready)
-        self._env = np.r_[self._env, more]
+        self._done += len(rows) - len(more)
+        self._env = np.concatenate((self._env, more))
 
     # -- routing ------------------------------------------------------------------------------------
     def _routable(self, t1: float) -> bool:
@@ -437,7 +555,7 @@ class BatchedRound:
         if not len(self.queue):
             return False
         r, w = self.router, self.router.workers
-        room = np.where(w.kind == COSERVE, np.minimum(r.slots - self.occ, r.free), r.slots - self.occ)
+        room = np.where(r.serving, np.minimum(r.slots - self.occ, r.free), r.slots - self.occ)
         return bool((w.registered & (room > 0)).any())
 
     def _due(self, t1: float) -> np.ndarray:
@@ -457,12 +575,13 @@ class BatchedRound:
         many as the dedicated room left), the others by `spread`; the rest queue. A turn placed
         starts at its ready time, at most a tick back with `credit` (the tick's first pass: it
         became ready during the previous tick). Returns the rows placed."""
-        r, w = self.router, self.router.workers
-        cap = np.full(len(w.kind), r.slots)
-        serving, eligible = w.kind == COSERVE, w.registered
+        r = self.router
+        cap, serving, eligible = r.cap, r.serving, r.workers.registered
         back = t - (t1 - t) if credit else t
         placed = [self._spread(self.queue, back, queue_rest=False)]
         due = self._due(t1)
+        if not len(due):
+            return placed[0]
         occupied = self.occupied()
         prev = self.previous[due] if r.affinity else np.full(len(due), -1)
         p = np.maximum(prev, 0)
@@ -471,24 +590,13 @@ class BatchedRound:
         ok = (prev >= 0) & eligible[p]
         # Each goes back to its previous worker while that has room: its own held slot, or one
         # nobody holds; an executor also only within its free rollout slots.
-        holders = np.bincount(p[ok & holds], minlength=len(cap))
-        allow = holders + np.maximum(0, cap - occupied)
-        allow = np.where(serving, np.minimum(allow, r.free), allow)
-        idx = np.flatnonzero(ok)
-        over = np.bincount(p[idx], minlength=len(cap)) > allow
-        idx = idx[over[p[idx]]]          # only where more turns come back than there is room
-        if len(idx):
-            order = idx[np.lexsort((~holds[idx], p[idx]))]
-            pk = p[order]
-            starts = np.r_[True, pk[1:] != pk[:-1]]
-            rank = np.arange(len(pk)) - np.maximum.accumulate(np.where(starts, np.arange(len(pk)), 0))
-            ok[order[rank >= allow[pk]]] = False
+        _come_back(p, ok, holds, cap, occupied, serving, r.free)
         # An executor keeps its turns unless the least-loaded dedicated workers with room pay
         # (weighed in order of readiness; the rest go back unordered: each to its own worker).
         stay = np.flatnonzero(ok & serving[p])
-        stay = stay[np.argsort(self.ready[due[stay]], kind="stable")]
         dst = spread(len(stay), np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
-        stay, dst = stay[: len(dst)], dst
+        # In order of readiness where the dedicated workers have room (usually they have none).
+        stay = stay[np.argsort(self.ready[due[stay]], kind="stable")][: len(dst)] if len(dst) else stay[:0]
         move = pays(r.rate[dst], occupied[dst], occupied[dst], r.rate[p[stay]], load[stay])
         movers, dst = stay[move], dst[move]
         ok[movers] = False
@@ -511,12 +619,11 @@ class BatchedRound:
         queue, already waiting). Returns the rows placed."""
         if not len(rows):
             return rows
-        r, w = self.router, self.router.workers
+        r = self.router
         if queue_rest:
             self._release(rows[self.worker[rows] >= 0])
-        cap = np.full(len(w.kind), r.slots)
-        serving = w.kind == COSERVE
-        occupied = np.where(w.registered, self.occupied(), cap)
+        cap, serving = r.cap, r.serving
+        occupied = np.where(r.workers.registered, self.occupied(), cap)
         wids = spread(len(rows), occupied, cap, np.where(serving, r.free, 0), serving)
         placed, queued = rows[: len(wids)], rows[len(wids):]
         if len(placed):
@@ -543,7 +650,7 @@ class BatchedRound:
         """`RoutingTable.rebalance`'s moves: the oldest turns of the busiest executors to the
         least-loaded dedicated workers, resumed there with their tokens. Returns the rows moved."""
         r, w = self.router, self.router.workers
-        serving = w.kind == COSERVE
+        serving = r.serving
         dedicated = ~serving & w.registered
         if not (self.occ[dedicated] < r.slots).any():    # no dedicated room: no move (the common case)
             return np.zeros(0, np.int64)
@@ -560,8 +667,7 @@ class BatchedRound:
         dst, src = dst[order], src[order]
         first_of = np.r_[True, src[1:] != src[:-1]]
         rank = np.arange(len(src)) - np.maximum.accumulate(np.where(first_of, np.arange(len(src)), 0))
-        rows, _ = self.running_kv(src)
-        moved = rows[np.arange(len(src)), rank]
+        moved = self.running(src)[np.arange(len(src)), rank]
         self.interrupt(moved)
         self.place(moved, dst, np.zeros(len(moved), bool), np.full(len(moved), t))
         r.counts[RouteReason.LEAST_LOADED] += len(moved)

@@ -82,7 +82,9 @@ class BurstMemory:
             c.new_rl_step(step)
             self.step_at[step] = math.inf
         crossing = np.flatnonzero(c.crossed(serving_bytes, rollout_bytes) & (rollout_bytes > 0))
-        ids, units = sequences(crossing)
+        # Where none crossed (the common case), each replica's rollout bytes are one column.
+        none = np.zeros((0, 0), np.int64)
+        ids, units = sequences(crossing) if len(crossing) else (none, none)
         columns = np.full((len(serving_bytes), max(1, ids.shape[1])), -1)
         held = np.zeros(columns.shape, np.int64)
         held[:, 0] = rollout_bytes

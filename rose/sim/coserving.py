@@ -148,11 +148,12 @@ class CoServing:
         wids = self.first_wid + reps
         if not len(reps):
             return wids, np.zeros(0, np.int64)
-        ctxs = held(wids)
-        room = memory_room(self.memory.state(reps), workers.kv_cap[wids] - ctxs.sum(axis=1), self.typical_ctx)
+        running = RolloutDemand(held(wids))
+        free = workers.kv_cap[wids] - running.context_tokens
+        room = memory_room(self.memory.state(reps), free, self.typical_ctx)
         if self.sharing is Sharing.ROSE:
-            room = rollout_capacity(t, self.fleet.admission_state(t, reps), RolloutDemand(ctxs), self.latency,
-                                    self.slo, self.typical_ctx, self.chunk, room)
+            room = rollout_capacity(t, self.fleet.admission_state(t, reps), running, self.latency, self.slo,
+                                    self.typical_ctx, self.chunk, room)
         return wids, np.broadcast_to(room, wids.shape)
 
     # -- the tick's plan ---------------------------------------------------------------------------
@@ -230,13 +231,17 @@ class CoServing:
         decided in one call, the replicas twice over: decode-only first."""
         n = len(st.decode_context_tokens)
         none = np.full(n, np.inf), np.zeros(n)
-        both = ServingState([(np.r_[none[0], a], np.r_[none[1], w]) for a, w in st.waiting],
-                            [np.r_[d, d] for d in st.decoding_last_token_s],
-                            np.r_[st.decode_context_tokens, st.decode_context_tokens],
-                            [np.r_[k, k] for k in st.decoding_counts])
+
+        def two(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            return np.concatenate((x, y))
+
+        both = ServingState([(two(none[0], a), two(none[1], w)) for a, w in st.waiting],
+                            [two(d, d) for d in st.decoding_last_token_s],
+                            two(st.decode_context_tokens, st.decode_context_tokens),
+                            [two(k, k) for k in st.decoding_counts])
         e = self.settings
-        twice = RolloutDemand(np.r_[demand.decode_context, demand.decode_context],
-                              np.r_[demand.prefill_tokens, demand.prefill_tokens])
+        twice = RolloutDemand(two(demand.decode_context, demand.decode_context),
+                              two(demand.prefill_tokens, demand.prefill_tokens))
         a = admission_step(t, both, twice, self.latency, self.slo, self.chunk, banked=False,
                            arrival_reserve_tokens=e.arrival_reserve_tokens,
                            idle_min_tokens=e.idle_min_rollout_tokens)

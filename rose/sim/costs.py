@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numba
 import numpy as np
@@ -180,10 +181,15 @@ class ForwardCost:
         `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
         over numpy arrays (`_roofline` compiled, each load in one loop: a simulator of thousands of
         replicas asks it tens of times a tick)."""
-        args = [x if isinstance(x, np.ndarray) else np.array(x, np.float64)
-                for x in (prefill, decode, ctx, chunk_seqs)]
+        args = [np.asarray(x) for x in (prefill, decode, ctx, chunk_seqs)]
         shape = max((x.shape for x in args), key=len)
-        out = _roofline_each(*(x.astype(np.float64, copy=False).reshape(-1) for x in args), *self.terms)
+        # One entry: a number the kernel compiles in (an array of the rest's length loops faster).
+        # Integer counts go in as they are, not copied as floats: the kernel's arithmetic with
+        # them is the same (exact below 2**53).
+        flat = (x.reshape(-1) for x in args)
+        loads = (float(x[0]) if len(x) == 1 else x if x.dtype in _KERNEL_TYPES else x.astype(np.float64)
+                 for x in flat)
+        out = _roofline_each(math.prod(shape), *loads, *self.terms)
         return out.reshape(shape) if shape else float(out[0])
 
     def scalar(self, load: TokenLoad) -> Amount:
@@ -216,16 +222,24 @@ def _roofline(prefill: float, decode: float, ctx: float, chunk_seqs: float, s_to
 _roofline_compiled = numba.njit(cache=True)(_roofline)
 
 
+_KERNEL_TYPES = (np.dtype(np.float64), np.dtype(np.int64))
+
+
 @numba.njit(cache=True)
-def _roofline_each(prefill: np.ndarray, decode: np.ndarray, ctx: np.ndarray, chunk_seqs: np.ndarray,
-                   *terms: float) -> np.ndarray:
-    """`_roofline` of each load: arrays of one length, or of one entry (the same for all)."""
-    n = max(len(prefill), len(decode), len(ctx), len(chunk_seqs))
+def _at(x: np.ndarray | float, i: int) -> float:
+    """Entry i of an array, or the number itself (resolved as the kernel compiles)."""
+    if isinstance(x, float):
+        return x
+    return x[i]
+
+
+@numba.njit(cache=True)
+def _roofline_each(n: int, prefill: np.ndarray | float, decode: np.ndarray | float, ctx: np.ndarray | float,
+                   chunk_seqs: np.ndarray | float, *terms: float) -> np.ndarray:
+    """`_roofline` of each of `n` loads: arrays of length n, or numbers (the same for all)."""
     out = np.empty(n)
     for i in range(n):
-        out[i] = _roofline_compiled(prefill[i if len(prefill) > 1 else 0],
-                                    decode[i if len(decode) > 1 else 0], ctx[i if len(ctx) > 1 else 0],
-                                    chunk_seqs[i if len(chunk_seqs) > 1 else 0], *terms)
+        out[i] = _roofline_compiled(_at(prefill, i), _at(decode, i), _at(ctx, i), _at(chunk_seqs, i), *terms)
     return out
 
 

@@ -94,9 +94,11 @@ class RoundDemand:
         """Prompt tokens over every turn, each turn's whole context counted (the first prompt, the
         responses and observations before it): what an engine counts as prompt tokens, cached or
         not."""
-        turns = np.arange(self.response.shape[1])
-        before = np.cumsum(self.response, axis=1) - self.response + turns * self.env.obs_tokens
-        return int(((self.env.prompt_tokens + before) * (turns < self.turns[:, None])).sum())
+        # Turn t's context: the prompt, t observations and the responses before it; a response is
+        # in the context of each later turn of its trajectory (the sums are integers: exact).
+        n, later = self.turns, self.turns[:, None] - 1 - np.arange(self.response.shape[1])
+        fixed = n * self.env.prompt_tokens + n * (n - 1) // 2 * self.env.obs_tokens
+        return int(fixed.sum() + (self.response * later).sum())
 
     def context_tokens(self) -> np.ndarray:
         """Each trajectory's final context (what the trainer runs over)."""
@@ -115,8 +117,10 @@ def sample_round(env: EnvProfile, groups: int, group_size: int, multiplier: floa
     turns = np.minimum(rng.geometric(env.end_prob, size=n), env.max_turns)
     resp = rng.lognormal(math.log(env.response_median * multiplier), env.response_sigma,
                          size=(n, env.max_turns))
-    resp = np.clip(np.rint(resp), 1, env.max_response).astype(np.int64)
-    resp[np.arange(env.max_turns)[None, :] >= turns[:, None]] = 0
+    # In place: a round's arrays are millions of entries (each new one costs its pages).
+    np.clip(np.rint(resp, out=resp), 1, env.max_response, out=resp)
+    resp = resp.astype(np.int64)
+    resp *= np.arange(env.max_turns)[None, :] < turns[:, None]
     return RoundDemand(env, resp, turns, groups)
 
 
