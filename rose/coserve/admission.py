@@ -437,13 +437,16 @@ class _Offer:
             t = self.times[d, p] = self.latency.iteration_time(self.base, TokenLoad(p, d, self.prefix[d]))
         return t
 
-    def fill(self, limit: Num, decodes: Num, max_prefill: Num) -> tuple[Num, Num]:
+    def fill(self, limit: Num, decodes: Num, max_prefill: Num,
+             decodes_first: bool = False) -> tuple[Num, Num]:
         """The most decodes (of the first `decodes`), then the most prefill tokens (up to
-        `max_prefill`), under `limit`."""
+        `max_prefill`; with `decodes_first`, none beside fewer than all `decodes`), under `limit`."""
         none = self.time(0, 0) >= limit
         if _all(none):
             return 0, 0
         d = _largest(0, decodes, lambda k, rows: self.time(k, 0, rows) < _take(limit, rows))
+        if decodes_first:  # (and no search for it there)
+            max_prefill = _where(d < decodes, 0, max_prefill)
         p = _largest(0, max_prefill, lambda k, rows: self.time(_take(d, rows), k, rows) < _take(limit, rows))
         return _where(none, 0, d), _where(none, 0, p)
 
@@ -495,8 +498,7 @@ def admission_step(now: float, serving: ServingState, rollout: RolloutDemand, la
                                 rollout_time_cap(slo, reserve_s))
     offer = _Offer(latency, base, rollout.decode_context)
     decodes = rollout.decodes
-    d, p = offer.fill(limit, decodes, _min(rollout.prefill_tokens, chunk_tokens))
-    p = _where(d < decodes, 0, p)
+    d, p = offer.fill(limit, decodes, _min(rollout.prefill_tokens, chunk_tokens), decodes_first=True)
     idle = (serving.waiting_requests == 0) & (serving.decoding_requests == 0)
     if _any(idle):
         lift = idle & (d + p < idle_min_tokens)
