@@ -417,8 +417,10 @@ def _arrivals(x: np.ndarray, period_s: float, count: int, tokens: float, values:
     index, before = np.empty(len(x), np.int64), np.empty(len(x))
     for i in range(len(x)):
         k = math.floor(x[i] / period_s)
-        index[i] = k * count + _find(values, start, per_cell, False, x[i] - k * period_s)
-        before[i] = _prompt_before(index[i], count, tokens, prompt_sum)
+        j = _find(values, start, per_cell, False, x[i] - k * period_s)
+        index[i] = k * count + j
+        # `_prompt_before(index[i])`, the division by `count` known (j == count: the next pass's first)
+        before[i] = k * tokens + prompt_sum[j] if j < count else (k + 1) * tokens + prompt_sum[j - count]
     return index, before
 
 

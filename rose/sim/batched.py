@@ -594,12 +594,14 @@ class BatchedRound:
         # An executor keeps its turns unless the least-loaded dedicated workers with room pay
         # (weighed in order of readiness; the rest go back unordered: each to its own worker).
         stay = np.flatnonzero(ok & serving[p])
-        dst = spread(len(stay), np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
-        # In order of readiness where the dedicated workers have room (usually they have none).
-        stay = stay[np.argsort(self.ready[due[stay]], kind="stable")][: len(dst)] if len(dst) else stay[:0]
-        move = pays(r.rate[dst], occupied[dst], occupied[dst], r.rate[p[stay]], load[stay])
-        movers, dst = stay[move], dst[move]
-        ok[movers] = False
+        movers = dst = stay[:0]
+        if len(stay):
+            dst = spread(len(stay), np.where(eligible, occupied, cap), cap, np.zeros(len(cap)), serving)
+        if len(dst):  # (usually the dedicated workers have no room: nothing to weigh)
+            stay = stay[np.argsort(self.ready[due[stay]], kind="stable")][: len(dst)]
+            move = pays(r.rate[dst], occupied[dst], occupied[dst], r.rate[p[stay]], load[stay])
+            movers, dst = stay[move], dst[move]
+            ok[movers] = False
         kept = due[ok]
         self.place(kept, p[ok], np.ones(len(kept), bool), np.maximum(back, self.ready[kept]))
         r.counts[RouteReason.AFFINITY] += len(kept)

@@ -82,15 +82,16 @@ class BurstMemory:
             c.new_rl_step(step)
             self.step_at[step] = math.inf
         crossing = np.flatnonzero(c.crossed(serving_bytes, rollout_bytes) & (rollout_bytes > 0))
-        # Where none crossed (the common case), each replica's rollout bytes are one column.
-        none = np.zeros((0, 0), np.int64)
-        ids, units = sequences(crossing) if len(crossing) else (none, none)
+        before = c.state
+        if not len(crossing):  # (the common case) each replica's rollout bytes, one column
+            decision = c.observe(serving_bytes, [(np.full(len(serving_bytes), -1), rollout_bytes)])
+            return decision.rollout_budget / self.rollout_kv, np.zeros(0, np.int64)
+        ids, units = sequences(crossing)
         columns = np.full((len(serving_bytes), max(1, ids.shape[1])), -1)
         held = np.zeros(columns.shape, np.int64)
         held[:, 0] = rollout_bytes
         held[crossing] = 0
         columns[crossing, : ids.shape[1]], held[crossing, : ids.shape[1]] = ids, units
-        before = c.state
         decision = c.observe(serving_bytes, list(zip(columns.T, held.T, strict=True)))
         aborts = []
         for i, r in enumerate(crossing.tolist()):
