@@ -231,17 +231,14 @@ class CoServing:
         decided in one call, the replicas twice over: decode-only first."""
         n = len(st.decode_context_tokens)
         none = np.full(n, np.inf), np.zeros(n)
-
-        def two(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-            return np.concatenate((x, y))
-
-        both = ServingState([(two(none[0], a), two(none[1], w)) for a, w in st.waiting],
-                            [two(d, d) for d in st.decoding_last_token_s],
-                            two(st.decode_context_tokens, st.decode_context_tokens),
-                            [two(k, k) for k in st.decoding_counts])
+        cat = np.concatenate
+        both = ServingState([(cat((none[0], a)), cat((none[1], w))) for a, w in st.waiting],
+                            [cat((d, d)) for d in st.decoding_last_token_s],
+                            cat((st.decode_context_tokens, st.decode_context_tokens)),
+                            [cat((k, k)) for k in st.decoding_counts])
         e = self.settings
-        twice = RolloutDemand(two(demand.decode_context, demand.decode_context),
-                              two(demand.prefill_tokens, demand.prefill_tokens))
+        twice = RolloutDemand(cat((demand.decode_context, demand.decode_context)),
+                              cat((demand.prefill_tokens, demand.prefill_tokens)))
         a = admission_step(t, both, twice, self.latency, self.slo, self.chunk, banked=False,
                            arrival_reserve_tokens=e.arrival_reserve_tokens,
                            idle_min_tokens=e.idle_min_rollout_tokens)
