@@ -181,14 +181,18 @@ class ForwardCost:
         `decode` sequences and `ctx` cached KV tokens read; 0 where there is no work. Elementwise
         over numpy arrays (`_roofline` compiled, each load in one loop: a simulator of thousands of
         replicas asks it tens of times a tick)."""
-        args = [np.asarray(x) for x in (prefill, decode, ctx, chunk_seqs)]
-        shape = max((x.shape for x in args), key=len)
         # One entry: a number the kernel compiles in (an array of the rest's length loops faster).
         # Integer counts go in as they are, not copied as floats: the kernel's arithmetic with
         # them is the same (exact below 2**53).
-        flat = (x.reshape(-1) for x in args)
-        loads = (float(x[0]) if len(x) == 1 else x if x.dtype in _KERNEL_TYPES else x.astype(np.float64)
-                 for x in flat)
+        shape: tuple[int, ...] = ()
+        loads: list[np.ndarray | float] = []
+        for x in (prefill, decode, ctx, chunk_seqs):
+            if isinstance(x, np.ndarray):
+                shape = x.shape if x.ndim > len(shape) else shape
+                loads.append(float(x.flat[0]) if x.size == 1 else
+                             x.ravel() if x.dtype in _KERNEL_TYPES else x.ravel().astype(np.float64))
+            else:
+                loads.append(float(x))
         out = _roofline_each(math.prod(shape), *loads, *self.terms)
         return out.reshape(shape) if shape else float(out[0])
 
