@@ -147,9 +147,40 @@ def _picks(count: np.ndarray, start: np.ndarray, scale: np.ndarray | float,
     """Worker i's `count[i]` picks, its j-th at key `(start[i] + j) / scale[i]`, all in order of
     key, ties to the lower index: the workers a one-by-one argmin of the key picks while each pick
     adds one to its worker's `start`; at most the first `most`. Returns (worker, j) of each."""
-    n = len(count)
-    return _merge_picks(count.astype(np.int64), start.astype(np.float64),
-                        np.broadcast_to(np.asarray(scale, np.float64), (n,)), max(0, int(most)))
+    count, most = count.astype(np.int64), max(0, int(most))
+    if not count.any():
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if np.ndim(scale) == 0 or (scale == scale[0]).all():
+        s = float(np.ravel(scale)[0])
+        level = np.rint(start).astype(np.int64)
+        if s > 0 and (level == start).all():
+            # One scale and whole starts: the keys are whole levels over it, picked level by level.
+            return _level_picks(count, level, most)
+    return _merge_picks(count, start.astype(np.float64),
+                        np.broadcast_to(np.asarray(scale, np.float64), (len(count),)), most)
+
+
+@numba.njit(cache=True)
+def _level_picks(count: np.ndarray, start: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """`_picks` where every key is a whole level `start + j` over one scale: level by level, each
+    level's workers in order, from one level with picks to the next. (Compiled: a pass over the
+    workers a level, the picks at the first few levels.)"""
+    total = min(most, count.sum())
+    w, j = np.empty(total, np.int64), np.empty(total, np.int64)
+    k = 0
+    level = start[count > 0].min()
+    while k < total:
+        after = np.iinfo(np.int64).max
+        for i in range(len(count)):
+            if count[i] == 0 or start[i] + count[i] <= level:
+                continue
+            if start[i] <= level and k < total:
+                w[k], j[k] = i, level - start[i]
+                k += 1
+            if start[i] + count[i] > level + 1:
+                after = min(after, max(start[i], level + 1))
+        level = after
+    return w, j
 
 
 @numba.njit(cache=True)

@@ -234,14 +234,15 @@ def test_a_served_trajectory_moves_to_dedicated_only_when_it_decodes_faster_ther
     assert moved.worker_id == "d" and moved.reason is RouteReason.LEAST_LOADED
 
 
-def test_spread_sends_a_batch_where_one_by_one_routing_sends_each_turn():
+@pytest.mark.parametrize("caps", [(3, 4, 6), (4,)])   # mixed caps; one cap (whole levels)
+def test_spread_sends_a_batch_where_one_by_one_routing_sends_each_turn(caps):
     """The simulator routes a tick's turns in one call (`spread`); it must be `choose_worker`'s
     rule, turn after turn, each placement filling a slot."""
     rng = random.Random(0)
     for _ in range(300):
         workers = []
         for i in range(rng.randint(1, 10)):
-            cap = rng.choice([3, 4, 6])
+            cap = rng.choice(caps)
             workers.append(WorkerState(i, rng.choice([D, S]), cap, active=rng.randint(0, cap),
                                        free_slots=rng.randint(0, 5)))
         n = rng.randint(1, 25)
