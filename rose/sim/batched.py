@@ -6,9 +6,11 @@ routing table one by one and advances every running sequence every tick; at ten 
 workers that is a million turns a step. Here:
 
 - every worker has `rl.fixed_concurrency` slots, a trajectory one of them while it runs (and,
-  when the cap counts trajectories, between its turns);
-- a worker's sequences share its rates equally (its decode tokens per second over its decoding
-  sequences, its prefill tokens per second over its prompts), so each worker keeps two clocks,
+  when the cap counts trajectories, between its turns); a turn that takes a slot takes the one
+  given up first and starts no earlier than it was given up;
+- a worker's sequences share its rates equally (its decode tokens per second over every sequence
+  it runs in the tick, its prefill tokens per second over its prompts), and its iterations carry
+  them all (`BatchedRound.tick_load`), so each worker keeps two clocks,
   the tokens one of its decoding sequences has decoded so far and the prompt tokens one of its
   prefilling sequences has prefilled; a sequence is a target on its worker's clock, reached at an
   exact time inside a tick, and a tick touches only the sequences that reach theirs;
@@ -16,7 +18,7 @@ workers that is a million turns a step. Here:
   (`rose.rollout.routing.spread`, `pays`, `rebalance_moves`: the rule `choose_worker` and
   `RoutingTable.rebalance` apply one by one), counts of slots per worker;
 - admission, free-slot reports and the burst state machine are the co-serving planner's, as in
-  the per-turn model, with each executor's decoding sequences offered at their mean context.
+  the per-turn model, with each executor's sequences offered at their mean context.
 
 What it gives up (docs/simulator.md measures it): admission's oldest-first order within an
 executor (rates are shared equally), a worker over its KV budget slows all its sequences in
@@ -34,7 +36,7 @@ import numpy as np
 from rose.rollout.routing import RouteReason, pays, rebalance_moves, spread
 from rose.sim.coserving import CoServing, ServingTimes
 from rose.sim.engine import Simulation
-from rose.sim.rates import plan_rates
+from rose.sim.rates import WorkerLoad, plan_rates
 from rose.sim.rollout import DECODE, DONE, ENV, PREFILL, WAIT, TickRates
 from rose.sim.scenarios import Scenario
 from rose.sim.systems import System
@@ -84,15 +86,19 @@ def _kv(n_dec: np.ndarray, dec_base: np.ndarray, dec_clock: np.ndarray, n_pre: n
 
 
 @numba.njit(cache=True)
-def _prefill_load(placed: np.ndarray, worker: np.ndarray, target: np.ndarray, n_pre: np.ndarray,
-                  pre_targets: np.ndarray, pre_clock: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _prefill_load(placed: np.ndarray, worker: np.ndarray, target: np.ndarray, hist: np.ndarray,
+                  n_pre: np.ndarray, pre_targets: np.ndarray,
+                  pre_clock: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`BatchedRound.prefill_load`: the prompt tokens each worker still has to prefill, to a
     millionth, not a sum's rounding (a whole prompt's tokens must not come out a hair over, and
-    cost an iteration more), those of the rows `placed` (not started) added; and its prompts."""
+    cost an iteration more), those of the rows `placed` (not started) added; its prompts; and the
+    contexts of the rows placed."""
     placed_tokens, placed_prompts = np.zeros(len(n_pre)), np.zeros(len(n_pre), np.int64)
+    placed_kv = np.zeros(len(n_pre))
     for r in placed:
         placed_tokens[worker[r]] += target[r]
         placed_prompts[worker[r]] += 1
+        placed_kv[worker[r]] += hist[r]
     tokens, prompts = np.empty(len(n_pre)), np.empty(len(n_pre))
     for w in range(len(n_pre)):
         left = 0.0
@@ -101,7 +107,7 @@ def _prefill_load(placed: np.ndarray, worker: np.ndarray, target: np.ndarray, n_
             left = left if left > 0.0 else 0.0
         tokens[w] = np.rint(left * 1e6) / 1e6 + placed_tokens[w]      # numpy's round to 6 decimals
         prompts[w] = n_pre[w] + placed_prompts[w]
-    return tokens, prompts
+    return tokens, prompts, placed_kv
 
 
 @numba.njit(cache=True)
@@ -158,26 +164,32 @@ def _reach(t: float, t1: float, pre_at: np.ndarray, dec_at: np.ndarray, pre_soon
 @numba.njit(cache=True)
 def _place(rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray, placements: int,
            response: np.ndarray, turn: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
-           occ: np.ndarray, phase: np.ndarray, target: np.ndarray, hist: np.ndarray, cached: np.ndarray,
-           begins: np.ndarray, placed: np.ndarray, order: np.ndarray, left: np.ndarray) -> None:
-    """`BatchedRound.place`, row by row; a new turn's length from `response` [rows, turns].
+           occ: np.ndarray, free_at: np.ndarray, phase: np.ndarray, target: np.ndarray, hist: np.ndarray,
+           cached: np.ndarray, begins: np.ndarray, placed: np.ndarray, order: np.ndarray,
+           left: np.ndarray) -> None:
+    """`BatchedRound.place`, row by row; a new turn's length from `response` [rows, turns]. A row
+    that takes a slot takes the one given up first, and begins no earlier than it was.
     (Compiled: thousands of turns a tick.)"""
     for i in range(len(rows)):
         r, w = rows[i], wids[i]
+        start = begin[i]
         if worker[r] != w:
             if slot[r] >= 0:
                 cell[worker[r], slot[r]] = -1
+                free_at[worker[r], slot[r]] = start
                 occ[worker[r]] -= 1
-            k = 0
-            while cell[w, k] >= 0:
-                k += 1
+            k = -1
+            for j in range(cell.shape[1]):
+                if cell[w, j] < 0 and (k < 0 or free_at[w, j] < free_at[w, k]):
+                    k = j
+            start = max(start, free_at[w, k])
             cell[w, k] = r
             slot[r] = k
             worker[r] = w
             occ[w] += 1
         phase[r] = PREFILL
         target[r] = hist[r] - (cached[r] if hits[i] else 0.0)     # prompt tokens, until it starts
-        begins[r] = begin[i]
+        begins[r] = start
         placed[r] = True
         order[r] = placements + i + 1
         if left[r] <= 0:
@@ -235,12 +247,14 @@ def _running(wids: np.ndarray, cell: np.ndarray, phase: np.ndarray, order: np.nd
 
 
 @numba.njit(cache=True)
-def _release(rows: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
-             occ: np.ndarray) -> None:
+def _release(rows: np.ndarray, at: np.ndarray, worker: np.ndarray, slot: np.ndarray, cell: np.ndarray,
+             occ: np.ndarray, free_at: np.ndarray) -> None:
     """`BatchedRound._release`, row by row (compiled: no pass over every worker for a few rows)."""
-    for r in rows:
+    for i in range(len(rows)):
+        r = rows[i]
         if slot[r] >= 0:
             cell[worker[r], slot[r]] = -1
+            free_at[worker[r], slot[r]] = at[i]
             occ[worker[r]] -= 1
             slot[r] = -1
             worker[r] = -1
@@ -267,8 +281,8 @@ def _start_prefill(rows: np.ndarray, t: float, prate: np.ndarray, worker: np.nda
 def _finish(rows: np.ndarray, ends: np.ndarray, turns: np.ndarray, serving: np.ndarray, hold: bool,
             obs: float, env_step: float, left: np.ndarray, hist: np.ndarray, cached: np.ndarray,
             produced: np.ndarray, turn: np.ndarray, previous: np.ndarray, worker: np.ndarray,
-            slot: np.ndarray, cell: np.ndarray, occ: np.ndarray, free: np.ndarray, phase: np.ndarray,
-            finished: np.ndarray, ready: np.ndarray) -> np.ndarray:
+            slot: np.ndarray, cell: np.ndarray, occ: np.ndarray, free_at: np.ndarray, free: np.ndarray,
+            phase: np.ndarray, finished: np.ndarray, ready: np.ndarray) -> np.ndarray:
     """`BatchedRound._finish_turns`, row by row; returns the rows whose trajectory goes on."""
     more = np.empty(len(rows), np.int64)
     going = 0
@@ -286,6 +300,7 @@ def _finish(rows: np.ndarray, ends: np.ndarray, turns: np.ndarray, serving: np.n
         done = turn[r] >= turns[r]
         if done or not hold:
             cell[w, slot[r]] = -1
+            free_at[w, slot[r]] = ends[i]
             occ[w] -= 1
             slot[r] = -1
             worker[r] = -1
@@ -364,6 +379,7 @@ class BatchedRound:
         # Per worker: its slots' rows, the two clocks, and running sums.
         self.cell = np.full((w, k), -1)
         self.occ = np.zeros(w, np.int64)            # slots taken
+        self.free_at = np.full((w, k), -np.inf)     # when each slot was given up (none starts before)
         self.pre_clock, self.dec_clock = np.zeros(w), np.zeros(w)
         self.n_pre, self.n_dec = np.zeros(w), np.zeros(w)
         self.pre_targets = np.zeros(w)               # sum of prefilling sequences' targets
@@ -394,11 +410,6 @@ class BatchedRound:
         """KV tokens of each worker's running sequences."""
         return _kv(self.n_dec, self.dec_base, self.dec_clock, self.n_pre, self.pre_kv)
 
-    def mean_contexts(self, wids: np.ndarray) -> np.ndarray:
-        """[workers, sequences]: each decoding sequence of `wids` at their mean context (what
-        admission is offered)."""
-        return _evenly(self.n_dec[wids], self.decode_context()[wids])
-
     def held_contexts(self, wids: np.ndarray) -> np.ndarray:
         """[workers, sequences]: each running sequence of `wids` at their mean KV (what holds
         pages, for the free-slot reports)."""
@@ -417,10 +428,20 @@ class BatchedRound:
         kv = np.where(self.phase[r] == PREFILL, self.hist[r], self.hist[r] + decoded)
         return rows, np.where(rows >= 0, kv, 0.0)
 
-    def prefill_load(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per worker: prompt tokens to prefill and prompts, those placed this tick included."""
-        return _prefill_load(np.flatnonzero(self.placed), self.worker, self.target, self.n_pre,
+    def prefill_load(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per worker: prompt tokens to prefill and prompts, those placed this tick included, and
+        the contexts of those placed."""
+        return _prefill_load(np.flatnonzero(self.placed), self.worker, self.target, self.hist, self.n_pre,
                              self.pre_targets, self.pre_clock)
+
+    def tick_load(self) -> WorkerLoad:
+        """Per worker, what its iterations carry through a tick: every sequence on it (decoding,
+        prefilling, or placed to start: a turn's prompt is short beside its decode, so each
+        decodes for most of a tick) and their contexts, the prompt tokens to prefill and prompts.
+        (Counting the decoding ones alone, iterations of a tick that begins between turns come out
+        short, and coarse ticks fast: the turns joining during it ride free.)"""
+        pending, prompts, placed_kv = self.prefill_load()
+        return self.n_dec + prompts, self.kv() + placed_kv, pending, prompts
 
     # -- moving sequences -------------------------------------------------------------------------
     def place(self, rows: np.ndarray, wids: np.ndarray, hits: np.ndarray, begin: np.ndarray) -> None:
@@ -430,8 +451,8 @@ class BatchedRound:
         if not len(rows):
             return
         _place(rows, wids, hits, begin, self._placements, self.demand.response, self.turn, self.worker,
-               self.slot, self.cell, self.occ, self.phase, self.target, self.hist, self.cached, self.begin,
-               self.placed, self.order, self.left)
+               self.slot, self.cell, self.occ, self.free_at, self.phase, self.target, self.hist, self.cached,
+               self.begin, self.placed, self.order, self.left)
         self._placements += len(rows)
 
     def start_prefill(self, rows: np.ndarray, t: float, prate: np.ndarray) -> None:
@@ -440,9 +461,10 @@ class BatchedRound:
                        self.placed, self.pre_clock, self.n_pre, self.pre_targets, self.pre_kv, self.pre_at,
                        self.pre_soonest)
 
-    def _release(self, rows: np.ndarray) -> None:
-        """Free the slots `rows` hold (between turns, or before a move)."""
-        _release(rows, self.worker, self.slot, self.cell, self.occ)
+    def _release(self, rows: np.ndarray, at: np.ndarray | float) -> None:
+        """Free the slots `rows` hold (between turns, or before a move) at `at`."""
+        _release(rows, np.broadcast_to(np.asarray(at, float), rows.shape), self.worker, self.slot, self.cell,
+                 self.occ, self.free_at)
 
     def _leave_phase(self, rows: np.ndarray) -> None:
         """Take running `rows` out of their worker's sums."""
@@ -461,9 +483,9 @@ class BatchedRound:
         """The decode clock of each decoding row's worker when it began decoding."""
         return self.target[rows] - self.left[rows]
 
-    def interrupt(self, rows: np.ndarray) -> np.ndarray:
-        """The turns of running `rows` stop where they are (abort, move): the tokens produced join
-        the context, to be resumed; they lose their slot and cached prefix. Returns the tokens
+    def interrupt(self, rows: np.ndarray, t: float) -> np.ndarray:
+        """The turns of running `rows` stop where they are at t (abort, move): the tokens produced
+        join the context, to be resumed; they lose their slot and cached prefix. Returns the tokens
         each had produced in this attempt."""
         produced = np.zeros(len(rows))
         # Placed this tick: not in the worker's sums yet.
@@ -479,7 +501,7 @@ class BatchedRound:
             self.left[r] -= done
             produced[run] = done
         self.placed[rows] = False
-        self._release(rows)
+        self._release(rows, t)
         self.phase[rows] = WAIT
         self.cached[rows] = 0.0
         self.previous[rows] = -1
@@ -492,14 +514,13 @@ class BatchedRound:
         to SUBPASSES times. Returns the tokens each worker generated."""
         t1 = t + dt
         dec0 = self.n_dec.copy()
-        # Fair share of the decode tiers: the worker's tokens/s over its decoding sequences; where
-        # none decodes yet, those that finish their prefill in the tick decode at the top tier
-        # (as the per-turn model has them).
-        n = np.maximum(dec0, 1)
-        shared = plan.rate0 + (np.minimum(n, plan.cap1) * plan.rate1
-                               + np.minimum(n, plan.cap2) * plan.rate2) / n
-        drate = np.where(dec0 > 0, shared, plan.rate0 + plan.rate1 + plan.rate2)
-        prate = plan.prefill_rate / np.maximum(self.prefill_load()[1], 1)
+        running, _, _, prompts = self.tick_load()
+        # Fair share of the decode tiers: the worker's tokens/s over the sequences it runs in the
+        # tick.
+        n = np.maximum(running, 1)
+        drate = plan.rate0 + (np.minimum(n, plan.cap1) * plan.rate1
+                              + np.minimum(n, plan.cap2) * plan.rate2) / n
+        prate = plan.prefill_rate / np.maximum(prompts, 1)
         # What does not fit in a worker's KV budget waits: its rates shrink in proportion.
         kv = self.kv()
         fit = np.where(kv > self.router.workers.kv_cap, self.router.workers.kv_cap / np.maximum(kv, 1), 1.0)
@@ -543,7 +564,7 @@ class BatchedRound:
         more = _finish(rows, ends, self.demand.turns, self.router.serving, self.router.hold_slots,
                        float(self.env.obs_tokens), self.env.env_step_s, self.left, self.hist, self.cached,
                        self.produced, self.turn, self.previous, self.worker, self.slot, self.cell, self.occ,
-                       self.router.free, self.phase, self.finished, self.ready)
+                       self.free_at, self.router.free, self.phase, self.finished, self.ready)
         self._done += len(rows) - len(more)
         self._env = np.concatenate((self._env, more))
 
@@ -606,7 +627,7 @@ class BatchedRound:
         self.place(kept, p[ok], np.ones(len(kept), bool), np.maximum(back, self.ready[kept]))
         r.counts[RouteReason.AFFINITY] += len(kept)
         moved = due[movers]
-        self._release(moved)
+        self._release(moved, np.maximum(back, self.ready[moved]))
         self.place(moved, dst, np.zeros(len(moved), bool), np.maximum(back, self.ready[moved]))
         r.counts[RouteReason.LEAST_LOADED] += len(moved)
         rest = np.ones(len(due), bool)
@@ -623,7 +644,8 @@ class BatchedRound:
             return rows
         r = self.router
         if queue_rest:
-            self._release(rows[self.worker[rows] >= 0])
+            held = rows[self.worker[rows] >= 0]
+            self._release(held, np.maximum(back, self.ready[held]))
         cap, serving = r.cap, r.serving
         occupied = np.where(r.workers.registered, self.occupied(), cap)
         wids = spread(len(rows), occupied, cap, np.where(serving, r.free, 0), serving)
@@ -642,9 +664,9 @@ class BatchedRound:
             self.queue = queued
         return placed
 
-    def requeue(self, rows: np.ndarray) -> None:
-        """Turns cut by a burst go to the front of the queue, with the tokens they produced."""
-        self.interrupt(rows)
+    def requeue(self, rows: np.ndarray, t: float) -> None:
+        """Turns cut by a burst at t go to the front of the queue, with the tokens they produced."""
+        self.interrupt(rows, t)
         self.queue = np.r_[rows, self.queue]
         self.router.aborted += len(rows)
 
@@ -670,7 +692,7 @@ class BatchedRound:
         first_of = np.r_[True, src[1:] != src[:-1]]
         rank = np.arange(len(src)) - np.maximum.accumulate(np.where(first_of, np.arange(len(src)), 0))
         moved = self.running(src)[np.arange(len(src)), rank]
-        self.interrupt(moved)
+        self.interrupt(moved, t)
         self.place(moved, dst, np.zeros(len(moved), bool), np.full(len(moved), t))
         r.counts[RouteReason.LEAST_LOADED] += len(moved)
         return moved
@@ -730,16 +752,19 @@ class BatchedSimulation(Simulation):
                                          sequences)
         self.workers.kv_cap[first:] = caps
         if len(aborts):
-            rnd.requeue(aborts)
+            rnd.requeue(aborts, t)
 
     def _batched_plan(self, rnd: BatchedRound, t: float) -> tuple[TickRates, ServingTimes | None, np.ndarray]:
-        """Every worker's rates for the tick from its sums, the serving fleet's times, and the
-        sequences decoding as the tick starts."""
-        dec = rnd.n_dec.copy()
-        pending, prompts = rnd.prefill_load()
-        plan, iter_s = plan_rates(dec, rnd.decode_context(), pending, prompts, self.ded_cost, self.dt,
-                                  float(self.sc.rl.rollout_batched_tokens))
-        serving_times = (self.coserving.plan(plan, t, (dec, rnd.decode_context(), pending, prompts),
-                                             rnd.mean_contexts) if self.coserving else None)
-        self._charge_and_share(plan, iter_s, dec, t)
-        return plan, serving_times, dec
+        """Every worker's rates for the tick from its sums (`tick_load`), the serving fleet's times,
+        and the sequences each runs in the tick."""
+        load = rnd.tick_load()
+        plan, iter_s = plan_rates(*load, self.ded_cost, self.dt, float(self.sc.rl.rollout_batched_tokens))
+
+        def mean_contexts(wids: np.ndarray) -> np.ndarray:
+            """[workers, sequences]: each sequence of `wids` at their mean context (what admission
+            is offered)."""
+            return _evenly(load[0][wids], load[1][wids])
+
+        serving_times = self.coserving.plan(plan, t, load, mean_contexts) if self.coserving else None
+        self._charge_and_share(plan, iter_s, load[0], t)
+        return plan, serving_times, load[0]
