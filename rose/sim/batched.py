@@ -89,7 +89,7 @@ def _kv(n_dec: np.ndarray, dec_base: np.ndarray, dec_clock: np.ndarray, n_pre: n
 def _prefill_load(placed: np.ndarray, worker: np.ndarray, target: np.ndarray, hist: np.ndarray,
                   n_pre: np.ndarray, pre_targets: np.ndarray,
                   pre_clock: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`BatchedRound.prefill_load`: the prompt tokens each worker still has to prefill, to a
+    """`BatchedRound.tick_load`'s prefill: the prompt tokens each worker still has to prefill, to a
     millionth, not a sum's rounding (a whole prompt's tokens must not come out a hair over, and
     cost an iteration more), those of the rows `placed` (not started) added; its prompts; and the
     contexts of the rows placed."""
@@ -317,12 +317,12 @@ def _finish(rows: np.ndarray, ends: np.ndarray, turns: np.ndarray, serving: np.n
 
 
 @numba.njit(cache=True)
-def _measure(rate: np.ndarray, made: np.ndarray, decoding: np.ndarray, registered: np.ndarray,
+def _measure(rate: np.ndarray, made: np.ndarray, running: np.ndarray, registered: np.ndarray,
              dt: float) -> None:
     """`BatchedRouter.measure`, worker by worker."""
     for w in range(len(rate)):
-        if decoding[w] > 0 and registered[w]:
-            now = made[w] / dt / decoding[w]
+        if running[w] > 0 and registered[w]:
+            now = made[w] / dt / running[w]
             rate[w] = 0.5 * now + 0.5 * rate[w] if rate[w] > 0 else now
 
 
@@ -346,9 +346,9 @@ class BatchedRouter:
         w = self.workers
         w.registered |= (w.ready_at <= t + dt) & (w.gone_at > t)
 
-    def measure(self, made: np.ndarray, decoding: np.ndarray, dt: float) -> None:
+    def measure(self, made: np.ndarray, running: np.ndarray, dt: float) -> None:
         """Smoothed as `RoutingTable.measure` smooths (half the newest measurement)."""
-        _measure(self.rate, made, decoding, self.workers.registered, dt)
+        _measure(self.rate, made, running, self.workers.registered, dt)
 
 
 class BatchedRound:
@@ -403,9 +403,6 @@ class BatchedRound:
     def active(self) -> np.ndarray:
         return self.n_pre + self.n_dec
 
-    def decode_context(self) -> np.ndarray:
-        return _decode_context(self.n_dec, self.dec_base, self.dec_clock)
-
     def kv(self) -> np.ndarray:
         """KV tokens of each worker's running sequences."""
         return _kv(self.n_dec, self.dec_base, self.dec_clock, self.n_pre, self.pre_kv)
@@ -428,19 +425,15 @@ class BatchedRound:
         kv = np.where(self.phase[r] == PREFILL, self.hist[r], self.hist[r] + decoded)
         return rows, np.where(rows >= 0, kv, 0.0)
 
-    def prefill_load(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per worker: prompt tokens to prefill and prompts, those placed this tick included, and
-        the contexts of those placed."""
-        return _prefill_load(np.flatnonzero(self.placed), self.worker, self.target, self.hist, self.n_pre,
-                             self.pre_targets, self.pre_clock)
-
     def tick_load(self) -> WorkerLoad:
         """Per worker, what its iterations carry through a tick: every sequence on it (decoding,
         prefilling, or placed to start: a turn's prompt is short beside its decode, so each
-        decodes for most of a tick) and their contexts, the prompt tokens to prefill and prompts.
-        (Counting the decoding ones alone, iterations of a tick that begins between turns come out
-        short, and coarse ticks fast: the turns joining during it ride free.)"""
-        pending, prompts, placed_kv = self.prefill_load()
+        decodes for most of a tick) and their contexts, the prompt tokens to prefill (those placed
+        included) and prompts. (Counting the decoding ones alone, iterations of a tick that begins
+        between turns come out short, and coarse ticks fast: the turns joining during it ride
+        free.)"""
+        pending, prompts, placed_kv = _prefill_load(np.flatnonzero(self.placed), self.worker, self.target,
+                                                    self.hist, self.n_pre, self.pre_targets, self.pre_clock)
         return self.n_dec + prompts, self.kv() + placed_kv, pending, prompts
 
     # -- moving sequences -------------------------------------------------------------------------
@@ -508,13 +501,13 @@ class BatchedRound:
         return produced
 
     # -- one tick ---------------------------------------------------------------------------------
-    def advance(self, t: float, dt: float, plan: TickRates) -> np.ndarray:
+    def advance(self, t: float, dt: float, plan: TickRates, load: WorkerLoad) -> np.ndarray:
         """Run [t, t + dt) at `plan`'s rates: prefills and decodes reach their targets at exact
         times, environments step, and turns ready within the tick are routed and run in it too, up
         to SUBPASSES times. Returns the tokens each worker generated."""
         t1 = t + dt
         dec0 = self.n_dec.copy()
-        running, _, _, prompts = self.tick_load()
+        running, _, _, prompts = load            # `tick_load` as the tick's plan was made
         # Fair share of the decode tiers: the worker's tokens/s over the sequences it runs in the
         # tick.
         n = np.maximum(running, 1)
@@ -726,10 +719,10 @@ class BatchedSimulation(Simulation):
             rnd.route(t, t + dt, credit=True)
             if cs:
                 rnd.rebalance(t)
-            plan, serving_times, decoding = self._batched_plan(rnd, t)
-            made = rnd.advance(t, dt, plan)
+            plan, serving_times, load = self._batched_plan(rnd, t)
+            made = rnd.advance(t, dt, plan, load)
             self.ticks.append((t, np.bincount(self.workers.kind, weights=made, minlength=3)))
-            router.measure(made, decoding, dt)
+            router.measure(made, load[0], dt)
             if cs:
                 cs.advance(t, serving_times)
             t += dt
@@ -754,9 +747,9 @@ class BatchedSimulation(Simulation):
         if len(aborts):
             rnd.requeue(aborts, t)
 
-    def _batched_plan(self, rnd: BatchedRound, t: float) -> tuple[TickRates, ServingTimes | None, np.ndarray]:
-        """Every worker's rates for the tick from its sums (`tick_load`), the serving fleet's times,
-        and the sequences each runs in the tick."""
+    def _batched_plan(self, rnd: BatchedRound, t: float) -> tuple[TickRates, ServingTimes | None, WorkerLoad]:
+        """Every worker's rates for the tick from its sums, the serving fleet's times, and the load
+        they were planned for (`tick_load`)."""
         load = rnd.tick_load()
         plan, iter_s = plan_rates(*load, self.ded_cost, self.dt, float(self.sc.rl.rollout_batched_tokens))
 
@@ -767,4 +760,4 @@ class BatchedSimulation(Simulation):
 
         serving_times = self.coserving.plan(plan, t, load, mean_contexts) if self.coserving else None
         self._charge_and_share(plan, iter_s, load[0], t)
-        return plan, serving_times, load[0]
+        return plan, serving_times, load
