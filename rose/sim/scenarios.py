@@ -469,7 +469,7 @@ def _cpu_bench_coserve() -> Scenario:
     # 600 s in (0.35 requests/s, prompts x 0.125, outputs at most 64, within 1,024 tokens) on a
     # 512 MB pool, beside a saturating backlog of 16 trajectories of the small Qwen3's 64-token
     # turns (each keeps its slot; 256 trajectories outlast the window). No training device rolls
-    # out. Its SLOs: serving alone's P99s x 1.5 in the median of the three measured runs
+    # out. Its SLOs: serving alone's P99s x 1.5 in the run measured on the current engine
     # (docs/benchmarks.md).
     return Scenario(
         name="cpu-bench-coserve",
@@ -480,8 +480,8 @@ def _cpu_bench_coserve() -> Scenario:
         models=ModelsConfig(policy="small-qwen3", serving="small-qwen2"),
         serving=ServingFleetConfig(load=0.35 / 5.53, prompt_scale=0.125, max_context=1024, max_output=64,
                                    minute_peak_to_mean=1.0, replay_start_s=600.0,
-                                   executor=ExecutorConfig(pool_mb=512.0, slo_ttft_ms=872.1,
-                                                           slo_tpot_ms=71.0)),
+                                   executor=ExecutorConfig(pool_mb=512.0, slo_ttft_ms=517.7,
+                                                           slo_tpot_ms=27.4)),
         rl=RLConfig(env="coserve-backlog", steps=1, trajectories=256, group=16, demand_sigma=0.0,
                     fixed_concurrency=16, rollout_max_seqs=16, cap_counts="trajectories"),
         sim=SimConfig(tick_s=0.02, duration_s=700.0, systems=["naive-share", "static-split", "rose"]),
