@@ -161,10 +161,10 @@ class CoServing:
              contexts_of: Callable[[np.ndarray], np.ndarray]) -> ServingTimes:
         """Per serving replica with rollout work: admission for prefill-chunk iterations and for
         decode-only ones, the share of the tick each takes, and the rollout rates that follow
-        (written into `plan`), every replica's at once; `load` per worker (`rates.view_load`),
-        `contexts_of(wids)` the contexts of those workers' decoding sequences in the order
-        admission takes them, [workers, sequences]. Returns the serving fleet's times for the
-        tick; replicas without rollout work run serving alone."""
+        (written into `plan`), every replica's at once; `load` per worker (`rates.WorkerLoad`),
+        `contexts_of(wids)` the contexts of the sequences `load` counts on those workers, in the
+        order admission takes them, [workers, sequences]. Returns the serving fleet's times for
+        the tick; replicas without rollout work run serving alone."""
         f, chunk = self.fleet, self.chunk
         decoding, _, pending, _ = load
         t_p, t_d = self.alone_times()

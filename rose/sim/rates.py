@@ -10,7 +10,8 @@ from rose.contracts import TURN_CHUNK_S
 from rose.sim.costs import ForwardCost
 from rose.sim.rollout import ActiveView, Round, TickRates
 
-# Per worker: decoding sequences, their context tokens, prompt tokens pending, prompts pending.
+# Per worker: the sequences its iterations decode (those decoding: `view_load`; every one it runs
+# in the tick: `BatchedRound.tick_load`), their context tokens, prompt tokens and prompts pending.
 WorkerLoad = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
