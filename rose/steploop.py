@@ -111,6 +111,63 @@ class _Stream(Generic[Out]):
         return item
 
 
+class Sink(Generic[Out]):
+    """Many requests' outputs for one reader that takes them all at once (a device's turn
+    stream), merged per request as they come: what waits is bounded by the requests' own
+    tokens, and the reader is woken once per batch, not once per output. `urgent` is set as
+    well when a request ends, for a reader that sends ends at once and the rest in batches."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()  # the loop thread puts, the reader's event loop takes
+        self._outputs: dict[str, Out] = {}
+        self._errors: dict[str, BaseException] = {}
+        self.ready = asyncio.Event()
+        self.urgent = asyncio.Event()
+
+    def entry(self, request_id: str) -> _SinkEntry[Out]:
+        return _SinkEntry(self, request_id)
+
+    def put(self, request_id: str, item: Out | BaseException) -> bool:
+        with self._lock:
+            wake = not self._outputs and not self._errors
+            if isinstance(item, BaseException):
+                self._errors[request_id] = item
+            elif (held := self._outputs.get(request_id)) is not None:
+                held.merge(item)
+            else:
+                self._outputs[request_id] = item
+        last = isinstance(item, BaseException) or item.finished
+        try:
+            if wake:
+                self._loop.call_soon_threadsafe(self.ready.set)
+            if last:
+                self._loop.call_soon_threadsafe(self.urgent.set)
+        except RuntimeError:  # the reader's event loop is closed: nobody will read
+            return False
+        return True
+
+    def take(self) -> tuple[dict[str, Out], dict[str, BaseException]]:
+        """Everything put since the last take: each request's outputs merged, and the requests
+        that ended in error."""
+        with self._lock:
+            outputs, errors = self._outputs, self._errors
+            self._outputs, self._errors = {}, {}
+            self.ready.clear()
+            self.urgent.clear()
+        return outputs, errors
+
+
+class _SinkEntry(Generic[Out]):
+    """One request's place in a `Sink`, standing where a `_Stream` would."""
+
+    def __init__(self, sink: Sink[Out], request_id: str) -> None:
+        self.sink, self.request_id = sink, request_id
+
+    def put(self, item: Out | BaseException, force: bool = False) -> bool:
+        return self.sink.put(self.request_id, item)
+
+
 class StepLoop(Generic[Out]):
     def __init__(self, target: Steppable[Out], name: str = "rose-loop",
                  max_queued_outputs: int = MAX_QUEUED_OUTPUTS) -> None:
@@ -119,7 +176,7 @@ class StepLoop(Generic[Out]):
         self.max_queued_outputs = max_queued_outputs
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], concurrent.futures.Future]] = (
             queue.SimpleQueue())
-        self._streams: dict[str, _Stream[Out]] = {}  # the loop thread's, until it is closed
+        self._streams: dict[str, _Stream[Out] | _SinkEntry[Out]] = {}  # the loop thread's, until closed
         self._wake = threading.Event()
         self._stop = False
         self._paused = False
@@ -207,6 +264,46 @@ class StepLoop(Generic[Out]):
             # On the loop's thread, after `register` (commands run in order), even if this
             # caller was cancelled while `register` ran.
             self.submit(lambda: self._drop(request_id, stream))
+
+    async def submit_to(self, sink: Sink[Out],
+                        adds: list[tuple[str, Callable[[], object]]]) -> list[Exception | None]:
+        """Run each `add` (which queues its request id) on the loop's thread, in one command, and
+        send the outputs of those that succeed to `sink`; what each raised (bad input, no room),
+        or None."""
+
+        def register() -> list[Exception | None]:
+            raised: list[Exception | None] = []
+            for request_id, add in adds:
+                try:
+                    add()
+                except Exception as exc:
+                    raised.append(exc)
+                    continue
+                self._streams[request_id] = sink.entry(request_id)
+                raised.append(None)
+            return raised
+
+        return await self.call(register)
+
+    async def abort_many(self, request_ids: list[str], how: Callable[[str], Out | None]) -> None:
+        """`abort` for several requests, in one command."""
+
+        def abort() -> None:
+            self._deliver([out for rid in request_ids if (out := how(rid)) is not None])
+
+        await self.call(abort)
+
+    async def detach(self, sink: Sink[Out], how: Callable[[str], Out | None] | None = None) -> None:
+        """The reader of `sink` left: stop its requests still running (with `how`, default the
+        target's `abort`) and send it nothing more."""
+
+        def drop() -> None:
+            for request_id in [r for r, s in self._streams.items() if getattr(s, "sink", None) is sink]:
+                del self._streams[request_id]
+                (how or self.target.abort)(request_id)
+
+        with contextlib.suppress(LoopDeadError):  # a dead loop runs nothing any more
+            await self.call(drop)
 
     async def abort(self, request_id: str,
                     how: Callable[[str], Out | None] | None = None) -> Out | None:

@@ -5,7 +5,30 @@ from rose.contracts.engine import GenerationEngine, InFlight, RequestOutput
 from rose.contracts.load import TokenLoad
 from rose.contracts.sampling import SamplingParams
 from rose.contracts.turn import TURN_CHUNK_S, Turn, TurnOutput
-from rose.contracts.worker import Capacity, Heartbeat, WeightUpdate, Worker, WorkerKind
+from rose.contracts.worker import (
+    Capacity,
+    Heartbeat,
+    PushedHeartbeats,
+    TurnHost,
+    WeightUpdate,
+    Worker,
+    WorkerKind,
+)
 
-__all__ = ["TURN_CHUNK_S", "Capacity", "GenerationEngine", "Heartbeat", "InFlight", "RequestOutput",
-           "SamplingParams", "TokenLoad", "Turn", "TurnOutput", "WeightUpdate", "Worker", "WorkerKind"]
+__all__ = [
+    "TURN_CHUNK_S",
+    "Capacity",
+    "GenerationEngine",
+    "Heartbeat",
+    "InFlight",
+    "PushedHeartbeats",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLoad",
+    "Turn",
+    "TurnHost",
+    "TurnOutput",
+    "WeightUpdate",
+    "Worker",
+    "WorkerKind",
+]

@@ -93,6 +93,10 @@ class GenerationEngine(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is queued or running."""
+        ...
+
     def step(self) -> list[RequestOutput]:
         """One iteration: the requests that produced a token or finished, each with its new tokens."""
         ...

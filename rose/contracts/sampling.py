@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Below this a temperature divides logits into inf/NaN (float32): such requests are greedy.
@@ -29,6 +30,9 @@ def _check_float(name: str, value: object, low: float, high: float, low_open: bo
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    # On the wire (a leased turn's, read by pydantic): a field it does not know is refused.
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
+
     max_tokens: int = 16
     temperature: float = 1.0  # under MIN_TEMPERATURE (0 included): greedy
     top_p: float = 1.0

@@ -8,6 +8,7 @@ environment answered (`rose.rl.trajectory.TurnRecord`)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from rose.contracts.sampling import SamplingParams
 
@@ -22,10 +23,13 @@ class Turn:
     """One turn of one rollout trajectory: its whole prompt (every earlier turn and observation)
     as token ids, its sampling, and the policy version it needs."""
 
-    turn_id: str
+    # How the lease API's JSON reads it (pydantic): a field it does not know is refused.
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
+
+    turn_id: str  # this attempt's: one id from the rollout manager to the engine's request
     trajectory_id: str
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     policy_version: int | None = None  # the oldest version it may run on; None: any
 
 

@@ -10,6 +10,7 @@ import enum
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
+from rose.contracts.engine import RequestOutput
 from rose.contracts.turn import Turn, TurnOutput
 
 if TYPE_CHECKING:
@@ -56,6 +57,30 @@ class Worker(Protocol):
     async def abort(self, turn_id: str) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class PushedHeartbeats(Protocol):
+    """A worker whose heartbeats come to it unasked (a device's turn stream): the registry reads
+    them instead of calling `heartbeat`, so that liveness costs no call per worker per tick."""
+
+    def take_heartbeat(self) -> Heartbeat | None:
+        """The latest heartbeat that came since the last call (None: none came)."""
+        ...
+
+
+class TurnHost(Protocol):
+    """What runs leased turns on a device, called on the thread that steps its engine: a
+    co-serving executor, or a dedicated worker's engine (`rose.coserve.turn_stream.EngineHost`).
+    Refusals: ValueError for a turn that is wrong wherever it runs, `TurnSlotsFull` (the
+    executor's) when there is no room."""
+
+    def submit_turn(self, turn: Turn) -> str: ...
+
+    def abort_turn(self, turn_id: str) -> RequestOutput | None:
+        """Stop a leased turn (None if no such turn runs): its last output, its tokens so far."""
+        ...
+
+    def capacity(self) -> Capacity: ...
 
 
 # A rollout replica's weight-update hook: load these (name, tensor) pairs as policy `version`

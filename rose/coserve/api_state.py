@@ -1,6 +1,7 @@
 """What the OpenAI and lease routers share: the server's state (on `app.state`, handed to the
-routes as the `Served` dependency), each model's queue of requests waiting for their first
-token, the serving requests still on their way to the engine, and SSE framing."""
+routes as the `Served` dependency, or the lease API's part of it as `Leased`), each model's
+queue of requests waiting for their first token, the serving requests still on their way to the
+engine, and SSE framing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
+from rose.contracts import TurnHost
 from rose.coserve.api_errors import APIError, ClientGone, busy
 from rose.coserve.executor import ROLLOUT, SERVING, CoServingExecutor
 from rose.engine import RequestOutput
@@ -96,17 +98,14 @@ async def unless_gone(request: Request, work: Awaitable[T]) -> T:
 
 
 @dataclasses.dataclass
-class ServerState:
-    """One app's state: the engine loop and the executor it drives, the served model's tokenizer
-    and name, the limits, each model's waiting queue."""
+class LeaseState:
+    """What the lease API's turn endpoints need: the engine loop, the host of the turns on it (a
+    co-serving executor, a dedicated worker's engine), the limits, each model's waiting queue."""
 
     loop: StepLoop[RequestOutput]
-    executor: CoServingExecutor
-    tokenizer: Tokenizer
-    model_name: str
+    host: TurnHost
     limits: ServerLimits
     queues: dict[str, WaitingQueue] = dataclasses.field(init=False)
-    arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
 
     def __post_init__(self) -> None:
         self.queues = {m: WaitingQueue(m, self.limits.max_waiting_per_model) for m in (SERVING, ROLLOUT)}
@@ -132,11 +131,27 @@ class ServerState:
                            code="engine_dead") from None
 
 
+@dataclasses.dataclass
+class ServerState(LeaseState):
+    """One `rose serve` app's state: the lease API's, its host the co-serving executor, and the
+    served model's tokenizer and name."""
+
+    executor: CoServingExecutor = dataclasses.field(kw_only=True)
+    tokenizer: Tokenizer = dataclasses.field(kw_only=True)
+    model_name: str = dataclasses.field(kw_only=True)
+    arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
+
+
 async def _server_state(request: Request) -> ServerState:
     return request.app.state.server  # async: FastAPI would run a plain function on a thread pool
 
 
+async def _lease_state(request: Request) -> LeaseState:
+    return request.app.state.server
+
+
 Served = Annotated[ServerState, Depends(_server_state)]
+Leased = Annotated[LeaseState, Depends(_lease_state)]
 
 
 def sse(payload: dict[str, Any] | str) -> str:

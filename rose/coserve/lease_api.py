@@ -1,7 +1,9 @@
-"""The rollout scheduler's side, the lease API: `POST /v1/lease/turns` (SSE stream of a rollout
-turn's tokens), `POST /v1/lease/turns/{id}/abort`, `GET /v1/lease/capacity`,
-`POST /v1/lease/heartbeat`, `POST /v1/lease/new_rl_step`, `POST /v1/lease/weights` (a
-safetensors body)."""
+"""The rollout scheduler's side, the lease API: `GET /v1/lease/stream` (a WebSocket carrying
+many turns both ways, the driver's transport: `rose.coserve.turn_stream`), `POST /v1/lease/turns`
+(one turn, its tokens as an SSE stream: the simplest client's), `POST /v1/lease/turns/{id}/abort`,
+`GET /v1/lease/capacity`, `POST /v1/lease/heartbeat`, `POST /v1/lease/new_rl_step`,
+`POST /v1/lease/weights` (a safetensors body). A turn is the contract's `Turn` as it is, in
+either transport."""
 
 from __future__ import annotations
 
@@ -10,16 +12,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from rose.contracts import TURN_CHUNK_S, InFlight, RequestOutput, TurnOutput
+from rose.contracts import TURN_CHUNK_S, InFlight, RequestOutput, Turn, TurnOutput
 from rose.coserve.api_errors import APIError, busy
-from rose.coserve.api_state import Served, ServerState, sse
+from rose.coserve.api_state import Leased, LeaseState, Served, sse
 from rose.coserve.executor import ROLLOUT, StaleVersion, TurnSlotsFull
-from rose.coserve.protocol import INT64_MAX, TURN_OUTPUT, TurnRequest
+from rose.coserve.protocol import INT64_MAX, TURN_OUTPUT, TurnError, check_turn
+from rose.coserve.turn_stream import STREAM_PATH, serve_turns
 
 LEASE_PREFIX = "/v1/lease/"
 WEIGHTS_PATH = "/v1/lease/weights"
@@ -27,7 +30,8 @@ WEIGHTS_PATH = "/v1/lease/weights"
 _BINARY_BODY = {"requestBody": {"required": True, "content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
-router = APIRouter()
+router = APIRouter()  # a turn host's: a serving executor's or a dedicated worker's
+control_router = APIRouter()  # a co-serving executor's alone
 
 
 def _event(out: RequestOutput) -> str:
@@ -35,19 +39,28 @@ def _event(out: RequestOutput) -> str:
     return TURN_OUTPUT.dump_json(out.turn_output()).decode()
 
 
-async def _capacity(state: ServerState) -> dict[str, Any]:
+async def _capacity(state: LeaseState) -> dict[str, Any]:
     try:
-        return dataclasses.asdict(await state.loop.call(state.executor.capacity))
+        return dataclasses.asdict(await state.loop.call(state.host.capacity))
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
 
 
 # A route function's name makes its OpenAPI operation id: renaming one changes the schema.
 
+@router.websocket(STREAM_PATH)
+async def turn_stream(ws: WebSocket) -> None:
+    state: LeaseState = ws.app.state.server
+    await serve_turns(ws, state.loop, state.host)
+
+
 @router.post("/v1/lease/turns")
-async def submit_turn(body: TurnRequest, request: Request, state: Served) -> Response:
-    turn = body.turn()
-    outputs = state.loop.stream(turn.turn_id, lambda: state.executor.submit_turn(turn), TURN_CHUNK_S)
+async def submit_turn(turn: Turn, request: Request, state: Leased) -> Response:
+    try:
+        check_turn(turn)
+    except TurnError as exc:
+        raise APIError(400, str(exc), exc.field.split(".")[0]) from None
+    outputs = state.loop.stream(turn.turn_id, lambda: state.host.submit_turn(turn), TURN_CHUNK_S)
     try:
         first = await state.first(request, outputs, ROLLOUT)
     except TurnSlotsFull as exc:
@@ -67,32 +80,32 @@ async def submit_turn(body: TurnRequest, request: Request, state: Served) -> Res
 
 
 @router.post("/v1/lease/turns/{turn_id}/abort")
-async def abort_turn(turn_id: str, state: Served) -> TurnOutput:
+async def abort_turn(turn_id: str, state: Leased) -> TurnOutput:
     """The turn's last event, which also ends its stream."""
-    out = await state.loop.abort(turn_id, state.executor.abort_turn)  # rollout turns only; their streams end
+    out = await state.loop.abort(turn_id, state.host.abort_turn)  # rollout turns only; their streams end
     if out is None:
         raise APIError(404, f"no running turn {turn_id!r}", "turn_id", "not_found_error")
     return out.turn_output()
 
 
 @router.get("/v1/lease/capacity")
-async def capacity(state: Served) -> dict[str, Any]:
+async def capacity(state: Leased) -> dict[str, Any]:
     return await _capacity(state)
 
 
 @router.post("/v1/lease/heartbeat")
-async def heartbeat(state: Served) -> dict[str, Any]:
+async def heartbeat(state: Leased) -> dict[str, Any]:
     await state.alive()  # a dead or stuck engine loop must fail the heartbeat, not hang it
     return {"time": time.time(), "capacity": await _capacity(state)}
 
 
-@router.post("/v1/lease/new_rl_step")
+@control_router.post("/v1/lease/new_rl_step")
 async def new_rl_step(state: Served) -> dict[str, str]:
     await state.loop.call(state.executor.new_rl_step)
     return {"state": state.executor.burst.state.name.lower()}
 
 
-@router.post(WEIGHTS_PATH, openapi_extra=_BINARY_BODY)
+@control_router.post(WEIGHTS_PATH, openapi_extra=_BINARY_BODY)
 async def weights(request: Request, state: Served, version: int = Query(ge=0, le=INT64_MAX),
                   in_flight: InFlight = InFlight.CONTINUE) -> dict[str, Any]:
     try:

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save
 
 from rose.contracts import Heartbeat, InFlight, Turn, TurnOutput, WorkerKind
-from rose.coserve.protocol import TURN_OUTPUT, TurnRequest
+from rose.coserve.protocol import TURN, TURN_OUTPUT
 
 
 class LeaseError(RuntimeError):
@@ -40,7 +40,7 @@ class ExecutorBusy(LeaseError):
 _NOT_THE_TURN = frozenset({401, 403, 408})
 
 
-def _error(message: str, status: int) -> LeaseError:
+def error_for(message: str, status: int) -> LeaseError:
     """The error class an HTTP status stands for."""
     if status == 429:
         return ExecutorBusy(message, status)
@@ -87,18 +87,18 @@ class LeaseClient:
         except httpx.HTTPError as exc:
             raise LeaseError(f"{self.url}{path}: {exc}") from exc
         if r.status_code != 200:
-            raise _error(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
+            raise error_for(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
         return r.json()
 
     async def run_turn(self, turn: Turn, output: TurnOutput | None = None) -> TurnOutput:
         """Stream one turn to completion (or until the executor hands it back). Tokens land in
         `output` as they arrive, so a caller that is cancelled midway keeps what came."""
         output = output if output is not None else TurnOutput()
-        body = TurnRequest.of(turn).model_dump()
         try:
-            async with self._client.stream("POST", f"{self.url}/v1/lease/turns", json=body) as r:
+            async with self._client.stream("POST", f"{self.url}/v1/lease/turns", content=TURN.dump_json(turn),
+                                           headers={"Content-Type": "application/json"}) as r:
                 if r.status_code != 200:
-                    raise _error(f"turn {turn.turn_id!r} on {self.url}: HTTP {r.status_code}: "
+                    raise error_for(f"turn {turn.turn_id!r} on {self.url}: HTTP {r.status_code}: "
                                  f"{(await r.aread())[:300]!r}", r.status_code)
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):

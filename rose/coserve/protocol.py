@@ -362,56 +362,49 @@ class DetokenizeRequest(_Strict):
     tokens: list[TokenId]
 
 
-Bias = Annotated[float, Field(ge=-LOGIT_BIAS, le=LOGIT_BIAS)]
+# A leased turn on the wire is the contract's `Turn` as it is, its `SamplingParams` whole (a field
+# added to either travels with it): pydantic builds both from the JSON, and `check_turn` bounds it.
+TURN: TypeAdapter[Turn] = TypeAdapter(Turn)
+MAX_ID_CHARS = 256  # a turn's id and its trajectory's
 
 
-class TurnRequest(_Sampling):
-    """One rollout turn leased to this executor (`POST /v1/lease/turns`): a `Turn` on the wire,
-    every field of its `SamplingParams` among them under the same name and default (`of` and
-    `turn` copy them all), so that a turn samples here as it does on a dedicated worker. Where
-    this edge bounds a field tighter than `SamplingParams.validate` does (as the OpenAI API's
-    edge does), the turn is refused with a 400 naming the field."""
+class TurnError(ValueError):
+    """A leased turn out of bounds: `field` (a dotted path, as `params.top_k`) and what it must be."""
 
-    turn_id: str = Field(min_length=1, max_length=256)
-    trajectory_id: str = Field(max_length=256)
-    token_ids: list[TokenId] = Field(min_length=1)
-    policy_version: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    max_tokens: MaxTokens = 16
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
-    logit_bias: Annotated[list[tuple[TokenId, Bias]], Field(max_length=MAX_LOGIT_BIAS)] = Field(
-        default_factory=list)
-    top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
-    logprobs_at_temperature: bool = False
-
-    @classmethod
-    def of(cls, turn: Turn) -> TurnRequest:
-        """The body a client sends: the turn and every field of its sampling (unchecked here: the
-        executor checks it, and refuses it with a 4xx naming what is wrong)."""
-        return cls.model_construct(turn_id=turn.turn_id, trajectory_id=turn.trajectory_id,
-                                   token_ids=turn.token_ids, policy_version=turn.policy_version,
-                                   **_wire(turn.params))
-
-    def turn(self) -> Turn:
-        """The turn as sent, its sampling whole."""
-        params = SamplingParams(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)})
-        return Turn(self.turn_id, self.trajectory_id, self.token_ids, params, self.policy_version)
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
-# A field added to SamplingParams and not declared above would be dropped on the wire: refused
-# here, at import, rather than found as turns that sample differently on serving devices.
-_uncarried = [f.name for f in dataclasses.fields(SamplingParams) if f.name not in TurnRequest.model_fields]
-if _uncarried:
-    raise TypeError(f"TurnRequest does not carry SamplingParams' {', '.join(_uncarried)}")
-
-
-def _wire(params: SamplingParams) -> dict[str, Any]:
-    """Every field of `params`, its tuples as the lists a request body holds."""
-    return {f.name: list(v) if isinstance(v := getattr(params, f.name), tuple) else v
-            for f in dataclasses.fields(params)}
+def check_turn(turn: Turn) -> Turn:
+    """The turn, or a TurnError naming its first field out of bounds: this edge's bounds (as the
+    OpenAI API's: ids of int32, lists of at most so many) and then `SamplingParams.validate`."""
+    p, ids = turn.params, turn.token_ids
+    checks = (
+        ("turn_id", 1 <= len(turn.turn_id) <= MAX_ID_CHARS, f"1 to {MAX_ID_CHARS} characters"),
+        ("trajectory_id", len(turn.trajectory_id) <= MAX_ID_CHARS, f"at most {MAX_ID_CHARS} characters"),
+        ("token_ids", bool(ids) and min(ids) >= 0 and max(ids) <= INT32_MAX,
+         f"one token id or more, each in [0, {INT32_MAX}]"),
+        ("policy_version", turn.policy_version is None or 0 <= turn.policy_version <= INT64_MAX,
+         f"null or in [0, {INT64_MAX}]"),
+        ("params.max_tokens", p.max_tokens <= INT32_MAX, f"at most {INT32_MAX}"),
+        ("params.min_tokens", p.min_tokens <= INT32_MAX, f"at most {INT32_MAX}"),
+        ("params.top_k", p.top_k <= INT32_MAX, f"at most {INT32_MAX}"),
+        ("params.temperature", p.temperature <= 100.0, "at most 100"),
+        ("params.stop_token_ids", len(p.stop_token_ids) <= MAX_STOP
+         and all(t <= INT32_MAX for t in p.stop_token_ids), f"at most {MAX_STOP} ids, each <= {INT32_MAX}"),
+        ("params.logit_bias", len(p.logit_bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} pairs"),
+        ("params.top_logprobs", p.top_logprobs <= MAX_LOGPROBS, f"at most {MAX_LOGPROBS}"),
+    )
+    for field, ok, expected in checks:
+        if not ok:
+            raise TurnError(field, f"expected {expected}")
+    try:
+        p.validate()
+    except ValueError as exc:  # "<field> must be ...": the field first, as above
+        name = str(exc).split(" ", 1)[0]
+        raise TurnError(f"params.{name}", str(exc).removeprefix(name).strip()) from None
+    return turn
 
 
 # A leased turn's streamed events and an abort's answer: a `TurnOutput` as JSON, every field of it.

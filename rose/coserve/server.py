@@ -24,9 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, ExceptionHandler, Message, Receive, Scope, Send
 
+from rose.contracts import TurnHost
 from rose.coserve import lease_api, openai_api
 from rose.coserve.api_errors import APIError, ClientGone
-from rose.coserve.api_state import Arrivals, ServerState
+from rose.coserve.api_state import Arrivals, LeaseState, ServerState
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_api import LEASE_PREFIX, WEIGHTS_PATH
 from rose.coserve.settings import ServerLimits
@@ -48,6 +49,13 @@ class _Guard:
         self.app, self.limits, self.arrivals = app, limits, arrivals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # the turn stream: its key on the upgrade, its bounds its own
+            try:
+                self._authorize(scope, scope["path"])
+            except APIError as exc:
+                await receive()  # the client's connect
+                await send({"type": "websocket.close", "code": 1008, "reason": exc.message[:120]})
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -192,6 +200,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     _stop_loop(state.loop, state.limits.shutdown_timeout_s)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan_of_loop(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    state: LeaseState = app.state.server
+    _stop_loop(state.loop, state.limits.shutdown_timeout_s)
+
+
 def _describe_model(app: FastAPI, model_name: str) -> None:
     """Say in the OpenAPI schema that `model` takes the one served name (clients and fuzzers
     read it from there)."""
@@ -215,12 +230,32 @@ def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokeni
         raise ValueError("the engine loop must drive the executor the app serves")
     limits = limits or ServerLimits()
     app = FastAPI(title="ROSE co-serving executor", lifespan=_lifespan)
-    app.state.server = state = ServerState(loop, executor, tokenizer, model_name, limits)
+    app.state.server = state = ServerState(loop, executor, limits, executor=executor, tokenizer=tokenizer,
+                                           model_name=model_name)
     executor.metrics.set_model_name(model_name)
     app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals)
     for kind, handler in _HANDLERS.items():
         app.add_exception_handler(kind, handler)
     app.include_router(openai_api.router)
     app.include_router(lease_api.router)
+    app.include_router(lease_api.control_router)
     _describe_model(app, model_name)
+    return app
+
+
+def build_lease_app(loop: StepLoop[RequestOutput], host: TurnHost, limits: ServerLimits) -> FastAPI:
+    """The lease API's turn endpoints alone (the turn stream first), around `host` on `loop`: a
+    dedicated worker's, behind the lease key; `/health` answers while the loop does."""
+    app = FastAPI(title="ROSE turn host", lifespan=_lifespan_of_loop)
+    app.state.server = state = LeaseState(loop, host, limits)
+    app.add_middleware(_Guard, limits=limits, arrivals=Arrivals())
+    for kind, handler in _HANDLERS.items():
+        app.add_exception_handler(kind, handler)
+    app.include_router(lease_api.router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        await state.alive()
+        return Response()
+
     return app

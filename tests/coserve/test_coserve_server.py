@@ -181,7 +181,7 @@ def test_lease_turns_capacity_weights_and_metrics(server: tuple[str, CoServingEx
     cap = httpx.get(f"{url}/v1/lease/capacity").json()
     assert cap["free_slots"] > 0 and cap["state"] == "normal" and cap["policy_version"] == 0
     events = _turn_events(url, {"turn_id": "t1", "trajectory_id": "traj", "token_ids": [1, 2, 3],
-                                "max_tokens": 7, "temperature": 0, "ignore_eos": True})
+                                "params": {"max_tokens": 7, "temperature": 0, "ignore_eos": True}})
     assert sum(len(e["token_ids"]) for e in events) == 7 and events[-1]["finish_reason"] == "length"
     assert all(e["finish_reason"] is None for e in events[:-1])
     assert all(v == 0 for e in events for v in e["versions"])
@@ -191,12 +191,12 @@ def test_lease_turns_capacity_weights_and_metrics(server: tuple[str, CoServingEx
     r = httpx.post(f"{url}/v1/lease/weights", params={"version": 4}, content=save(weights))
     assert r.status_code == 200 and r.json()["policy_version"] == 4
     events = _turn_events(url, {"turn_id": "t2", "trajectory_id": "traj", "token_ids": [1, 2, 3],
-                                "max_tokens": 3, "policy_version": 4})
+                                "params": {"max_tokens": 3}, "policy_version": 4})
     assert all(v == 4 for e in events for v in e["versions"])
     # A turn that may run on an older version runs on this one (an asynchronous run's trajectory
     # goes on with newer weights); one that needs a newer version is refused.
     events = _turn_events(url, {"turn_id": "t3", "trajectory_id": "traj", "token_ids": [1, 2, 3],
-                                "max_tokens": 3, "policy_version": 2})
+                                "params": {"max_tokens": 3}, "policy_version": 2})
     assert all(v == 4 for e in events for v in e["versions"])
     bad = httpx.post(f"{url}/v1/lease/turns", json={"turn_id": "t4", "trajectory_id": "x",
                                                     "token_ids": [1], "policy_version": 5})
@@ -283,7 +283,14 @@ def _still_serving(url: str, headers: dict[str, str] | None = None) -> None:
     assert httpx.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
 
 
-TURN = {"trajectory_id": "traj", "token_ids": [1, 2, 3], "max_tokens": 2}
+TURN = {"trajectory_id": "traj", "token_ids": [1, 2, 3], "params": {"max_tokens": 2}}
+
+
+def _leased(turn_id: str, **params: object) -> dict:
+    """A turn with these sampling parameters."""
+    return {**TURN, "turn_id": turn_id, "params": params}
+
+
 COMPLETION = {"model": "tiny-serving", "prompt": "x", "max_tokens": 2}
 JSON = {"content-type": "application/json"}
 
@@ -292,21 +299,21 @@ JSON = {"content-type": "application/json"}
     ("path", "body", "param"),
     [
         # Found by fuzzing on main: this top_k overflowed in the sampler and killed the engine thread.
-        ("/v1/lease/turns", {**TURN, "turn_id": "k", "top_k": 1661748626853370527744}, "top_k"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "s", "seed": 2**64}, "seed"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "s", "seed": -(2**63) - 1}, "seed"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "m", "max_tokens": 2**70}, "max_tokens"),
+        ("/v1/lease/turns", _leased("k", top_k=1661748626853370527744), "params.top_k"),
+        ("/v1/lease/turns", _leased("s", seed=2**64), "params.seed"),
+        ("/v1/lease/turns", _leased("s", seed=-(2**63) - 1), "params.seed"),
+        ("/v1/lease/turns", _leased("m", max_tokens=2**70), "params.max_tokens"),
         ("/v1/lease/turns", {**TURN, "turn_id": "v", "policy_version": -5}, "policy_version"),
         ("/v1/lease/turns", {**TURN, "turn_id": "v", "policy_version": 2**63}, "policy_version"),
         ("/v1/lease/turns", {**TURN, "turn_id": "i", "token_ids": [1, 2**40]}, "token_ids"),
         ("/v1/lease/turns", {**TURN, "turn_id": "i", "token_ids": [-1]}, "token_ids"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "e", "stop_token_ids": [2**70]}, "stop_token_ids"),
+        ("/v1/lease/turns", _leased("e", stop_token_ids=[2**70]), "params.stop_token_ids"),
         ("/v1/lease/turns", {**TURN, "turn_id": "e", "extra": 1}, "extra"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "b", "logit_bias": [[5, 101.0]]}, "logit_bias"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "b", "logit_bias": [[-1, 1.0]]}, "logit_bias"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "r", "repetition_penalty": 0.0}, "repetition_penalty"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "p", "min_p": float("nan")}, "min_p"),
-        ("/v1/lease/turns", {**TURN, "turn_id": "l", "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/lease/turns", _leased("b", logit_bias=[[5, 101.0]]), "params.logit_bias"),
+        ("/v1/lease/turns", _leased("b", logit_bias=[[-1, 1.0]]), "params.logit_bias"),
+        ("/v1/lease/turns", _leased("r", repetition_penalty=0.0), "params.repetition_penalty"),
+        ("/v1/lease/turns", _leased("p", min_p=float("nan")), "params.min_p"),
+        ("/v1/lease/turns", _leased("l", top_logprobs=21), "params.top_logprobs"),
         ("/v1/completions", {**COMPLETION, "top_k": 2**31}, "top_k"),
         ("/v1/completions", {**COMPLETION, "temperature": float("nan")}, "temperature"),
         ("/v1/completions", {**COMPLETION, "top_p": float("inf")}, "top_p"),
@@ -323,7 +330,8 @@ def test_out_of_range_numbers_are_refused_at_the_edge(server: tuple[str, CoServi
     r = httpx.post(f"{url}{path}", content=json.dumps(body), timeout=30, headers=JSON)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["message"].startswith(param), error
+    # A leased turn's sampling field is named by its path (params.top_k), its param the first part.
+    assert error["param"] == param.split(".")[0] and error["message"].startswith(param), error
     _still_serving(url)
 
 
@@ -520,7 +528,7 @@ def test_the_lease_api_aborts_a_running_turn(guarded: tuple[str, CoServingExecut
     """The abort answers with the turn's last event, which also ends the turn's stream (the
     route used to abort the turn, then fail with a 500 before ending the stream)."""
     url, executor = guarded
-    body = {**TURN, "turn_id": "stopped", "max_tokens": 1500, "ignore_eos": True}
+    body = {**TURN, "turn_id": "stopped", "params": {"max_tokens": 1500, "ignore_eos": True}}
     with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
         events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: "))
         assert next(events)["finish_reason"] is None
@@ -536,7 +544,7 @@ def test_the_lease_api_aborts_a_running_turn(guarded: tuple[str, CoServingExecut
 
 def test_lease_slots_are_enforced(guarded: tuple[str, CoServingExecutor]) -> None:
     url, executor = guarded
-    body = {**TURN, "turn_id": "long", "max_tokens": 1500, "ignore_eos": True}
+    body = {**TURN, "turn_id": "long", "params": {"max_tokens": 1500, "ignore_eos": True}}
     with httpx.stream("POST", f"{url}/v1/lease/turns", json=body, headers=LEASE) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream, which aborts the turn
         assert r.status_code == 200 and next(lines).startswith("data: ")

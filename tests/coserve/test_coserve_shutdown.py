@@ -95,7 +95,7 @@ def test_sigint_with_streams_nobody_reads(serve: Serve) -> None:
     proc, url = serve("plain")
     long = {"max_tokens": 2000, "ignore_eos": True}
     with contextlib.ExitStack() as stack:
-        turn = {"turn_id": "t", "trajectory_id": "j", "token_ids": [1], **long}
+        turn = {"turn_id": "t", "trajectory_id": "j", "token_ids": [1], "params": long}
         for path, body in (("/v1/completions", {"model": "tiny", "prompt": "x", "stream": True, **long}),
                            ("/v1/lease/turns", turn)):
             r = stack.enter_context(httpx.stream("POST", f"{url}{path}", json=body, timeout=60))

@@ -15,7 +15,7 @@ import pytest
 from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
 from rose.coserve.cli import serve_process
 from rose.coserve.lease_client import LeaseClient, TurnRejected
-from rose.coserve.protocol import TurnRequest
+from rose.coserve.protocol import TURN
 from rose.engine import LLMEngine
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.model import load_tokenizer
@@ -39,10 +39,11 @@ def test_every_sampling_field_is_set_away_from_its_default() -> None:
 
 
 def test_the_lease_wire_form_carries_every_sampling_field_with_its_default() -> None:
-    """(A field of `SamplingParams` that `TurnRequest` lacks fails its module's import.)"""
+    """A leased turn is the contract's `Turn` on the wire, every field of its sampling carried."""
     turn = Turn("t0:0:0", "t0", PROMPT, SHAPED, policy_version=2)
-    assert TurnRequest.model_validate_json(TurnRequest.of(turn).model_dump_json()).turn() == turn
-    assert TurnRequest(turn_id="t", trajectory_id="t", token_ids=PROMPT).turn().params == SamplingParams()
+    assert TURN.validate_json(TURN.dump_json(turn)) == turn
+    bare = {"turn_id": "t", "trajectory_id": "t", "token_ids": PROMPT}
+    assert TURN.validate_python(bare).params == SamplingParams()
 
 
 @pytest.fixture(scope="module")
