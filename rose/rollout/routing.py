@@ -37,6 +37,8 @@ import bisect
 import collections
 import dataclasses
 import enum
+import heapq
+import itertools
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -282,31 +284,110 @@ def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: Wo
                   now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
     """The routing decision for one turn; `previous` is the worker of its previous turn (None
     for a first turn or with affinity disabled). Without affinity the turn goes where `spread`
-    sends one."""
-    version = turn.policy_version
-
-    def eligible(w: WorkerState) -> bool:
-        return w.policy_version >= version and now - w.last_heartbeat_s <= stall_timeout_s and not w.paused
-
-    if (previous is not None and previous.kind is WorkerKind.DEDICATED and eligible(previous)
-            and previous.room() > 0):
-        return Route(previous.worker_id, RouteReason.AFFINITY)
+    sends one. (O(workers): the rule itself. `RoutingTable` decides the same in O(log workers).)"""
+    eligible = _eligible(turn, now, stall_timeout_s)
     ws = list(workers)
     cap, occupied, serving, free = np.array(
         [(w.max_concurrency, w.occupied if eligible(w) else w.max_concurrency, w.kind is WorkerKind.SERVING,
           w.free_slots) for w in ws], float).reshape(-1, 4).T
     first = spread(1, occupied, cap, free, serving > 0)
-    pick = ws[int(first[0])] if len(first) else None
+    return _decide(previous, ws[int(first[0])] if len(first) else None, eligible)
+
+
+def _eligible(turn: RoutedTurn, now: float, stall_timeout_s: float) -> Callable[[WorkerState], bool]:
+    """Whether a worker may take the turn: alive, on its policy version or later, not paused."""
+    version = turn.policy_version
+
+    def eligible(w: WorkerState) -> bool:
+        return w.policy_version >= version and now - w.last_heartbeat_s <= stall_timeout_s and not w.paused
+
+    return eligible
+
+
+def _decide(previous: WorkerState | None, pick: WorkerState | None,
+            eligible: Callable[[WorkerState], bool]) -> Route:
+    """The turn's route, given the worker of its previous turn and where `spread` would send it:
+    back to a dedicated `previous` with room (its prefix KV is there); to a serving `previous`
+    with room unless `pick` is a dedicated worker that `pays`; else to `pick`, or queued."""
     if previous is not None and eligible(previous) and previous.room() > 0:
-        # `previous` is a serving executor: keep it unless a dedicated worker runs turns faster.
-        if (pick is None or pick.kind is WorkerKind.SERVING or not pays(
-                pick.seq_rate, pick.occupied, pick.occupied, previous.seq_rate, previous.occupied)):
+        if previous.kind is WorkerKind.DEDICATED or pick is None or pick.kind is WorkerKind.SERVING:
             return Route(previous.worker_id, RouteReason.AFFINITY)
-        return Route(pick.worker_id, RouteReason.LEAST_LOADED)
+        if not pays(pick.seq_rate, pick.occupied, pick.occupied, previous.seq_rate, previous.occupied):
+            return Route(previous.worker_id, RouteReason.AFFINITY)
     if pick is None:
         return QUEUED
     return Route(pick.worker_id, RouteReason.SERVING if pick.kind is WorkerKind.SERVING
                  else RouteReason.LEAST_LOADED)
+
+
+_NO_ROOM_AT = {WorkerKind.DEDICATED: 1.0, WorkerKind.SERVING: 0.0}  # a `_Picks` key this high: no room
+
+
+class _Picks:
+    """Where `spread` sends one turn, in O(log workers): the dedicated workers in a heap by load
+    (occupied over cap), the serving executors in one by room (most first), ties to the first
+    registered, as `spread`'s argmin and argmax. A worker's entry is pushed again whenever its
+    key changes, and an entry whose key is no longer its worker's is dropped when it surfaces;
+    a worker that may not take this turn (stale, paused, behind its version) is set aside for
+    the pick and put back."""
+
+    def __init__(self) -> None:
+        self.heaps: dict[WorkerKind, list[tuple[float, int, Hashable]]] = {k: [] for k in WorkerKind}
+        self.keys: dict[WorkerKind, dict[Hashable, float]] = {k: {} for k in WorkerKind}
+        self.order: dict[Hashable, int] = {}  # registration order, for ties
+        self._registered = itertools.count()
+
+    @staticmethod
+    def key(w: WorkerState) -> float:
+        if w.kind is WorkerKind.DEDICATED:
+            return w.occupied / w.max_concurrency
+        return -float(w.room())
+
+    def add(self, w: WorkerState) -> None:
+        if w.worker_id not in self.order:
+            self.order[w.worker_id] = next(self._registered)
+        self.discard(w.worker_id, keep_order=True)
+        self.update(w)
+
+    def update(self, w: WorkerState) -> None:
+        key, keys = self.key(w), self.keys[w.kind]
+        if keys.get(w.worker_id) == key:
+            return
+        keys[w.worker_id] = key
+        heap = self.heaps[w.kind]
+        heapq.heappush(heap, (key, self.order[w.worker_id], w.worker_id))
+        if len(heap) > 4 * len(keys) + 64:  # mostly stale entries: rebuilt from the current keys
+            heap[:] = [(k, self.order[i], i) for i, k in keys.items()]
+            heapq.heapify(heap)
+
+    def discard(self, worker_id: Hashable, keep_order: bool = False) -> None:
+        for keys in self.keys.values():
+            keys.pop(worker_id, None)
+        if not keep_order:
+            self.order.pop(worker_id, None)
+
+    def first(self, workers: dict[Hashable, WorkerState],
+              eligible: Callable[[WorkerState], bool]) -> WorkerState | None:
+        return self._best(WorkerKind.DEDICATED, workers, eligible) or self._best(WorkerKind.SERVING, workers,
+                                                                                  eligible)
+
+    def _best(self, kind: WorkerKind, workers: dict[Hashable, WorkerState],
+              eligible: Callable[[WorkerState], bool]) -> WorkerState | None:
+        heap, keys, aside, best = self.heaps[kind], self.keys[kind], [], None
+        while heap:
+            key, order, wid = heap[0]
+            if keys.get(wid) != key or self.order.get(wid) != order:
+                heapq.heappop(heap)  # stale
+            elif key >= _NO_ROOM_AT[kind]:
+                break
+            elif not eligible(w := workers[wid]):
+                aside.append(heapq.heappop(heap))
+            else:
+                best = w
+                break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return best
 
 
 class RoutingTable:
@@ -330,18 +411,23 @@ class RoutingTable:
         self.affinity: dict[Hashable, Hashable] = {}                 # trajectory -> worker
         self.in_flight: dict[Hashable, dict[Hashable, RoutedTurn]] = {}   # worker -> traj -> turn
         self.queue: list[RoutedTurn] = []      # sorted by priority, FIFO within one
+        self.queued: set[Hashable] = set()     # the trajectories with a turn in the queue
+        self.location: dict[Hashable, Hashable] = {}                  # trajectory -> worker running its turn
         self.counts: collections.Counter[RouteReason] = collections.Counter()
+        self._picks = _Picks()
 
     def register(self, worker: WorkerState) -> None:
         self.workers[worker.worker_id] = worker
         self.in_flight.setdefault(worker.worker_id, {})
+        self._picks.add(worker)
 
     def heartbeat(self, worker_id: Hashable, now: float, *, free_slots: int | None = None,
                   policy_version: int | None = None) -> None:
         w = self.workers[worker_id]
         w.last_heartbeat_s = now
-        if free_slots is not None:
+        if free_slots is not None and free_slots != w.free_slots:
             w.free_slots = free_slots
+            self._picks.update(w)
         if policy_version is not None:
             w.policy_version = policy_version
 
@@ -367,27 +453,36 @@ class RoutingTable:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         w = self.workers[worker_id]
         w.max_concurrency = max_concurrency
+        self._picks.update(w)
 
     def _place(self, turn: RoutedTurn, route: Route) -> None:
         w = self.workers[route.worker_id]
         w.active += 1
         if w.kind is WorkerKind.SERVING:
             w.free_slots -= 1
+        self._picks.update(w)
         self.in_flight[route.worker_id][turn.trajectory_id] = turn
+        self.location[turn.trajectory_id] = route.worker_id
         self.affinity[turn.trajectory_id] = route.worker_id
 
     def route(self, turn: RoutedTurn, now: float) -> Route:
         """Route (and place) a turn, or queue it when no worker has room."""
         self._release(turn.trajectory_id)
-        prev_id = self.affinity.get(turn.trajectory_id) if self.use_affinity else None
-        previous = self.workers.get(prev_id) if prev_id is not None else None
-        decision = choose_worker(turn, self.workers.values(), previous, now, self.stall_timeout_s)
+        decision = self.decide(turn, now)
         self.counts[decision.reason] += 1
         if decision.worker_id is None:
             bisect.insort_right(self.queue, turn, key=lambda q: q.priority)
+            self.queued.add(turn.trajectory_id)
         else:
             self._place(turn, decision)
         return decision
+
+    def decide(self, turn: RoutedTurn, now: float) -> Route:
+        """Where `choose_worker` would send the turn now, in O(log workers); nothing changes."""
+        prev_id = self.affinity.get(turn.trajectory_id) if self.use_affinity else None
+        previous = self.workers.get(prev_id) if prev_id is not None else None
+        eligible = _eligible(turn, now, self.stall_timeout_s)
+        return _decide(previous, self._picks.first(self.workers, eligible), eligible)
 
     def drain(self, now: float,
               owned: Callable[[RoutedTurn], bool] = lambda turn: True) -> list[tuple[RoutedTurn, Route]]:
@@ -401,6 +496,7 @@ class RoutingTable:
                 i += 1
                 continue
             del self.queue[i]
+            self.queued.discard(turn.trajectory_id)
             decision = self.route(turn, now)
             if decision.worker_id is None:
                 self.queue.remove(turn)          # route() queued it behind its priority's others
@@ -418,22 +514,27 @@ class RoutingTable:
         w = self.workers[worker_id]
         if w.kind is WorkerKind.SERVING:
             w.free_slots += 1
+            self._picks.update(w)
         return turn
 
     def _take(self, worker_id: Hashable, trajectory_id: Hashable) -> RoutedTurn:
         """Take the turn off `worker_id` (finished, aborted, moved or cancelled)."""
         turn = self.in_flight[worker_id].pop(trajectory_id)
+        del self.location[trajectory_id]
         w = self.workers[worker_id]
         w.active -= 1
         if self.hold_slots:
             w.held += 1
             self.holder[trajectory_id] = worker_id
+        self._picks.update(w)
         return turn
 
     def _release(self, trajectory_id: Hashable) -> None:
         wid = self.holder.pop(trajectory_id, None)
         if wid in self.workers:
-            self.workers[wid].held -= 1
+            w = self.workers[wid]
+            w.held -= 1
+            self._picks.update(w)
 
     def abort(self, worker_id: Hashable, trajectory_id: Hashable, produced: int, now: float) -> Route:
         """An executor aborted the turn (emergency cut): resume it elsewhere with its tokens.
@@ -478,7 +579,9 @@ class RoutingTable:
     def full(self, worker_id: Hashable) -> None:
         """A serving executor turned a turn away for lack of room (busy): route it nothing more
         until its next capacity report."""
-        self.workers[worker_id].free_slots = 0
+        w = self.workers[worker_id]
+        w.free_slots = 0
+        self._picks.update(w)
 
     def finish_trajectory(self, trajectory_id: Hashable) -> None:
         self._release(trajectory_id)
@@ -487,14 +590,13 @@ class RoutingTable:
     def cancel(self, trajectory_id: Hashable) -> RoutedTurn | None:
         """Take a trajectory out wherever it is (its step timed out or was cancelled, it failed):
         its turn in flight or queued, the slot it holds, its affinity. Returns that turn, if any."""
-        turn = None
-        for wid, turns in self.in_flight.items():
-            if trajectory_id in turns:
-                turn = self._take(wid, trajectory_id)
-                break
-        queued = [q for q in self.queue if q.trajectory_id == trajectory_id]
+        wid = self.location.get(trajectory_id)
+        turn = self._take(wid, trajectory_id) if wid is not None else None
+        queued = [q for q in self.queue if q.trajectory_id == trajectory_id] if trajectory_id in self.queued \
+            else []
         for q in queued:
             self.queue.remove(q)
+        self.queued.discard(trajectory_id)
         self.finish_trajectory(trajectory_id)
         return turn or (queued[0] if queued else None)
 
@@ -507,7 +609,10 @@ class RoutingTable:
     def remove(self, worker_id: Hashable) -> list[RoutedTurn]:
         """Take a worker out now (dead, released, preempted); return its turns in flight."""
         lost = list(self.in_flight.pop(worker_id).values())
+        for turn in lost:
+            del self.location[turn.trajectory_id]
         del self.workers[worker_id]
+        self._picks.discard(worker_id)
         for tid in [t for t, w in self.holder.items() if w == worker_id]:
             del self.holder[tid]
         for tid in [t for t, w in self.affinity.items() if w == worker_id]:

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rose.rollout.routing import RoutedTurn, RoutingTable, WorkerKind, WorkerState, resume
+from rose.rollout.routing import RoutedTurn, RoutingTable, WorkerKind, WorkerState, choose_worker, resume
 
 STALL_S = 2.0
 
@@ -122,11 +122,12 @@ class TableMachine(RuleBasedStateMachine):
         self._register(data.draw(st.sampled_from(sorted(set(self.specs) - set(self.table.workers)))))
 
     @precondition(lambda self: self.table.workers)
-    @rule(data=st.data(), free=st.integers(0, 3))
-    def heartbeat(self, data: st.DataObject, free: int) -> None:
+    @rule(data=st.data(), free=st.integers(0, 3), version=st.integers(0, 1), paused=st.booleans())
+    def heartbeat(self, data: st.DataObject, free: int, version: int, paused: bool) -> None:
         self.now += 0.1
         wid = data.draw(st.sampled_from(sorted(self.table.workers)))
-        self.table.heartbeat(wid, self.now, free_slots=free)
+        self.table.heartbeat(wid, self.now, free_slots=free, policy_version=version)
+        self.table.set_paused(wid, paused)
 
     @rule()
     def drain(self) -> None:
@@ -153,6 +154,20 @@ class TableMachine(RuleBasedStateMachine):
         placed = [tid for turns in t.in_flight.values() for tid in turns] + [q.trajectory_id for q in t.queue]
         assert sorted(placed) == sorted(self.routed)  # each routed turn in exactly one place
         assert set(t.holder) <= set(self.between) | set(self.routed)
+
+    @invariant()
+    def picks_as_the_rule_does(self) -> None:
+        """The table's indexed pick is `choose_worker`'s, for a new trajectory and for each
+        routed one's next turn (its affinity), on every version."""
+        t = self.table
+        for tid in ["new", *self.routed]:
+            previous = t.workers.get(t.affinity.get(tid)) if t.use_affinity else None
+            for version in (0, 1):
+                probe = RoutedTurn(tid, 1, 10, 8, policy_version=version)
+                rule = choose_worker(probe, t.workers.values(), previous, self.now, STALL_S)
+                assert t.decide(probe, self.now) == rule
+        assert t.location == {tid: wid for wid, turns in t.in_flight.items() for tid in turns}
+        assert t.queued == {q.trajectory_id for q in t.queue}
 
     def teardown(self) -> None:
         for tid in [*self.routed, *self.between]:
