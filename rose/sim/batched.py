@@ -375,7 +375,7 @@ class BatchedRound:
         self.queue = np.zeros(0, np.int64)           # queued rows, FIFO
         self._env = np.arange(n)                     # rows in their environment, not yet routed
         self._done = 0                               # rows DONE
-        self._placements = 0
+        self.placements = 0                          # turns placed on a worker (every attempt)
         # Per worker: its slots' rows, the two clocks, and running sums.
         self.cell = np.full((w, k), -1)
         self.occ = np.zeros(w, np.int64)            # slots taken
@@ -443,10 +443,10 @@ class BatchedRound:
         keeps the slot it holds there, else takes a free one (routing gave it room)."""
         if not len(rows):
             return
-        _place(rows, wids, hits, begin, self._placements, self.demand.response, self.turn, self.worker,
+        _place(rows, wids, hits, begin, self.placements, self.demand.response, self.turn, self.worker,
                self.slot, self.cell, self.occ, self.free_at, self.phase, self.target, self.hist, self.cached,
                self.begin, self.placed, self.order, self.left)
-        self._placements += len(rows)
+        self.placements += len(rows)
 
     def start_prefill(self, rows: np.ndarray, t: float, prate: np.ndarray) -> None:
         """Placed rows join their worker's prefill from `begin` at the tick's per-prompt rate."""
@@ -759,5 +759,5 @@ class BatchedSimulation(Simulation):
             return _evenly(load[0][wids], load[1][wids])
 
         serving_times = self.coserving.plan(plan, t, load, mean_contexts) if self.coserving else None
-        self._charge_and_share(plan, iter_s, load[0], t)
+        self._share_and_control(plan, iter_s, load[0], t, rnd.placements)
         return plan, serving_times, load

@@ -26,14 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _table(res: ScenarioResult) -> Table:
     t = Table(title=f"{res.scenario.name}: {res.scenario.description}", title_justify="left")
-    for col in ("system", "step s", "rollout s", "train s", "traj/h", "alloc %", "aborted", "wall s"):
+    for col in ("system", "step s", "rollout s", "train s", "traj/h", "alloc %", "aborted", "driver cores",
+                "wall s"):
         t.add_column(col, justify="right" if col != "system" else "left")
     for name, r in res.runs.items():
         train = sum(s.train_s for s in r.steps) / len(r.steps)
         t.add_row(name, f"{r.mean_step_s:.0f}", f"{r.mean_rollout_s:.0f}", f"{train:.0f}",
                   f"{r.throughput * 3600 * res.scenario.sim.slice:.0f}", f"{100 * r.allocation_overhead:.2f}",
-                  str(r.aborted_turns),
-                  f"{r.wall_s:.1f}")
+                  str(r.aborted_turns), f"{r.driver_cores_peak:.2f}", f"{r.wall_s:.1f}")
     return t
 
 

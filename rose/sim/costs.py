@@ -1,4 +1,5 @@
-"""Cost models: devices, model shapes, iteration latency (roofline), training step, weight sync.
+"""Cost models: devices, model shapes, iteration latency (roofline), training step, weight sync,
+the rollout control plane's CPU.
 
 Every constant has its source beside it. Datasheet figures are dense bf16 (no sparsity).
 Efficiency factors are what engines achieve of a roofline bound; they are assumptions taken
@@ -14,7 +15,7 @@ import math
 import numba
 import numpy as np
 
-from rose.contracts import TokenLoad
+from rose.contracts import TURN_CHUNK_S, TokenLoad
 
 GB = 1e9
 # Token counts and times: plain numbers, or numpy arrays of them (one entry per replica or turn).
@@ -264,10 +265,38 @@ MEASURED_COSTS: dict[tuple[str, str], ForwardCost] = {
     ("cpu", "small Qwen2"): ForwardCost(s_token=568.1e-6, s_attn=868e-9, s_head=CHUNK_S, s_weights=0.0,
                                         s_kv=0.0, fixed=10.95e-3, prefill_attn=0.0),
 }
-# The rollout manager's (driver's) CPU per streamed chunk, measured by the same script. Where the
-# manager runs on the dedicated devices' cores (cluster.manager_on_dedicated) it comes out of
-# their time, for every worker's tokens.
-DRIVER_CHUNK_S = 0.30e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlPlaneCost:
+    """The rollout control plane: the driver's CPU (its rollout manager) for what every turn and
+    every streamed token costs it, and how often a device delivers tokens (`rose.sim.control`)."""
+
+    turn_s: float        # a turn attempt: routing it, its request, its bookkeeping
+    chunk_s: float       # one turn's tokens within one delivered message
+    frame_s: float       # one message from one device, carrying all its turns' chunks of an interval
+    interval_s: float    # how often a device delivers a turn's tokens
+
+    def demand_s(self, attempts: Amount, chunks: Amount, frames: Amount) -> Amount:
+        """The driver's CPU seconds for `attempts` turn attempts, `chunks` chunks and `frames` frames."""
+        return attempts * self.turn_s + chunks * self.chunk_s + frames * self.frame_s
+
+
+# Today's transport: a stream per turn (a Ray streaming generator from a dedicated worker, an HTTP
+# stream from a serving executor), each turn's tokens of `TURN_CHUNK_S` its own message. chunk_s:
+# the manager's side of one chunk, measured by `python -m rose.bench.calibrate` (16 turns in
+# flight); where the manager runs on the dedicated devices' cores (cluster.manager_on_dedicated) it
+# comes out of their time. turn_s: routing and bookkeeping of one attempt, an estimate.
+HTTP_PER_TURN = ControlPlaneCost(turn_s=0.40e-3, chunk_s=0.30e-3, frame_s=0.0, interval_s=TURN_CHUNK_S)
+# One multiplexed stream per device: every interval one frame carries the chunks of all its turns.
+# The driver's CPU for it, from `rose bench control-plane` (placeholders until it has measured them).
+STREAM_TURN_S = 0.10e-3
+STREAM_CHUNK_S = 4e-6
+STREAM_FRAME_S = 40e-6
+STREAM_INTERVAL_S = 0.05
+STREAM = ControlPlaneCost(turn_s=STREAM_TURN_S, chunk_s=STREAM_CHUNK_S, frame_s=STREAM_FRAME_S,
+                          interval_s=STREAM_INTERVAL_S)
+TRANSPORTS: dict[str, ControlPlaneCost] = {"stream": STREAM, "http": HTTP_PER_TURN}
 
 
 def forward_cost(model: ModelShape, device: Device, tp: int, eff: Efficiency) -> ForwardCost:

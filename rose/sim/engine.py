@@ -12,8 +12,9 @@ What this leaves out, and its error, is in docs/simulator.md.
 
 The concerns live apart: `dispatch` (turns through the routing table), `provisioning` (spot and
 serverless capacity, and when serving GPUs are usable), `coserving` (admission and capacity
-reports on serving replicas) with `burst` (their memory), `rates` (dedicated replicas' rates);
-here, the RL step loop (`Simulation.run`) and the tick loop of a rollout round (`run_round`).
+reports on serving replicas) with `burst` (their memory), `rates` (dedicated replicas' rates),
+`control` (the rollout manager's CPU); here, the RL step loop (`Simulation.run`) and the tick loop
+of a rollout round (`run_round`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import numpy as np
 from rose.rollout.routing import RoutingTable
 from rose.sim.aggregate import LatencyHistogram
 from rose.sim.burst import Cut
+from rose.sim.control import ControlPlane
 from rose.sim.coserving import CoServing, ServingTimes
 from rose.sim.costs import (
-    DRIVER_CHUNK_S,
+    TRANSPORTS,
     WeightSync,
     cross_cluster_sync_time,
     device_by_name,
@@ -43,7 +45,7 @@ from rose.sim.costs import (
 )
 from rose.sim.dispatch import Dispatch
 from rose.sim.provisioning import Provisioning
-from rose.sim.rates import charge_manager, plan_rates, view_load
+from rose.sim.rates import plan_rates, view_load
 from rose.sim.rollout import DECODE, PREFILL, ActiveView, Round, TickRates
 from rose.sim.scenarios import Scenario
 from rose.sim.serving import ServingLog
@@ -83,6 +85,10 @@ class SimRun:
     bursts: int
     cuts: list[Cut]                     # every emergency cut on a serving replica
     wall_s: float
+    # Per rollout tick: the CPU the driver needs for it over its length, in cores (the whole
+    # cluster's, not the simulated slice's), and whether the driver's cores fell short.
+    driver_cores: np.ndarray
+    driver_saturated: np.ndarray
 
     @property
     def mean_step_s(self) -> float:
@@ -101,12 +107,26 @@ class SimRun:
         """Trajectories trained per second."""
         return sum(s.trajectories for s in self.steps) / self.total_s
 
+    @property
+    def driver_cores_peak(self) -> float:
+        return float(self.driver_cores.max(initial=0.0))
+
+    @property
+    def driver_cores_mean(self) -> float:
+        return float(self.driver_cores.mean()) if len(self.driver_cores) else 0.0
+
+    @property
+    def driver_saturated_share(self) -> float:
+        """The share of rollout ticks in which the driver fell behind."""
+        return float(self.driver_saturated.mean()) if len(self.driver_saturated) else 0.0
+
 
 class Simulation:
     """One system on one scenario (`serving_alone`: its serving cluster only, with no rollout
     model beside serving: the SLO baseline of `serving_alone()`)."""
 
     def __init__(self, sc: Scenario, system: System, serving_alone: bool = False) -> None:
+        self.slice = sc.sim.slice
         sc = with_serving_engine(sc.sliced())
         self.sc, self.system = sc, system
         c = sc.cluster
@@ -127,8 +147,9 @@ class Simulation:
         uses_serving = system.extra is Extra.COSERVE or serving_alone
         self.n_cs = c.serving_gpus // c.serving_tp if uses_serving else 0
         n_cs_workers = self.n_cs if system.extra is Extra.COSERVE else 0
-        # The rollout manager's CPU per streamed token, where it runs on the dedicated devices' cores.
-        self.manager_s = DRIVER_CHUNK_S if c.manager_on_dedicated else 0.0
+        cp = sc.control_plane     # the slice's share of the driver's cores
+        self.control = ControlPlane(TRANSPORTS[cp.transport], cp.driver_cores, self.dt,
+                                    c.manager_on_dedicated)
         self.ded_cost = forward_cost(self.policy, self.device, c.rollout_tp, self.eff)
         ded_kv = kv_capacity_tokens(self.policy, self.device, c.rollout_tp, self.eff)
         self.workers = Workers.build((n_ded, n_el, n_cs_workers), (ded_kv, ded_kv, 0), sc.rl.rollout_max_seqs)
@@ -168,6 +189,7 @@ class Simulation:
             self.provisioning.acquire(start, weights_at)
             if self.coserving:
                 self.coserving.memory.new_rl_step()
+            self.control.begin_round()
             rollout_end = self._align(self.run_round(self.new_round(demand, start, id_base), start, step))
             if self._over(rollout_end):  # cut short: it trained nothing
                 steps.append(SimStep(step, start, rollout_end - start, 0.0, 0.0, 0.0, rollout_end, 0,
@@ -259,10 +281,12 @@ class Simulation:
         tick_t = np.array([x[0] for x in self.ticks])
         tick_tok = np.array([x[1] for x in self.ticks]).reshape(-1, 3)
         cs, d = self.coserving, self.dispatch
+        driver_cores = np.array(self.control.demand_s) / self.dt * self.slice
         return SimRun(self.system.name, self.system.label, steps, max(s.end_s for s in steps), tick_t,
                       tick_tok, cs.fleet.log if cs else None,
                       {k.value: v for k, v in d.counts.items()}, d.aborted,
-                      cs.memory.bursts if cs else 0, cs.memory.cuts if cs else [], wall_s)
+                      cs.memory.bursts if cs else 0, cs.memory.cuts if cs else [], wall_s,
+                      driver_cores, np.array(self.control.saturated, bool))
 
     def idle_until(self, t: float, t_end: float) -> float:
         """Serving runs alone (no rollout) until t_end; returns the tick time reached."""
@@ -335,19 +359,20 @@ class Simulation:
         plan, iter_s = plan_rates(*load, self.ded_cost, self.dt, float(self.sc.rl.rollout_batched_tokens))
         cs = self.coserving
         serving_times = cs.plan(plan, t, load, view.decode_contexts(rnd)) if cs else None
-        dec = load[0]
-        self._charge_and_share(plan, iter_s, dec, t)
+        self._share_and_control(plan, iter_s, load[0], t, rnd.placements)
         return plan, serving_times
 
-    def _charge_and_share(self, plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, t: float) -> None:
-        """The dedicated devices' rates less the rollout manager's CPU (where it runs on them),
-        and none while a step's training has the devices (`shares_devices`)."""
+    def _share_and_control(self, plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, t: float,
+                           placements: int) -> None:
+        """No rates on the dedicated devices while a step's training has them (`shares_devices`),
+        and the tick's rates as the rollout manager's CPU keeps up with them (`ControlPlane.tick`;
+        `dec` the sequences each worker's iterations decode, as `rates.WorkerLoad` counts them,
+        `placements` the round's turns placed so far)."""
         dedicated = self.workers.kind == DEDICATED
-        if self.manager_s:
-            charge_manager(plan, iter_s, dec, dedicated, self.manager_s)
         if self._paused(t):  # the trainer has the devices
             for rates in (plan.prefill_rate, plan.rate0, plan.rate1, plan.rate2):
                 rates[dedicated] = 0.0
+        self.control.tick(plan, iter_s, dec, dedicated, placements)
 
     def _paused(self, t: float) -> bool:
         """Whether a step's training has the dedicated devices at `t` (`shares_devices`)."""

@@ -1,12 +1,11 @@
 """Each worker's rates for one tick (`rollout.TickRates`): dedicated and elastic replicas from the
-roofline cost model, and the rollout manager's CPU where it shares their cores. Co-serving
-executors' rates come from admission (`coserving.CoServing.plan`)."""
+roofline cost model. Co-serving executors' rates come from admission (`coserving.CoServing.plan`),
+and what the rollout manager's CPU leaves of them all from `control.ControlPlane`."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from rose.contracts import TURN_CHUNK_S
 from rose.sim.costs import ForwardCost
 from rose.sim.rollout import ActiveView, Round, TickRates
 
@@ -47,24 +46,3 @@ def plan_rates(dec: np.ndarray, ctx: np.ndarray, pending: np.ndarray, prompts: n
     plan = TickRates(prefill_rate=pf / np.maximum(iter_p, 1e-12), rate0=np.zeros(n),
                      cap1=np.full(n, np.inf), rate1=1.0 / iter_s, cap2=np.zeros(n), rate2=np.zeros(n))
     return plan, iter_s
-
-
-def charge_manager(plan: TickRates, iter_s: np.ndarray, dec: np.ndarray, dedicated: np.ndarray,
-                   manager_s: float) -> None:
-    """The rollout manager runs on the dedicated devices' cores (`cluster.manager_on_dedicated`,
-    as `rose train` pins its driver to the trainer's): each chunk any worker streams costs them
-    `manager_s`, a chunk being a sequence's tokens of `TURN_CHUNK_S` (or one, if slower). A
-    dedicated worker's own chunks lengthen its iterations; the other workers' chunks, at this
-    tick's planned rates, take a share of the tick from the dedicated workers alike (none left
-    when the manager would need more than all of it)."""
-    n1, n2 = np.minimum(dec, plan.cap1), np.minimum(dec, plan.cap2)   # sequences at each tier
-    both, one, rest = np.minimum(n1, n2), np.abs(n1 - n2), dec - np.maximum(n1, n2)
-    one_rate = np.where(n1 > n2, plan.rate1, plan.rate2)
-    most = 1.0 / TURN_CHUNK_S
-    chunks = (both * np.minimum(plan.rate0 + plan.rate1 + plan.rate2, most)
-              + one * np.minimum(plan.rate0 + one_rate, most) + rest * np.minimum(plan.rate0, most))
-    others = manager_s * float(chunks[~dedicated].sum()) / max(1, int(dedicated.sum()))
-    own_s = iter_s[dedicated] + manager_s * dec[dedicated] * np.minimum(1.0, iter_s[dedicated] / TURN_CHUNK_S)
-    scale = max(0.0, 1.0 - others) * iter_s[dedicated] / np.maximum(own_s, 1e-12)
-    plan.prefill_rate[dedicated] *= scale
-    plan.rate1[dedicated] *= scale

@@ -92,7 +92,7 @@ class Round:
         self.holding = np.zeros(n, bool)             # ran last tick, so holds KV pages
         self.age = np.zeros(n)
         self.finished = np.full(n, np.nan)
-        self._order = 0
+        self.placements = 0                          # turns placed on a worker (every attempt)
 
     @property
     def n(self) -> int:
@@ -123,8 +123,8 @@ class Round:
         self.phase[rows] = PREFILL
         self.fresh[rows] = True
         self.holding[rows] = False
-        self.age[rows] = self._order + np.arange(1, len(rows) + 1)
-        self._order += len(rows)
+        self.age[rows] = self.placements + np.arange(1, len(rows) + 1)
+        self.placements += len(rows)
 
     def queue(self, rows: np.ndarray) -> None:
         self.phase[rows] = WAIT

@@ -127,6 +127,7 @@ class ScenarioResult:
             "naive_share_slo_violations": sv["naive-share"].violations if "naive-share" in sv else None,
             "sim_wall_s": round(self.wall_s, 1),
             "sim_cpu_s": round(self.cpu_s, 1),
+            **self.control_plane_summary(),
         }
         if runs:  # prompts (whole contexts) among a rollout's tokens; the same turns in every system
             steps = next(iter(runs.values())).steps
@@ -141,6 +142,14 @@ class ScenarioResult:
                                                      / runs["fixed-sync"].mean_step_s, 3)
                                                if "fixed-sync" in runs else None)
         return out
+
+    def control_plane_summary(self) -> dict[str, Any]:
+        """The driver's transport and cores (0: unlimited), and per system the cores its rollout
+        ticks needed (the peak and the mean over them) and the share of them it fell behind in."""
+        cp, runs = self.scenario.control_plane, self.runs
+        return {"control_plane_transport": cp.transport, "driver_cores": cp.driver_cores,
+                "driver_cores_needed": {k: _driver_cores_needed(r) for k, r in runs.items()},
+                "driver_saturated_share": {k: round(r.driver_saturated_share, 3) for k, r in runs.items()}}
 
     def weight_sync_s(self) -> dict[str, float]:
         """One update of the policy to the whole serving fleet: ROSE's sparse delta and full
@@ -201,6 +210,8 @@ class ScenarioResult:
                 "allocation_overhead": round(r.allocation_overhead, 4),
                 "rollout_tokens_per_s": round(float(r.tick_tokens.sum()) / r.total_s, 2),
                 "routes": r.routes, "aborted_turns": r.aborted_turns, "bursts": r.bursts,
+                "driver_cores_needed": _driver_cores_needed(r),
+                "driver_saturated_share": round(r.driver_saturated_share, 3),
                 "wall_s": round(r.wall_s, 2),
                 "steps": [dataclasses.asdict(s) for s in r.steps],
             }
@@ -210,6 +221,10 @@ class ScenarioResult:
         return {"scenario": self.scenario.name, "description": self.scenario.description,
                 "config": OmegaConf.to_container(OmegaConf.structured(self.scenario)),
                 "systems": systems, "serving": serving, "summary": self.summary()}
+
+
+def _driver_cores_needed(run: SimRun) -> dict[str, float]:
+    return {"peak": round(run.driver_cores_peak, 3), "mean": round(run.driver_cores_mean, 3)}
 
 
 def simulation(sc: Scenario, system: System) -> Simulation:
@@ -251,7 +266,8 @@ class SweepResult:
 
     def summary(self) -> dict[str, Any]:
         keys = ("throughput_vs_fixed_sync", "throughput_vs_fixed_sync_by_system", "slo_violations",
-                "serving_alone_slo_violations", "allocation_overhead")
+                "serving_alone_slo_violations", "allocation_overhead", "driver_cores_needed",
+                "driver_saturated_share")
         return {"sweep": self.sweep.name, "key": self.sweep.key,
                 "values": [v for v, _ in self.points],
                 **{k: [s.get(k) for _, s in self.points] for k in keys},

@@ -13,7 +13,7 @@ from typing import Any
 
 from rose.config import load, read_named_config
 from rose.coserve.settings import ExecutorConfig
-from rose.sim.costs import DEVICES, MODELS, WeightSync
+from rose.sim.costs import DEVICES, MODELS, TRANSPORTS, WeightSync
 from rose.sim.systems import SYSTEMS, Extra, batchable
 from rose.sim.workloads import DEMAND_SIGMA, ENVS, EnvProfile
 from rose.traces import TRACE_FILES
@@ -58,6 +58,19 @@ class ClusterConfig:
     # to the trainer's: its CPU per token any worker streams comes out of their time. False: it
     # has CPUs of its own, as on GPU clusters.
     manager_on_dedicated: bool = False
+
+
+@dataclasses.dataclass
+class ControlPlaneConfig:
+    """The rollout control plane: the driver's rollout manager, which every turn and every streamed
+    chunk passes through (`rose.sim.control`)."""
+
+    # stream: one multiplexed stream per device, a frame per interval carrying all its turns'
+    # chunks; http: a stream per turn, each turn's chunk its own message (`costs.TRANSPORTS`).
+    transport: str = "stream"
+    # The cores the driver has for it; where a tick needs more, its rollouts slow to what they
+    # give. 0: unlimited. With cluster.manager_on_dedicated it has the dedicated devices' cores.
+    driver_cores: float = 0.0
 
 
 @dataclasses.dataclass
@@ -207,6 +220,7 @@ class Scenario:
     elastic: ElasticConfig = dataclasses.field(default_factory=ElasticConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     sim: SimConfig = dataclasses.field(default_factory=SimConfig)
+    control_plane: ControlPlaneConfig = dataclasses.field(default_factory=ControlPlaneConfig)
 
     @property
     def elastic_gpus(self) -> int:
@@ -222,7 +236,9 @@ class Scenario:
                                       serving_gpus=c.serving_gpus // k)
         elastic = dataclasses.replace(self.elastic, max_gpus=self.elastic_gpus // k)
         rl = dataclasses.replace(r, trajectories=r.trajectories // k)
-        return dataclasses.replace(self, cluster=cluster, elastic=elastic, rl=rl,
+        # The slice's share of the driver: its turns and tokens are 1/k of the cluster's.
+        control = dataclasses.replace(self.control_plane, driver_cores=self.control_plane.driver_cores / k)
+        return dataclasses.replace(self, cluster=cluster, elastic=elastic, rl=rl, control_plane=control,
                                    sim=dataclasses.replace(self.sim, slice=1))
 
 
@@ -305,6 +321,11 @@ def validate(sc: Scenario) -> Scenario:
          c.trainer_rolls_out)
     need(c.async_rollout_fraction == -1 or 0 < c.async_rollout_fraction < 1,
          "cluster.async_rollout_fraction", "in (0, 1), or -1 (balanced)", c.async_rollout_fraction)
+    cp = sc.control_plane
+    need(cp.transport in TRANSPORTS, "control_plane.transport", " or ".join(TRANSPORTS), cp.transport)
+    need(cp.driver_cores >= 0, "control_plane.driver_cores", ">= 0 (0: unlimited)", cp.driver_cores)
+    need(not (c.manager_on_dedicated and cp.driver_cores), "control_plane.driver_cores",
+         "0 with cluster.manager_on_dedicated (the driver has the dedicated devices' cores)", cp.driver_cores)
     need(0 < sc.sync.changed_fraction < 1, "sync.changed_fraction", "in (0, 1)", sc.sync.changed_fraction)
     need(s.max_context == 0 or s.max_context > s.max_output + 1 >= 2, "serving.max_context",
          "0 (no clipping) or above serving.max_output + 1 (with max_output >= 1)", s.max_context)
@@ -351,6 +372,13 @@ PAPER_8B_ENGINE_OVERHEAD_MS = 57.5
 # busy through it, serving alone would keep it busy all the time; the paper's serving clusters
 # average 18.9% SM utilisation, and with it idle serving alone keeps it busy about 31%.
 PAPER_ENGINE_HOST_SHARE = 1.0
+# The paper scenarios' driver: its rollout manager is one Python process, which the interpreter's
+# lock keeps to one core whatever its node has.
+PAPER_DRIVER_CORES = 1.0
+# fleet-day's, an assumption: at 10,000 GPUs the manager sharded, a process a core on its driver's
+# node, 16 of them, a quarter of a 64-core host (the rest for the environments, Ray and the
+# trainer's driver).
+FLEET_DRIVER_CORES = 16.0
 
 
 def _paper_8b() -> Scenario:
@@ -365,6 +393,7 @@ def _paper_8b() -> Scenario:
         rl=RLConfig(steps=4, response_median=FROZENLAKE_THINKING_MEDIAN, max_response=8192,
                     fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU, cap_counts="trajectories"),
         sim=SimConfig(tick_s=4.0, slice=4),
+        control_plane=ControlPlaneConfig(driver_cores=PAPER_DRIVER_CORES),
     )
 
 
@@ -382,6 +411,7 @@ def _paper_32b() -> Scenario:
                     fixed_concurrency=PAPER_TRAJECTORIES_PER_GPU * 4,    # a TP-4 replica: 4 GPUs
                     cap_counts="trajectories"),
         sim=SimConfig(tick_s=2.0, slice=4),
+        control_plane=ControlPlaneConfig(driver_cores=PAPER_DRIVER_CORES),
     )
 
 
@@ -432,6 +462,8 @@ def _cpu_bench_train() -> Scenario:
         sync=SyncConfig(colocated_switch_s=0.2),
         sim=SimConfig(tick_s=0.02, systems=["fixed-sync", "rose", "naive-share", "fixed-async-shared",
                                             "rose-async"]),
+        # The benchmark streams each turn (the manager's measured cost per chunk, on core 0).
+        control_plane=ControlPlaneConfig(transport="http"),
     )
 
 
@@ -460,6 +492,7 @@ def _cpu_bench_burst() -> Scenario:
         rl=RLConfig(env="coserve-backlog", steps=1, trajectories=16, group=16, demand_sigma=0.0,
                     fixed_concurrency=16, rollout_max_seqs=16, step_after_burst_s=10.0),
         sim=SimConfig(tick_s=0.02, duration_s=90.0, systems=["naive-share", "static-split", "rose"]),
+        control_plane=ControlPlaneConfig(transport="http"),      # the lease API streams each turn
     )
 
 
@@ -485,6 +518,7 @@ def _cpu_bench_coserve() -> Scenario:
         rl=RLConfig(env="coserve-backlog", steps=1, trajectories=256, group=16, demand_sigma=0.0,
                     fixed_concurrency=16, rollout_max_seqs=16, cap_counts="trajectories"),
         sim=SimConfig(tick_s=0.02, duration_s=700.0, systems=["naive-share", "static-split", "rose"]),
+        control_plane=ControlPlaneConfig(transport="http"),      # the lease API streams each turn
     )
 
 
@@ -505,7 +539,8 @@ def _fleet_day() -> Scenario:
                                     engine_overhead_ms=PAPER_8B_ENGINE_OVERHEAD_MS),
         rl=dataclasses.replace(base.rl, trajectories=256 * round(85 * 2500 / 256), steps=1000),
         sim=SimConfig(tick_s=30.0, duration_s=86400.0, serving_model="aggregate", rollout_model="batched",
-                      systems=["rose"]))
+                      systems=["rose"]),
+        control_plane=ControlPlaneConfig(driver_cores=FLEET_DRIVER_CORES))
 
 
 SCENARIOS = {"paper-8b": _paper_8b, "paper-32b": _paper_32b, "cpu-bench-train": _cpu_bench_train,

@@ -8,9 +8,8 @@ import pytest
 
 from rose.bench.train import bench_config
 from rose.sim import scenarios
-from rose.sim.costs import DRIVER_CHUNK_S
+from rose.sim.costs import HTTP_PER_TURN, STREAM
 from rose.sim.engine import Simulation
-from rose.sim.rates import charge_manager
 from rose.sim.rollout import TickRates
 from rose.sim.runner import run_scenario
 from rose.sim.scenarios import load_scenario
@@ -56,24 +55,29 @@ def test_cpu_bench_train_predicts_the_measured_speedup_within_20_percent():
 
 def test_the_manager_charges_the_dedicated_device_for_every_worker_s_tokens():
     # rose train pins its driver to the trainer's cores in every mode: fixed pays for its own
-    # tokens, rose's dedicated device also for the serving device's, which pays none.
-    assert Simulation(load_scenario("cpu-bench-train"), SYSTEMS["fixed-sync"]).manager_s == DRIVER_CHUNK_S
+    # tokens, rose's dedicated device also for the serving device's, which pays none. Each turn
+    # streams its own chunks, at the manager's measured cost.
+    fixed = Simulation(load_scenario("cpu-bench-train"), SYSTEMS["fixed-sync"]).control
+    assert fixed.on_dedicated and fixed.cost == HTTP_PER_TURN and fixed.cores == 0
     sim = Simulation(load_scenario("cpu-bench-train"), SYSTEMS["rose"])
     assert sim.workers.kind.tolist() == [DEDICATED, COSERVE]
     iter_s, dec = np.array([0.010, 0.008]), np.array([16.0, 8.0])
     plan = TickRates(prefill_rate=np.array([1e4, 5e3]), rate0=np.array([0.0, 5.0]),
                      cap1=np.array([np.inf, 6.0]), rate1=1.0 / iter_s,
                      cap2=np.array([0.0, 4.0]), rate2=np.array([0.0, 20.0]))
-    charge_manager(plan, iter_s, dec, sim.workers.kind == DEDICATED, sim.manager_s)
+    sim.control.tick(plan, iter_s, dec, sim.workers.kind == DEDICATED, placements=3)
     # Chunks of TURN_CHUNK_S (50 ms): the serving device's first 6 sequences stream 20 a second
     # each, its other 2 (rate0 only) 5 a second; the dedicated one's 16, one chunk per 5
     # iterations each.
     serving_chunks_per_s = 6 * 20.0 + 2 * 5.0
-    rate = (1.0 - DRIVER_CHUNK_S * serving_chunks_per_s) / (0.010 + 16 * 0.2 * DRIVER_CHUNK_S)
+    chunk_s = HTTP_PER_TURN.chunk_s
+    rate = (1.0 - chunk_s * serving_chunks_per_s) / (0.010 + 16 * 0.2 * chunk_s)
     assert plan.rate1.tolist() == pytest.approx([rate, 125.0])
     assert plan.prefill_rate.tolist() == pytest.approx([1e4 * 0.010 * rate, 5e3])
     assert plan.rate2.tolist() == [0.0, 20.0]
 
 
 def test_gpu_scenarios_give_the_manager_cpus_of_its_own():
-    assert Simulation(load_scenario("paper-8b", ["rl.steps=1"]), SYSTEMS["rose"]).manager_s == 0.0
+    control = Simulation(load_scenario("paper-8b", ["rl.steps=1"]), SYSTEMS["rose"]).control
+    # One core for the whole cluster: the simulated slice (a quarter) has a quarter of it.
+    assert not control.on_dedicated and control.cost == STREAM and control.cores == 0.25

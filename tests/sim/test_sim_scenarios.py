@@ -70,6 +70,12 @@ def test_overrides_apply_with_types():
     ("serving.target_p99_tpot_ms=-1", "serving.target_p99_tpot_ms must be >= 0"),
     ("cluster.trainer_rolls_out=false", "cluster.trainer_rolls_out must be true where a system has no other "
                                         "rollout GPUs (cluster.rollout_gpus 0; fixed-sync"),
+    ("control_plane.transport=grpc", "control_plane.transport must be stream or http, got 'grpc'"),
+    ("control_plane.driver_cores=-1", "control_plane.driver_cores must be >= 0 (0: unlimited), got -1.0"),
+    ("control_plane.cores=2", "Key 'cores' not in 'ControlPlaneConfig'"),
+    ("cluster.manager_on_dedicated=true",
+     "control_plane.driver_cores must be 0 with cluster.manager_on_dedicated (the driver has the "
+     "dedicated devices' cores)"),
 ])
 def test_bad_overrides_are_one_line_errors(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
