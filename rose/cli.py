@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("rose.runtime.cli", "agentic RL with rollouts spilling onto serving devices (Ray runtime)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
-    "control-plane": ("rose.bench.control_plane", "the rollout manager's CPU per turn and token, fake devices"),
+    "control-plane": ("rose.bench.control_plane", "the rollout manager's CPU per turn and token (fakes)"),
     "coserve": ("rose.bench.coserve", "serving P99 TTFT/TPOT beside rollouts: naive, static, rose"),
     "coserve-vllm": ("rose.bench.coserve_vllm", "co-serving on vLLM (dual-SLO scheduler) vs native"),
     "engine": ("rose.bench.engine", "ROSE engine vs transformers (and vLLM CPU) throughput"),

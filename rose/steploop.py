@@ -117,27 +117,39 @@ class Sink(Generic[Out]):
     tokens, and the reader is woken once per batch, not once per output. `urgent` is set as
     well when a request ends, for a reader that sends ends at once and the rest in batches."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: asyncio.Event | None = None) -> None:
+        """`ready`: set when outputs wait (a reader's own event, which it may set for its own
+        reasons too)."""
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()  # the loop thread puts, the reader's event loop takes
         self._outputs: dict[str, Out] = {}
         self._errors: dict[str, BaseException] = {}
-        self.ready = asyncio.Event()
+        self.ready = ready or asyncio.Event()
         self.urgent = asyncio.Event()
+
+    def __bool__(self) -> bool:
+        return bool(self._outputs or self._errors)
 
     def entry(self, request_id: str) -> _SinkEntry[Out]:
         return _SinkEntry(self, request_id)
 
     def put(self, request_id: str, item: Out | BaseException) -> bool:
+        return self.put_many([(request_id, item)])
+
+    def put_many(self, items: list[tuple[str, Out | BaseException]]) -> bool:
+        """Put an iteration's outputs at once: the reader takes them together."""
+        last = False
         with self._lock:
             wake = not self._outputs and not self._errors
-            if isinstance(item, BaseException):
-                self._errors[request_id] = item
-            elif (held := self._outputs.get(request_id)) is not None:
-                held.merge(item)
-            else:
-                self._outputs[request_id] = item
-        last = isinstance(item, BaseException) or item.finished
+            for request_id, item in items:
+                if isinstance(item, BaseException):
+                    self._errors[request_id], last = item, True
+                    continue
+                last = last or item.finished
+                if (held := self._outputs.get(request_id)) is not None:
+                    held.merge(item)
+                else:
+                    self._outputs[request_id] = item
         try:
             if wake:
                 self._loop.call_soon_threadsafe(self.ready.set)
@@ -153,7 +165,6 @@ class Sink(Generic[Out]):
         with self._lock:
             outputs, errors = self._outputs, self._errors
             self._outputs, self._errors = {}, {}
-            self.ready.clear()
             self.urgent.clear()
         return outputs, errors
 
@@ -380,11 +391,18 @@ class StepLoop(Generic[Out]):
             stream.put(RequestFailed(f"request {request_id!r}: {error}"), force=True)
 
     def _deliver(self, outputs: list[Out]) -> None:
+        sinks: dict[Sink[Out], list[tuple[str, Out | BaseException]]] = {}  # each sink's, put at once
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.finished:
+            if isinstance(stream, _SinkEntry):
+                if out.finished:
+                    del self._streams[out.request_id]
+                failed = out.finished and out.finish_reason == "error"
+                item = RequestFailed(f"request {out.request_id!r}: {out.error}") if failed else out
+                sinks.setdefault(stream.sink, []).append((out.request_id, item))
+            elif out.finished:
                 self._streams.pop(out.request_id, None)
                 stream.put(RequestFailed(f"request {out.request_id!r}: {out.error}")
                            if out.finish_reason == "error" else out, force=True)
@@ -394,6 +412,8 @@ class StepLoop(Generic[Out]):
                 stream.put(RequestFailed(
                     f"request {out.request_id!r}: its reader fell {self.max_queued_outputs} outputs "
                     "behind; the request was aborted"), force=True)
+        for sink, items in sinks.items():
+            sink.put_many(items)
 
     def _drop(self, request_id: str, stream: _Stream[Out]) -> None:
         """A reader left: abort its request if still running (and still its own)."""

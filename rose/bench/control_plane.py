@@ -44,7 +44,7 @@ from rose.progress import bar
 from rose.reporting import write_report
 from rose.rl import Trajectory, TurnRecord
 from rose.rollout.agent import TurnHandle
-from rose.rollout.manager import RolloutManager
+from rose.rollout.manager import RolloutManager, settle_heap
 from rose.rollout.registry import WorkerRegistry
 
 KEY = "bench-control-plane"
@@ -62,7 +62,7 @@ class Point:
 
 def sweep(quick: bool) -> list[Point]:
     sizes = (256, 1024) if quick else (256, 1024, 4096)
-    points = [Point(f"{kind}-{n}", n // 16 if kind == "dedicated" else 0, n // 16 if kind == "serving" else 0, n)
+    points = [Point(f"{kind}-{n}", n // 16 * (kind == "dedicated"), n // 16 * (kind == "serving"), n)
               for kind in ("dedicated", "serving") for n in sizes]
     points += [Point("paper-8b-http", 48, 64, 1024, "http"), Point("paper-8b", 48, 64, 1024)]
     if not quick:
@@ -71,7 +71,7 @@ def sweep(quick: bool) -> list[Point]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="up to 1,024 trajectories (the paper's point included)")
+    p.add_argument("--quick", action="store_true", help="up to 1,024 trajectories (the paper's point too)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--iteration-ms", type=float, default=117.8, help="a fake device's iteration (its TPOT)")
     p.add_argument("--per-device", type=int, default=16, help="turns a device runs at once")
@@ -84,18 +84,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class _Stamped(TurnOutput):
-    """A turn's output that records, for each token as it arrives, how long ago it was made
-    (the fake engine's logprob is minus the second it was made)."""
+    """A turn's output that records, as each chunk arrives, how long ago its oldest token was
+    made (the fake engine's logprob is minus the second it was made): each token's delay, or
+    more where a chunk holds several."""
 
     def __init__(self, target: TurnOutput, delays: list[float]) -> None:
         super().__init__()
         self.target, self.delays = target, delays
 
     def extend(self, chunk: TurnOutput) -> TurnOutput:
-        now = time.time()
-        self.delays.extend(now + made for made in chunk.logprobs)
-        self.target.extend(chunk)
-        return self.target
+        if chunk.logprobs:
+            self.delays.append(time.time() + chunk.logprobs[0])
+        return self.target.extend(chunk)
 
 
 class _Timed:
@@ -113,11 +113,15 @@ class _Timed:
 
 
 def _agent(turns: int, turn_tokens: int, prompt_tokens: int) -> Any:
+    """Each trajectory's turns: replies of 0.5x to 1.5x `turn_tokens` (spread by its seed), so
+    that turns end at their own times, as an agent's replies do."""
+
     async def play(handle: TurnHandle, seed: int) -> Trajectory:
         trajectory = Trajectory(group_id=seed)
         prompt = [1 + (seed + i) % 1000 for i in range(prompt_tokens)]
-        for _ in range(turns):
-            out = await handle.generate(prompt, turn_tokens)
+        for k in range(turns):
+            length = turn_tokens // 2 + (seed * 7919 + k * 104729) % (turn_tokens + 1)
+            out = await handle.generate(prompt, length)
             trajectory.turns.append(TurnRecord(prompt, out.token_ids, out.logprobs, out.versions))
             prompt = prompt + out.token_ids + [7] * OBSERVATION_TOKENS
         return trajectory
@@ -134,8 +138,8 @@ def fake_devices(count: int, processes: int, iteration_s: float, cap: int) -> It
     procs, urls = [], []
     try:
         for n in shares:
-            procs.append(subprocess.Popen([sys.executable, "-m", "rose.bench.fake_devices", str(n), str(iteration_s),
-                                           str(cap), KEY], stdout=subprocess.PIPE, text=True))
+            serve = [sys.executable, "-m", "rose.bench.fake_devices", str(n), str(iteration_s), str(cap), KEY]
+            procs.append(subprocess.Popen(serve, stdout=subprocess.PIPE, text=True))
             if others:
                 os.sched_setaffinity(procs[-1].pid, others)
         for proc, n in zip(procs, shares, strict=True):
@@ -166,6 +170,7 @@ async def _drive(point: Point, urls: list[str], args: argparse.Namespace, profil
         registry.add(_Timed(client, delays))  # type: ignore[arg-type]
     await asyncio.gather(*(c.heartbeat() for c in clients))  # every device reached before the clock starts
     manager = RolloutManager(registry, SamplingParams(max_tokens=args.turn_tokens, ignore_eos=True))
+    settle_heap()  # as `rose train`'s driver does once started
     agent = _agent(args.turns, args.turn_tokens, args.prompt_tokens)
     cpu, wall = time.process_time(), time.perf_counter()
     if profile is not None:
@@ -174,17 +179,18 @@ async def _drive(point: Point, urls: list[str], args: argparse.Namespace, profil
     if profile is not None:
         profile.disable()
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    frames = sum(getattr(c, "frames", 0) for c in clients)
     for client in clients:
         await client.close()
     tokens = sum(t.num_generated_tokens for t in report.trajectories)
     attempts = len(report.placements)
-    ideal = args.turns * args.turn_tokens * args.iteration_ms / 1e3
+    ideal = args.turns * args.turn_tokens * args.iteration_ms / 1e3  # a trajectory's turns, on average
     lag = np.array(delays) * 1e3
     return {
         "transport": point.transport, "dedicated": point.dedicated, "serving": point.serving,
         "trajectories": point.trajectories, "finished": len(report.trajectories),
         "lost": report.lost_trajectories + report.failed_trajectories, "attempts": attempts,
-        "resumed": report.resumed_turns, "tokens": tokens, "wall_s": round(wall, 2),
+        "resumed": report.resumed_turns, "tokens": tokens, "frames": frames, "wall_s": round(wall, 2),
         "turns_wall_s": round(ideal, 2), "driver_cpu_s": round(cpu, 3),
         "driver_core_share": round(cpu / wall, 3),
         "cpu_per_turn_us": round(cpu / max(attempts, 1) * 1e6, 1),
@@ -197,7 +203,7 @@ async def _drive(point: Point, urls: list[str], args: argparse.Namespace, profil
 
 
 def _where(profile: cProfile.Profile) -> dict[str, float]:
-    """The profiled driver's own time (tottime) by where its code lives, as shares."""
+    """The profiled driver's own CPU time (tottime) by where its code lives, as shares."""
     buckets = {"transport (rose.coserve)": ("rose/coserve",), "websockets": ("websockets",),
                "httpx/httpcore/h11": ("httpx", "httpcore", "h11"), "json/pydantic": ("json", "pydantic"),
                "manager (rose.rollout.manager)": ("rose/rollout/manager",),
@@ -222,15 +228,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--points: {', '.join(sorted(unknown))}; expected some of "
                              f"{', '.join(p.name for p in points)}")
         points = [p for p in points if p.name in wanted]
-    if args.iteration_ms <= 0 or min(args.per_device, args.turns, args.turn_tokens, args.device_processes) < 1:
-        raise ValueError("--iteration-ms must be > 0, and --per-device, --turns, --turn-tokens and "
+    counts = (args.per_device, args.turns, args.turn_tokens - 1, args.device_processes)
+    if args.iteration_ms <= 0 or min(counts) < 1:
+        raise ValueError("--iteration-ms must be > 0, --turn-tokens >= 2, and --per-device, --turns and "
                          "--device-processes >= 1")
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])  # the driver: one core
     results: dict[str, dict[str, Any]] = {}
-    profile = cProfile.Profile() if args.profile else None
+    profile = cProfile.Profile(time.process_time) if args.profile else None
     devices = max(p.dedicated + p.serving for p in points)
     with fake_devices(devices, args.device_processes, args.iteration_ms / 1e3, args.per_device) as urls, \
             bar("bench control-plane", len(points)) as progress:
+        for transport in sorted({p.transport for p in points}):  # first connections, imports, schemas
+            asyncio.run(_drive(Point("warm-up", 4, 4, 128, transport), urls, args, None))
         for point in points:
             progress.describe(point.name)
             watched = profile if point.name == "paper-8b" else None
@@ -261,7 +270,7 @@ def _summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         summary["tokens_per_cpu_s_stream_vs_http"] = round(
             paper["tokens_per_driver_cpu_s"] / http["tokens_per_driver_cpu_s"], 2)
     for kind in ("dedicated", "serving"):
-        per_turn = {r["trajectories"]: r["cpu_per_turn_us"] for n, r in results.items() if n.startswith(kind)}
+        per_turn = [r["cpu_per_turn_us"] for n, r in results.items() if n.startswith(kind)]
         if len(per_turn) > 1:
-            summary[f"{kind}_cpu_per_turn_max_over_min"] = round(max(per_turn.values()) / min(per_turn.values()), 3)
+            summary[f"{kind}_cpu_per_turn_max_over_min"] = round(max(per_turn) / min(per_turn), 3)
     return summary

@@ -4,6 +4,7 @@ co-serving executor, and the rest of the API (new RL steps, weights) for whoever
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -74,12 +75,21 @@ class LeaseClient:
         scheduler allows it, beside the free slots it reports) are what the scheduler knows it by."""
         self.url = url.rstrip("/")
         self.worker_id, self.max_concurrency = worker_id or self.url, max_concurrency
-        self._client = client or httpx.AsyncClient(timeout=httpx.Timeout(300.0))
-        if key is not None:
-            self._client.headers["Authorization"] = f"Bearer {key}"
+        self.key = key
+        self._given = client
+
+    @functools.cached_property
+    def _client(self) -> httpx.AsyncClient:
+        """Made at first use (a client loads its TLS context: tens of ms, where a fleet has
+        thousands of devices)."""
+        client = self._given or httpx.AsyncClient(timeout=httpx.Timeout(300.0))
+        if self.key is not None:
+            client.headers["Authorization"] = f"Bearer {self.key}"
+        return client
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if "_client" in self.__dict__:
+            await self._client.aclose()
 
     async def _post(self, path: str, **kwargs: Any) -> dict[str, Any]:
         try:

@@ -1,7 +1,8 @@
 """The worker registry: which workers exist, which are alive, and what they report.
 
-Mechanism around the pure `RoutingTable`: `poll` heartbeats every known worker at once and
-feeds the replies to the table (a serving executor's free rollout slots, every worker's policy
+Mechanism around the pure `RoutingTable`: `poll` reads the heartbeats that come by themselves
+(a device's turn stream pushes its capacity) and heartbeats every other worker at once, and
+feeds them to the table (a serving executor's free rollout slots, every worker's policy
 version); `reap` takes out workers silent past the stall timeout (default 2 s)
 and returns their turns in flight for the caller to resume. A worker that answers again later
 is registered again (a restarted process, a network blip): the registry remembers every worker
@@ -47,26 +48,42 @@ class WorkerRegistry:
         return list(self.table.workers)
 
     async def poll(self) -> None:
-        """Heartbeat every known worker concurrently; an answer within the stall timeout counts."""
-        workers = list(self.workers.values())
-        replies = await asyncio.gather(*(self._beat(w) for w in workers), return_exceptions=True)
+        """Read the heartbeats that came by themselves (a device's turn stream), and heartbeat
+        every other worker concurrently; an answer within the stall timeout counts."""
+        pulled = []
         now = self.clock()
-        for worker, reply in zip(workers, replies, strict=True):
-            if isinstance(reply, BaseException) or worker.worker_id not in self.workers:
-                continue
-            if worker.worker_id not in self.table.workers:
-                self._register(worker, reply)
-            self.table.heartbeat(worker.worker_id, now, free_slots=reply.free_slots,
-                                 policy_version=reply.policy_version)
+        for worker in list(self.workers.values()):
+            take = getattr(worker, "take_heartbeat", None)  # `PushedHeartbeats`
+            if take is None:
+                pulled.append(worker)
+            elif (beat := take()) is not None:
+                self._heard(worker, beat, now)
+        if not pulled:
+            return
+        replies = await asyncio.gather(*(self._beat(w) for w in pulled), return_exceptions=True)
+        now = self.clock()
+        for worker, reply in zip(pulled, replies, strict=True):
+            if not isinstance(reply, BaseException):
+                self._heard(worker, reply, now)
+
+    def _heard(self, worker: Worker, beat: Heartbeat, now: float) -> None:
+        if worker.worker_id not in self.workers:
+            return
+        if worker.worker_id not in self.table.workers:
+            self._register(worker, beat)
+        self.table.heartbeat(worker.worker_id, now, free_slots=beat.free_slots,
+                             policy_version=beat.policy_version)
 
     async def _beat(self, worker: Worker) -> Heartbeat:
         # The heartbeat's coroutine is made here, not before: a poll cancelled before this runs
         # (the step ended) leaves no coroutine never awaited.
         return await asyncio.wait_for(worker.heartbeat(), self.stall_timeout_s)
 
-    def reap(self) -> list[RoutedTurn]:
-        """Take out the workers silent past the stall timeout; return their turns in flight."""
-        return self.table.reap(self.clock())
+    def reap(self, grace_s: float = 0.0) -> list[RoutedTurn]:
+        """Take out the workers silent past the stall timeout and `grace_s` (how late the
+        caller's own loop runs: a busy driver reads its workers' heartbeats late, and must not
+        take its own lateness for their silence); return their turns in flight."""
+        return self.table.reap(self.clock() - grace_s)
 
     def _register(self, worker: Worker, beat: Heartbeat) -> None:
         self.table.register(WorkerState(worker.worker_id, worker.kind, worker.max_concurrency,

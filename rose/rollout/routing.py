@@ -95,6 +95,11 @@ class RoutedTurn:
     attempt: int = 0
     priority: int = 0            # queued turns with a lower one start first
 
+    @property
+    def attempt_id(self) -> str:
+        """This attempt's one id, from the manager to the engine (the `Turn`'s `turn_id`)."""
+        return f"{self.trajectory_id}:{self.turn}:{self.attempt}"
+
 
 def resume(turn: RoutedTurn, produced: int) -> RoutedTurn:
     """The turn continued after an abort or a lost worker: the `produced` tokens it already
@@ -320,7 +325,7 @@ def _decide(previous: WorkerState | None, pick: WorkerState | None,
                  else RouteReason.LEAST_LOADED)
 
 
-_NO_ROOM_AT = {WorkerKind.DEDICATED: 1.0, WorkerKind.SERVING: 0.0}  # a `_Picks` key this high: no room
+_NO_ROOM_AT = (1.0, 0.0)  # a `_Picks` key this high, dedicated's and serving's: no room
 
 
 class _Picks:
@@ -332,8 +337,9 @@ class _Picks:
     the pick and put back."""
 
     def __init__(self) -> None:
-        self.heaps: dict[WorkerKind, list[tuple[float, int, Hashable]]] = {k: [] for k in WorkerKind}
-        self.keys: dict[WorkerKind, dict[Hashable, float]] = {k: {} for k in WorkerKind}
+        # Dedicated workers' at 0, serving executors' at 1 (a list: an enum hashes slowly).
+        self.heaps: list[list[tuple[float, int, Hashable]]] = [[], []]
+        self.keys: list[dict[Hashable, float]] = [{}, {}]
         self.order: dict[Hashable, int] = {}  # registration order, for ties
         self._registered = itertools.count()
 
@@ -350,35 +356,35 @@ class _Picks:
         self.update(w)
 
     def update(self, w: WorkerState) -> None:
-        key, keys = self.key(w), self.keys[w.kind]
+        serving = w.kind is WorkerKind.SERVING
+        key, keys = self.key(w), self.keys[serving]
         if keys.get(w.worker_id) == key:
             return
         keys[w.worker_id] = key
-        heap = self.heaps[w.kind]
+        heap = self.heaps[serving]
         heapq.heappush(heap, (key, self.order[w.worker_id], w.worker_id))
         if len(heap) > 4 * len(keys) + 64:  # mostly stale entries: rebuilt from the current keys
             heap[:] = [(k, self.order[i], i) for i, k in keys.items()]
             heapq.heapify(heap)
 
     def discard(self, worker_id: Hashable, keep_order: bool = False) -> None:
-        for keys in self.keys.values():
+        for keys in self.keys:
             keys.pop(worker_id, None)
         if not keep_order:
             self.order.pop(worker_id, None)
 
     def first(self, workers: dict[Hashable, WorkerState],
               eligible: Callable[[WorkerState], bool]) -> WorkerState | None:
-        return self._best(WorkerKind.DEDICATED, workers, eligible) or self._best(WorkerKind.SERVING, workers,
-                                                                                  eligible)
+        return self._best(False, workers, eligible) or self._best(True, workers, eligible)
 
-    def _best(self, kind: WorkerKind, workers: dict[Hashable, WorkerState],
+    def _best(self, serving: bool, workers: dict[Hashable, WorkerState],
               eligible: Callable[[WorkerState], bool]) -> WorkerState | None:
-        heap, keys, aside, best = self.heaps[kind], self.keys[kind], [], None
+        heap, keys, aside, best = self.heaps[serving], self.keys[serving], [], None
         while heap:
             key, order, wid = heap[0]
             if keys.get(wid) != key or self.order.get(wid) != order:
                 heapq.heappop(heap)  # stale
-            elif key >= _NO_ROOM_AT[kind]:
+            elif key >= _NO_ROOM_AT[serving]:
                 break
             elif not eligible(w := workers[wid]):
                 aside.append(heapq.heappop(heap))
