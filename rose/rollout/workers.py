@@ -1,11 +1,10 @@
 """The rollout workers behind the `Worker` contract (rose.contracts): what the rollout manager
 talks to.
 
-- `EngineWorker`: a dedicated rollout worker, an `AsyncLLMEngine` in this process (the runtime
-  hosts one per Ray actor, `rose.runtime.actors.DedicatedWorkerActor`);
-- `RemoteWorker`: the proxy of a worker in another process (a Ray actor handle's methods);
-- a co-serving executor is reached over its lease HTTP API by `rose.coserve.lease_client.LeaseClient`,
-  a `Worker` itself.
+- `EngineWorker`: a dedicated rollout worker, an `AsyncLLMEngine` in this process;
+- a device in another process, a co-serving executor's or a dedicated worker's (the runtime's
+  `rose.runtime.actors.DedicatedWorkerActor`), is reached over its lease API's turn stream by
+  `rose.coserve.lease_stream.LeaseStream`, a `Worker` itself.
 
 `run_turn` writes tokens into its output as they arrive, so that a caller that loses the
 worker midway (an exception, a cancellation) keeps every token already produced and can resume.
@@ -13,10 +12,8 @@ worker midway (an exception, a cancellation) keeps every token already produced 
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import AsyncIterator
-from typing import Any
 
 from rose.contracts import TURN_CHUNK_S, Heartbeat, Turn, TurnOutput, WorkerKind
 from rose.coserve.lease_client import ExecutorBusy, TurnRejected
@@ -85,38 +82,3 @@ class EngineWorker:
 
     async def close(self) -> None:
         self.engine.shutdown()
-
-
-class RemoteWorker:
-    """An `EngineWorker` in another process, through `handle` (a Ray actor handle: each method is
-    called as `handle.method.remote(...)`; `stream` yields one awaitable per chunk), so that a
-    worker that dies midway leaves every chunk it had sent."""
-
-    kind = WorkerKind.DEDICATED
-
-    def __init__(self, worker_id: str, handle: Any, max_concurrency: int) -> None:
-        self.worker_id, self.handle, self.max_concurrency = worker_id, handle, max_concurrency
-
-    async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
-        """A ValueError in the worker (the engine refusing the prompt or its sampling, reaching
-        here as the `cause` of the transport's error) is the turn's failure; anything else the
-        worker's."""
-        try:
-            async for chunk in self.handle.stream.remote(turn):
-                output.extend(await chunk)
-        except Exception as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ValueError):
-                raise TurnRejected(f"turn {turn.turn_id!r} on {self.worker_id}: {cause}") from exc
-            raise
-        return output
-
-    async def heartbeat(self) -> Heartbeat:
-        return await self.handle.heartbeat.remote()
-
-    async def abort(self, turn_id: str) -> None:
-        with contextlib.suppress(Exception):  # a dead worker has nothing left to abort
-            await self.handle.abort.remote(turn_id)
-
-    async def close(self) -> None:
-        pass

@@ -4,11 +4,12 @@ In local mode each pins itself to its device's cores first (`devices.pin`) and b
 on a joined Ray cluster (rose/runtime/placement.py) Ray's CPU count bounds it instead and it
 binds its node's address, which it advertises. Weights travel from the trainer's
 `Sender` through the relay (Ray's object store) to a `Receiver` in every rollout replica, which
-hands them to its engine between two iterations. A dedicated worker's actor hosts an
-`EngineWorker` itself; the rollout manager reaches it through `rose.rollout.workers.RemoteWorker`:
-turns stream back chunk by chunk (a Ray streaming generator), so a worker that dies midway
-leaves the manager every token it had sent. Each names its role (`trainer`, `dedicated-0`,
-`serving-0`) in its log lines and in the prefix Ray gives the lines it forwards to the driver.
+hands them to its engine between two iterations. Every rollout replica serves the lease API's
+turn stream (a serving device's `rose serve` app, a dedicated worker's `build_lease_app`): the
+rollout manager's turns reach each over one WebSocket (`rose.coserve.lease_stream.LeaseStream`),
+not through Ray, whose per-chunk cost in the driver was an HTTP stream's. Each names its role
+(`trainer`, `dedicated-0`, `serving-0`) in its log lines and in the prefix Ray gives the lines
+it forwards to the driver.
 """
 
 from __future__ import annotations
@@ -25,21 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import uvicorn
 
 from rose import logs
 from rose.contracts import WeightUpdate
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import RequestResult, build_trace, replay, spike
-from rose.coserve.server import build_app
+from rose.coserve.server import build_app, build_lease_app
 from rose.coserve.settings import Engine, ExecutorConfig, ServerLimits
+from rose.coserve.turn_stream import MAX_MESSAGE_BYTES, EngineHost
 from rose.engine import LLMEngine, RequestOutput
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.vllm_engine import VllmEngine
 from rose.model import CausalLM, ModelConfig, load_tokenizer
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
-from rose.rollout.workers import EngineWorker
 from rose.runtime.checkpoints import Checkpoint, open_checkpoint, probe_dir
 from rose.runtime.config import ServingDeviceConfig
 from rose.runtime.devices import pin
@@ -205,34 +207,56 @@ class _Replica(_Role):
         await asyncio.to_thread(self.receiver.leave)
 
 
-class DedicatedWorkerActor(_Replica, EngineWorker):
-    """The rollout model alone on its device: an `EngineWorker` hosted by an async actor (its
-    `stream`, `heartbeat` and `abort` are the worker's own; heartbeats answer while it works),
-    plus the replica's weight syncs. `rose.rollout.workers.RemoteWorker` is its proxy."""
-
-    def __init__(self, worker_id: str, cores: list[int], local: bool, policy: Checkpoint,
-                 engine: dict[str, Any], relay: str, group: str, backend: str = "native") -> None:
-        self._start_as(worker_id, cores, local)
-        path = open_checkpoint(policy)
-        if backend == "vllm":  # the relay's names and shapes are the HF checkpoint's, not vLLM's fused ones
-            engine_loop = AsyncLLMEngine(VllmEngine.from_pretrained(path, **engine))
-            spec_model = meta_model(path)
-        else:
-            engine_loop = AsyncLLMEngine(LLMEngine.from_pretrained(path, **engine))
-            spec_model = engine_loop.engine.model
-        EngineWorker.__init__(self, worker_id, engine_loop, max_concurrency=0)
-        self._join(relay, group, worker_id, spec_model, self.engine, self.engine.engine.load_weights,
-                   whole=backend == "vllm")
-        log.info("rollout engine (%s) on %s, cores %s", backend, engine.get("device"), cores)
-
-
 class _HttpReplica(_Replica):
-    """A replica the rollout manager reaches over HTTP at `self.url` (a lease API)."""
+    """A replica the rollout manager reaches over HTTP at `self.url`: its lease API, whose turn
+    stream carries every turn the driver leases it."""
 
     url = ""
 
     def address(self) -> str:
         return self.url
+
+    def _serve(self, app: Any, limits: ServerLimits) -> uvicorn.Server:
+        """Serve `app` from a thread on a free port of this actor's host (its URL: `self.url`)."""
+        sock = socket.socket()
+        sock.bind((self.host, 0))
+        self.url = f"http://{self.host}:{sock.getsockname()[1]}"
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", ws_max_size=MAX_MESSAGE_BYTES,
+                                               limit_concurrency=limits.max_connections))
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        return server
+
+
+class DedicatedWorkerActor(_HttpReplica):
+    """The rollout model alone on its device: its engine behind the lease API's turn endpoints
+    (`build_lease_app`, the run's lease key), plus the replica's weight syncs and the pause the
+    trainer asks of a worker on its cores."""
+
+    def __init__(self, worker_id: str, cores: list[int], local: bool, policy: Checkpoint,
+                 engine: dict[str, Any], relay: str, group: str, limits: ServerLimits, max_turns: int,
+                 backend: str = "native") -> None:
+        self._start_as(worker_id, cores, local)
+        path = open_checkpoint(policy)
+        if backend == "vllm":  # the relay's names and shapes are the HF checkpoint's, not vLLM's fused ones
+            self.engine = AsyncLLMEngine(VllmEngine.from_pretrained(path, **engine))
+            spec_model = meta_model(path)
+        else:
+            self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(path, **engine))
+            spec_model = self.engine.engine.model
+        app = build_lease_app(self.engine, EngineHost(self.engine.engine, max_turns), limits)
+        self.server = self._serve(app, limits)
+        self._join(relay, group, worker_id, spec_model, self.engine, self.engine.engine.load_weights,
+                   whole=backend == "vllm")
+        log.info("rollout engine (%s) on %s, cores %s, at %s", backend, engine.get("device"), cores, self.url)
+
+    async def pause(self) -> None:
+        """Stop generating (turns in flight wait, keeping their KV) until `resume`."""
+        self.engine.pause()
+
+    async def resume(self) -> None:
+        self.engine.resume()
 
 
 class ServingDeviceActor(_HttpReplica):
@@ -248,22 +272,13 @@ class ServingDeviceActor(_HttpReplica):
                  group: str, limits: ServerLimits, engine: Engine = Engine.NATIVE) -> None:
         self._start_as(worker_id, cores, local)
         serving_path, rollout_path = open_checkpoint(serving), open_checkpoint(policy)
-        import uvicorn
-
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config, device,
                                                      engine=engine)
         executor.profile()
         self.limits = limits
         loop = StepLoop(executor, name="rose-executor")
         app = build_app(loop, executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
-        sock = socket.socket()
-        sock.bind((self.host, 0))
-        self.url = f"http://{self.host}:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    limit_concurrency=limits.max_connections))
-        threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-        while not self.server.started:
-            time.sleep(0.05)
+        self.server = self._serve(app, limits)
         log.info("serving %s (%s engine) at %s", Path(serving_path).name, engine.value, self.url)
         self.spec, self.executor = replay_spec, executor
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result

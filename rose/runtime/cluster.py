@@ -21,7 +21,7 @@ from pathlib import Path
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.settings import ServerLimits
 from rose.model import load_tokenizer
-from rose.rollout.manager import RolloutReport
+from rose.rollout.manager import RolloutReport, settle_heap
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.stream import RolloutStream
 from rose.runtime.checkpoints import check_checkpoint_dir, for_actors
@@ -127,6 +127,7 @@ class Cluster:
         self.sync_weights()  # every replica gets the trainer's weights (a full copy) before step one
         for handle in r.serving.values():
             ray.get(handle.start_replay.remote())
+        settle_heap()  # the driver's start-up objects out of the collector's sight before rollouts
 
     def _demands(self) -> list[Demand]:
         """What every actor this run starts asks of its node (on a cluster)."""

@@ -23,12 +23,13 @@ from typing import Any
 
 import httpx
 
+from rose.contracts import WorkerKind
 from rose.coserve.lease_client import LeaseClient, LeaseError
+from rose.coserve.lease_stream import LeaseStream
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.settings import ServerLimits
 from rose.rollout.manager import RolloutReport
 from rose.rollout.registry import WorkerRegistry
-from rose.rollout.workers import RemoteWorker
 from rose.runtime.actors import DedicatedWorkerActor, EndpointActor, ServingDeviceActor
 from rose.runtime.checkpoints import Checkpoint
 from rose.runtime.config import Config, actor_device
@@ -50,6 +51,8 @@ class Replicas:
         self.targets_file = targets_file  # the serving devices' /metrics, for Prometheus's file_sd
         self.metrics_urls: dict[str, str] = {}
         self.relay, self.group, self.server_limits = relay, group, server_limits
+        # A dedicated worker's lease API takes only the run's lease key (it serves no OpenAI API).
+        self._dedicated_limits = ServerLimits(lease_key=server_limits.lease_key)
         self.restarts = restarts  # the run's log of what died and came back, shared
         self.dedicated: dict[str, Any] = {}
         self.serving: dict[str, Any] = {}
@@ -85,9 +88,10 @@ class Replicas:
         engine = {"kv_cache_bytes": r.kv_cache_mb << 20, "device": actor_device(r.device)}
         options = self._options(wid.split("-")[0], cores, engine["device"])
         self.cores[wid] = cores
-        actor = ray.remote(DedicatedWorkerActor).options(max_concurrency=1000, **options)
+        actor = ray.remote(DedicatedWorkerActor).options(**options)
         self.dedicated[wid] = actor.remote(wid, cores, self.placement.local, self.policy, engine, self.relay,
-                                           self.group, r.backend)
+                                           self.group, self._dedicated_limits, r.dedicated_concurrency,
+                                           r.backend)
         return self.dedicated[wid]
 
     def start_serving(self, wid: str, cores: list[int]) -> Any:
@@ -145,25 +149,31 @@ class Replicas:
     async def register(self, wid: str, version: int | None = None) -> None:
         """Route to replica `wid` (in place of a dead one of the same name), which holds weights
         of `version` or later (None: the trainer's; its heartbeats say which from then on)."""
-        handle, r = self.all()[wid], self.config.rollout
+        handle = self.all()[wid]
+        url = await handle.address.remote()
         if wid in self.serving or wid in self.endpoints:
-            url = self.metrics_urls[wid] = await handle.address.remote()
+            self.metrics_urls[wid] = url
             write_prometheus_targets(self.targets_file, self.metrics_urls)
-            key = self.config.serving.endpoint_key if wid in self.endpoints else self.server_limits.lease_key
-            worker: Any = LeaseClient(url, key=key, worker_id=wid, max_concurrency=r.serving_concurrency)
-        else:
-            await handle.ready.remote()
-            worker = RemoteWorker(wid, handle, r.dedicated_concurrency)
+        worker = self._stream(wid, url)
         old = self.registry.workers.get(wid)
         if old is not None:
             self.registry.remove(wid)
             await old.close()
         self.registry.add(worker, self.trainers.version if version is None else version)
 
+    def _stream(self, wid: str, url: str) -> LeaseStream:
+        """The turn stream of replica `wid` at `url`, as the rollout manager's worker."""
+        r = self.config.rollout
+        if wid in self.dedicated:
+            return LeaseStream(url, key=self.server_limits.lease_key, worker_id=wid,
+                               max_concurrency=r.dedicated_concurrency, kind=WorkerKind.DEDICATED)
+        key = self.config.serving.endpoint_key if wid in self.endpoints else self.server_limits.lease_key
+        return LeaseStream(url, key=key, worker_id=wid, max_concurrency=r.serving_concurrency)
+
     async def new_rl_step(self) -> None:
         """Tell every serving executor a new step begins: it may grow its rollout budget again."""
         for worker in list(self.registry.workers.values()):  # a replica may come back meanwhile
-            if isinstance(worker, LeaseClient):
+            if isinstance(worker, LeaseClient) and worker.kind is WorkerKind.SERVING:
                 with contextlib.suppress(httpx.HTTPError, LeaseError):  # a dead executor has no budget
                     await worker.new_rl_step()
 
@@ -295,8 +305,7 @@ class Replicas:
         except asyncio.CancelledError:
             self.elastic_cancelled_s.append(time.perf_counter() - start)
             raise
-        self.registry.add(RemoteWorker(wid, handle, self.config.rollout.dedicated_concurrency),
-                          self.trainers.version)
+        self.registry.add(self._stream(wid, await handle.address.remote()), self.trainers.version)
         self.elastic_alloc_s.append(time.perf_counter() - start)
 
     async def _release_elastic(self) -> None:
