@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import cProfile
 import dataclasses
+import multiprocessing as mp
 import os
 import pstats
 import subprocess
@@ -48,6 +50,10 @@ from rose.rollout.manager import RolloutManager, settle_heap
 from rose.rollout.registry import WorkerRegistry
 
 KEY = "bench-control-plane"
+# Tokens a second the fake devices keep up with on this machine's one other core (at 4,096
+# trajectories of Table 1's 117.8 ms, 35,000 a second, they fell seconds behind, and the driver
+# took their silence for death).
+FAKE_TOKENS_PER_S = 10_000
 OBSERVATION_TOKENS = 16  # what the "environment" adds to the prompt after each reply
 
 
@@ -58,6 +64,13 @@ class Point:
     serving: int
     trajectories: int
     transport: str = "stream"
+    shards: int = 1  # control planes, each in a process of its own, each owning 1/shards of the devices
+
+    def iteration_s(self, args: argparse.Namespace) -> float:
+        """The fake devices' iteration: `--iteration-ms`, or longer where the point's tokens would
+        be more than `FAKE_TOKENS_PER_S` (what the fakes' one core keeps up with): the driver's
+        cost per token and per turn does not depend on how fast tokens come."""
+        return max(args.iteration_ms / 1e3, self.trajectories / FAKE_TOKENS_PER_S)
 
 
 def sweep(quick: bool) -> list[Point]:
@@ -65,6 +78,9 @@ def sweep(quick: bool) -> list[Point]:
     points = [Point(f"{kind}-{n}", n // 16 * (kind == "dedicated"), n // 16 * (kind == "serving"), n)
               for kind in ("dedicated", "serving") for n in sizes]
     points += [Point("paper-8b-http", 48, 64, 1024, "http"), Point("paper-8b", 48, 64, 1024)]
+    # k shards, each with the paper's deployment: the load grows with the shards, as capacity should.
+    points += [Point(f"paper-8b-x{k}-shards", 48 * k, 64 * k, 1024 * k, shards=k) for k in ((2, 4) if quick
+                                                                                          else (2, 4, 8))]
     if not quick:
         points.append(Point("fleet-16k", 400, 600, 16_000))
     return points
@@ -139,7 +155,7 @@ def fake_devices(count: int, processes: int, iteration_s: float, cap: int) -> It
     try:
         for n in shares:
             serve = [sys.executable, "-m", "rose.bench.fake_devices", str(n), str(iteration_s), str(cap), KEY]
-            procs.append(subprocess.Popen(serve, stdout=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen(serve, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             if others:
                 os.sched_setaffinity(procs[-1].pid, others)
         for proc, n in zip(procs, shares, strict=True):
@@ -156,13 +172,30 @@ def fake_devices(count: int, processes: int, iteration_s: float, cap: int) -> It
             proc.wait()
 
 
-async def _drive(point: Point, urls: list[str], args: argparse.Namespace, profile: cProfile.Profile | None
-                 ) -> dict[str, Any]:
+@dataclasses.dataclass
+class _Run:
+    """What one control plane (one shard) measured."""
+
+    cpu_s: float
+    wall_s: float
+    attempts: int
+    tokens: int
+    frames: int
+    finished: int
+    lost: int
+    resumed: int
+    delays_s: list[float]
+
+
+async def _play(point: Point, urls: list[str], args: argparse.Namespace, seeds: list[int],
+                profile: cProfile.Profile | None = None) -> _Run:
+    """Play the trajectories of `seeds` on the point's devices (`urls`: the dedicated ones first)
+    with one rollout manager, this process's CPU measured."""
     delays: list[float] = []
     registry = WorkerRegistry()
     kinds = [WorkerKind.DEDICATED] * point.dedicated + [WorkerKind.SERVING] * point.serving
     clients: list[LeaseClient] = []
-    for i, (url, kind) in enumerate(zip(urls, kinds, strict=False)):
+    for i, (url, kind) in enumerate(zip(urls, kinds, strict=True)):
         make = LeaseStream if point.transport == "stream" else LeaseClient
         client = make(url, key=KEY, worker_id=f"{kind.value}-{i}", max_concurrency=args.per_device)
         client.kind = kind
@@ -175,24 +208,58 @@ async def _drive(point: Point, urls: list[str], args: argparse.Namespace, profil
     cpu, wall = time.process_time(), time.perf_counter()
     if profile is not None:
         profile.enable()
-    report = await manager.run(list(range(point.trajectories)), 0, prefix="b", agent=agent)
+    report = await manager.run(seeds, 0, prefix="b", agent=agent)
     if profile is not None:
         profile.disable()
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     frames = sum(getattr(c, "frames", 0) for c in clients)
     for client in clients:
         await client.close()
-    tokens = sum(t.num_generated_tokens for t in report.trajectories)
-    attempts = len(report.placements)
-    ideal = args.turns * args.turn_tokens * args.iteration_ms / 1e3  # a trajectory's turns, on average
-    lag = np.array(delays) * 1e3
+    return _Run(cpu, wall, len(report.placements), sum(t.num_generated_tokens for t in report.trajectories),
+                frames, len(report.trajectories), report.lost_trajectories + report.failed_trajectories,
+                report.resumed_turns, delays)
+
+
+def _shard(point: Point, urls: list[str], args: argparse.Namespace, seeds: list[int]) -> _Run:
+    """One shard in a process of its own: a short warm-up (imports, compiled kernels), then its part."""
+    asyncio.run(_play(point, urls, args, seeds[:8]))
+    return asyncio.run(_play(point, urls, args, seeds))
+
+
+def _part(point: Point, urls: list[str], k: int) -> tuple[Point, list[str], list[int]]:
+    """Shard k's part of the point: every `shards`-th device of each kind and trajectory. A shard
+    owns its devices, so that each device's frames go to one shard, whole (a device shared by k
+    shards would send k frames an interval, each with a k-th of its tokens)."""
+    n = point.shards
+    dedicated, serving = urls[:point.dedicated][k::n], urls[point.dedicated:][k::n]
+    seeds = list(range(point.trajectories))[k::n]
+    part = dataclasses.replace(point, dedicated=len(dedicated), serving=len(serving), trajectories=len(seeds),
+                               shards=1)
+    return part, dedicated + serving, seeds
+
+
+def _measure(point: Point, urls: list[str], args: argparse.Namespace,
+             profile: cProfile.Profile | None) -> dict[str, Any]:
+    urls = urls[:point.dedicated] + urls[point.dedicated:point.dedicated + point.serving]
+    if point.shards == 1:
+        runs = [asyncio.run(_play(point, urls, args, list(range(point.trajectories)), profile))]
+    else:
+        parts = [_part(point, urls, k) for k in range(point.shards)]
+        with concurrent.futures.ProcessPoolExecutor(point.shards, mp_context=mp.get_context("spawn")) as pool:
+            runs = list(pool.map(_shard, *zip(*parts, strict=True), [args] * point.shards))
+    cpu, wall = sum(r.cpu_s for r in runs), max(r.wall_s for r in runs)
+    attempts, tokens = sum(r.attempts for r in runs), sum(r.tokens for r in runs)
+    # Shards that share one core wait for each other: their delays say nothing of the control plane's.
+    lag = np.array(runs[0].delays_s if point.shards == 1 else []) * 1e3
     return {
-        "transport": point.transport, "dedicated": point.dedicated, "serving": point.serving,
-        "trajectories": point.trajectories, "finished": len(report.trajectories),
-        "lost": report.lost_trajectories + report.failed_trajectories, "attempts": attempts,
-        "resumed": report.resumed_turns, "tokens": tokens, "frames": frames, "wall_s": round(wall, 2),
-        "turns_wall_s": round(ideal, 2), "driver_cpu_s": round(cpu, 3),
-        "driver_core_share": round(cpu / wall, 3),
+        "transport": point.transport, "shards": point.shards, "dedicated": point.dedicated,
+        "serving": point.serving, "trajectories": point.trajectories,
+        "finished": sum(r.finished for r in runs),
+        "lost": sum(r.lost for r in runs), "attempts": attempts, "resumed": sum(r.resumed for r in runs),
+        "tokens": tokens, "frames": sum(r.frames for r in runs), "wall_s": round(wall, 2),
+        "iteration_ms": round(point.iteration_s(args) * 1e3, 1),
+        "turns_wall_s": round(args.turns * args.turn_tokens * point.iteration_s(args), 2),  # on average
+        "driver_cpu_s": round(cpu, 3), "driver_core_share": round(cpu / wall, 3),
         "cpu_per_turn_us": round(cpu / max(attempts, 1) * 1e6, 1),
         "cpu_per_token_us": round(cpu / max(tokens, 1) * 1e6, 2),
         "tokens_per_driver_cpu_s": round(tokens / cpu),
@@ -235,17 +302,19 @@ def run(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])  # the driver: one core
     results: dict[str, dict[str, Any]] = {}
     profile = cProfile.Profile(time.process_time) if args.profile else None
-    devices = max(p.dedicated + p.serving for p in points)
-    with fake_devices(devices, args.device_processes, args.iteration_ms / 1e3, args.per_device) as urls, \
-            bar("bench control-plane", len(points)) as progress:
-        for transport in sorted({p.transport for p in points}):  # first connections, imports, schemas
-            asyncio.run(_drive(Point("warm-up", 4, 4, 128, transport), urls, args, None))
-        for point in points:
-            progress.describe(point.name)
-            watched = profile if point.name == "paper-8b" else None
-            results[point.name] = asyncio.run(_drive(point, urls, args, watched))
-            print(point.name, results[point.name], flush=True)
-            progress.advance()
+    with bar("bench control-plane", len(points)) as progress:
+        for iteration_s in sorted({p.iteration_s(args) for p in points}):  # a set of fakes each
+            group = [p for p in points if p.iteration_s(args) == iteration_s]
+            devices = max(p.dedicated + p.serving for p in group)
+            with fake_devices(devices, args.device_processes, iteration_s, args.per_device) as urls:
+                for transport in sorted({p.transport for p in group}):  # first connections, imports, schemas
+                    _measure(Point("warm-up", 4, 4, 128, transport), urls, args, None)
+                for point in group:
+                    progress.describe(point.name)
+                    watched = profile if point.name == "paper-8b" else None
+                    results[point.name] = _measure(point, urls, args, watched)
+                    print(point.name, results[point.name], flush=True)
+                    progress.advance()
     summary = _summary(results)
     details: dict[str, Any] = {"points": results, "settings": {
         k: getattr(args, k) for k in ("iteration_ms", "per_device", "turns", "turn_tokens", "prompt_tokens")}}

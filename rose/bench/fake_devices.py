@@ -8,15 +8,17 @@ iteration (a GPU's decode step, e.g. Table 1's 117.8 ms TPOT), whatever it runs.
 logprob is minus the wall-clock second it was made, so that the driver can time its delivery.
 
 `python -m rose.bench.fake_devices N ITERATION_S CAP KEY` serves N devices from one process
-(one event loop, one engine thread each) and prints their URLs, one a line, then serves until
-killed.
+(one event loop, one engine thread each) and prints their URLs, one a line, then serves until its
+stdin closes (its parent, the benchmark, ended).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable
 
@@ -105,6 +107,13 @@ async def serve(devices: int, iteration_s: float, cap: int, key: str) -> None:
     await asyncio.gather(*tasks)
 
 
+def _exit_with_parent() -> None:
+    """The benchmark holds this process's stdin: when it ends, however it ends, so does this."""
+    sys.stdin.read()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     count, iteration, slots, lease_key = sys.argv[1:5]
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
     asyncio.run(serve(int(count), float(iteration), int(slots), lease_key))

@@ -39,7 +39,7 @@ from rose.steploop import Sink, StepLoop
 log = logging.getLogger(__name__)
 STREAM_PATH = "/v1/lease/stream"
 FRAME_S = 0.05  # a device's tokens go out in one frame per this interval
-HEARTBEAT_S = 0.25  # its capacity, read on the engine's thread, at least this often
+HEARTBEAT_S = 0.5  # its capacity, read on the engine's thread, this often (4 a stall timeout)
 SEND_TIMEOUT_S = 10.0  # a driver that takes no frame for this long is gone
 MAX_MESSAGE_BYTES = 64 * 1024**2  # a message of turns (their prompts), or of one interval's tokens
 
