@@ -165,6 +165,7 @@ class LeaseStream(LeaseClient):
             finally:
                 self._wire = None
                 self._up.clear()
+                self._fresh = False  # a report from a connection that ended says nothing of the device now
                 wire.end("closed")
                 self._fail_all(LeaseError(f"{self.worker_id}: the turn stream broke off: {self.error}"))
             await asyncio.sleep(wait)
