@@ -48,6 +48,7 @@ from rose.rl import Trajectory, TurnRecord
 from rose.rollout.agent import TurnHandle
 from rose.rollout.manager import RolloutManager, settle_heap
 from rose.rollout.registry import WorkerRegistry
+from rose.rollout.routing import compile_kernels
 
 KEY = "bench-control-plane"
 # Tokens a second the fake devices keep up with on this machine's one other core (at 4,096
@@ -65,6 +66,7 @@ class Point:
     trajectories: int
     transport: str = "stream"
     shards: int = 1  # control planes, each in a process of its own, each owning 1/shards of the devices
+    turn_scale: int = 1  # x --turn-tokens: longer turns, with as many tokens fewer turns per second
 
     def iteration_s(self, args: argparse.Namespace) -> float:
         """The fake devices' iteration: `--iteration-ms`, or longer where the point's tokens would
@@ -77,10 +79,12 @@ def sweep(quick: bool) -> list[Point]:
     sizes = (256, 1024) if quick else (256, 1024, 4096)
     points = [Point(f"{kind}-{n}", n // 16 * (kind == "dedicated"), n // 16 * (kind == "serving"), n)
               for kind in ("dedicated", "serving") for n in sizes]
-    points += [Point("paper-8b-http", 48, 64, 1024, "http"), Point("paper-8b", 48, 64, 1024)]
-    # k shards, each with the paper's deployment: the load grows with the shards, as capacity should.
-    points += [Point(f"paper-8b-x{k}-shards", 48 * k, 64 * k, 1024 * k, shards=k) for k in ((2, 4) if quick
-                                                                                          else (2, 4, 8))]
+    points += [Point("paper-8b-http", 48, 64, 1024, "http"), Point("paper-8b", 48, 64, 1024),
+               Point("paper-8b-long-turns", 48, 64, 1024, turn_scale=3)]
+    # k shards, each owning a quarter of the paper's deployment: the load grows with the shards, as
+    # capacity should (the fakes of 8 whole deployments are more than the other core can run).
+    points += [Point(f"shards-{k}", 12 * k, 16 * k, 256 * k, shards=k) for k in ((1, 2, 4) if quick
+                                                                               else (1, 2, 4, 8))]
     if not quick:
         points.append(Point("fleet-16k", 400, 600, 16_000))
     return points
@@ -202,9 +206,11 @@ async def _play(point: Point, urls: list[str], args: argparse.Namespace, seeds: 
         clients.append(client)
         registry.add(_Timed(client, delays))  # type: ignore[arg-type]
     await asyncio.gather(*(c.heartbeat() for c in clients))  # every device reached before the clock starts
-    manager = RolloutManager(registry, SamplingParams(max_tokens=args.turn_tokens, ignore_eos=True))
-    settle_heap()  # as `rose train`'s driver does once started
-    agent = _agent(args.turns, args.turn_tokens, args.prompt_tokens)
+    turn_tokens = args.turn_tokens * point.turn_scale
+    manager = RolloutManager(registry, SamplingParams(max_tokens=turn_tokens, ignore_eos=True))
+    compile_kernels()  # as `rose train`'s driver does once started
+    settle_heap()
+    agent = _agent(args.turns, turn_tokens, args.prompt_tokens)
     cpu, wall = time.process_time(), time.perf_counter()
     if profile is not None:
         profile.enable()
@@ -246,7 +252,8 @@ def _measure(point: Point, urls: list[str], args: argparse.Namespace,
     else:
         parts = [_part(point, urls, k) for k in range(point.shards)]
         with concurrent.futures.ProcessPoolExecutor(point.shards, mp_context=mp.get_context("spawn")) as pool:
-            runs = list(pool.map(_shard, *zip(*parts, strict=True), [args] * point.shards))
+            points, device_urls, seeds = zip(*parts, strict=True)
+            runs = list(pool.map(_shard, points, device_urls, [args] * point.shards, seeds))
     cpu, wall = sum(r.cpu_s for r in runs), max(r.wall_s for r in runs)
     attempts, tokens = sum(r.attempts for r in runs), sum(r.tokens for r in runs)
     # Shards that share one core wait for each other: their delays say nothing of the control plane's.
@@ -258,7 +265,7 @@ def _measure(point: Point, urls: list[str], args: argparse.Namespace,
         "lost": sum(r.lost for r in runs), "attempts": attempts, "resumed": sum(r.resumed for r in runs),
         "tokens": tokens, "frames": sum(r.frames for r in runs), "wall_s": round(wall, 2),
         "iteration_ms": round(point.iteration_s(args) * 1e3, 1),
-        "turns_wall_s": round(args.turns * args.turn_tokens * point.iteration_s(args), 2),  # on average
+        "turns_wall_s": round(args.turns * args.turn_tokens * point.turn_scale * point.iteration_s(args), 2),
         "driver_cpu_s": round(cpu, 3), "driver_core_share": round(cpu / wall, 3),
         "cpu_per_turn_us": round(cpu / max(attempts, 1) * 1e6, 1),
         "cpu_per_token_us": round(cpu / max(tokens, 1) * 1e6, 2),
@@ -338,8 +345,25 @@ def _summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if paper is not None and http is not None:
         summary["tokens_per_cpu_s_stream_vs_http"] = round(
             paper["tokens_per_driver_cpu_s"] / http["tokens_per_driver_cpu_s"], 2)
+    fit = _costs(results)
+    if fit is not None:
+        summary.update(fit)
     for kind in ("dedicated", "serving"):
         per_turn = [r["cpu_per_turn_us"] for n, r in results.items() if n.startswith(kind)]
         if len(per_turn) > 1:
             summary[f"{kind}_cpu_per_turn_max_over_min"] = round(max(per_turn) / min(per_turn), 3)
     return summary
+
+
+def _costs(results: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """The stream's driver CPU as a cost per turn attempt, per token (a turn's chunk of a frame,
+    one token at these rates) and per frame: least squares over the one-shard points (the
+    simulator's control-plane model, `rose.sim.costs.STREAM`)."""
+    rows = [r for r in results.values() if r["transport"] == "stream" and r["shards"] == 1]
+    if len(rows) < 3:
+        return None
+    counts = np.array([[r["attempts"], r["tokens"], r["frames"]] for r in rows], float)
+    cpu = np.array([r["driver_cpu_s"] for r in rows])
+    (turn, token, frame), *_ = np.linalg.lstsq(counts, cpu, rcond=None)
+    return {"fit_cpu_per_turn_us": round(turn * 1e6, 1), "fit_cpu_per_chunk_us": round(token * 1e6, 2),
+            "fit_cpu_per_frame_us": round(frame * 1e6, 1)}

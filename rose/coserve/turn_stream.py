@@ -205,5 +205,8 @@ class _Session:
             frame = DeviceFrame([chunk(out) for out in outputs.values()], refused, self.capacity)
             self.refused, self.capacity = [], None
             if frame.out or frame.refused or frame.capacity:
-                await asyncio.wait_for(self.ws.send_bytes(ENCODER.encode(frame)), SEND_TIMEOUT_S)
+                try:
+                    await asyncio.wait_for(self.ws.send_bytes(ENCODER.encode(frame)), SEND_TIMEOUT_S)
+                except (WebSocketDisconnect, RuntimeError):  # the driver left (the server says so by either)
+                    return
                 self.sent = time.monotonic()

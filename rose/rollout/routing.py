@@ -285,6 +285,14 @@ def rebalance_moves(occupied: np.ndarray, cap: np.ndarray, rate: np.ndarray, act
     return dst[:k], src[:k]
 
 
+def compile_kernels() -> None:
+    """Compile the picks' kernels (or load them from numba's cache) now, before a run's first
+    rebalance or batch of turns would: a fraction of a second, once a process."""
+    count, start = np.array([2, 1, 0]), np.array([0.0, 1.0, 0.0])
+    _picks(count, start, 1.0, 3)                      # one scale, whole starts: by levels
+    _picks(count, start, np.array([1.0, 2.0, 3.0]), 3)  # the rest: a merge
+
+
 def choose_worker(turn: RoutedTurn, workers: Iterable[WorkerState], previous: WorkerState | None,
                   now: float, stall_timeout_s: float = STALL_TIMEOUT_S) -> Route:
     """The routing decision for one turn; `previous` is the worker of its previous turn (None

@@ -23,6 +23,7 @@ from rose.coserve.settings import ServerLimits
 from rose.model import load_tokenizer
 from rose.rollout.manager import RolloutReport, settle_heap
 from rose.rollout.registry import WorkerRegistry
+from rose.rollout.routing import compile_kernels
 from rose.rollout.stream import RolloutStream
 from rose.runtime.checkpoints import check_checkpoint_dir, for_actors
 from rose.runtime.config import Config, Mode, actor_device
@@ -127,6 +128,7 @@ class Cluster:
         self.sync_weights()  # every replica gets the trainer's weights (a full copy) before step one
         for handle in r.serving.values():
             ray.get(handle.start_replay.remote())
+        compile_kernels()
         settle_heap()  # the driver's start-up objects out of the collector's sight before rollouts
 
     def _demands(self) -> list[Demand]:
