@@ -48,9 +48,15 @@ class TurnOutput:
 
     def extend(self, chunk: TurnOutput) -> TurnOutput:
         """Append a streamed chunk; return self."""
-        self.token_ids += chunk.token_ids
-        self.logprobs += chunk.logprobs
-        self.versions += chunk.versions
-        self.top_logprobs += chunk.top_logprobs
-        self.finish_reason = chunk.finish_reason
+        c = chunk
+        return self.add(c.token_ids, c.logprobs, c.versions, c.finish_reason, c.top_logprobs)
+
+    def add(self, token_ids: list[int], logprobs: list[float], versions: list[int], finish_reason: str | None,
+            top_logprobs: list[list[tuple[int, float]]]) -> TurnOutput:
+        """Append a chunk given as its fields (a transport's, with no chunk object made); return self."""
+        self.token_ids += token_ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.top_logprobs += top_logprobs
+        self.finish_reason = finish_reason
         return self

@@ -195,12 +195,11 @@ class LeaseStream(LeaseClient):
             held = pending.get(turn_id)
             if held is None:  # cancelled here: its abort is on its way
                 continue
-            n = len(ids)
-            if n != len(logprobs) or n != len(versions):
+            if not len(ids) == len(logprobs) == len(versions):
                 raise LeaseError(f"{self.worker_id}: turn {turn_id!r}: expected one logprob and one version "
-                                 f"per token, got {n}, {len(logprobs)}, {len(versions)}")
+                                 f"per token, got {len(ids)}, {len(logprobs)}, {len(versions)}")
             output, done = held
-            output.extend(TurnOutput(ids, logprobs, versions, finish, top))
+            output.add(ids, logprobs, versions, finish, top)
             if finish is not None:
                 del pending[turn_id]
                 done.set_result(output)
