@@ -23,6 +23,7 @@ from rose.coserve.executor import CoServingExecutor
 from rose.coserve.serve_config import ServeConfig, load_serve_config
 from rose.coserve.server import build_app
 from rose.coserve.settings import Engine, ExecutorConfig, Policy
+from rose.coserve.turn_stream import MAX_MESSAGE_BYTES
 from rose.model import load_tokenizer
 from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
 from rose.steploop import StepLoop
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                     name, limits)
     # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
     uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
-                limit_concurrency=limits.max_connections)
+                limit_concurrency=limits.max_connections, ws_max_size=MAX_MESSAGE_BYTES)
     return 0
 
 
