@@ -97,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iteration-ms", type=float, default=117.8, help="a fake device's iteration (its TPOT)")
     p.add_argument("--per-device", type=int, default=16, help="turns a device runs at once")
     p.add_argument("--turns", type=int, default=2, help="turns per trajectory")
-    p.add_argument("--turn-tokens", type=int, default=100, help="tokens per turn, on average")
+    p.add_argument("--turn-tokens", type=int, default=40, help="tokens per turn, on average")
     p.add_argument("--prompt-tokens", type=int, default=256, help="a trajectory's first prompt")
     p.add_argument("--device-processes", type=int, default=4, help="processes serving the fake devices")
     p.add_argument("--points", help="comma-separated names of the sweep's points to run (default: all)")
