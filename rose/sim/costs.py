@@ -289,10 +289,13 @@ class ControlPlaneCost:
 # comes out of their time. turn_s: routing and bookkeeping of one attempt, an estimate.
 HTTP_PER_TURN = ControlPlaneCost(turn_s=0.40e-3, chunk_s=0.30e-3, frame_s=0.0, interval_s=TURN_CHUNK_S)
 # One multiplexed stream per device: every interval one frame carries the chunks of all its turns.
-# The driver's CPU for it, from `rose bench control-plane` (placeholders until it has measured them).
-STREAM_TURN_S = 0.10e-3
-STREAM_CHUNK_S = 4e-6
-STREAM_FRAME_S = 40e-6
+# The driver's CPU for it, measured (docs/benchmarks.md, "Control plane"): a frame's 47 us and a
+# chunk's 1.7 us from a client reading 32 fake devices' frames of 4 and of 16 turns' chunks; a
+# turn's, what `rose bench control-plane`'s paper-8b point (1.72 s for 2,048 turns, 81,900
+# tokens, 11,200 frames) leaves once those are paid, rounded up.
+STREAM_TURN_S = 0.50e-3
+STREAM_CHUNK_S = 2e-6
+STREAM_FRAME_S = 50e-6
 STREAM_INTERVAL_S = 0.05
 STREAM = ControlPlaneCost(turn_s=STREAM_TURN_S, chunk_s=STREAM_CHUNK_S, frame_s=STREAM_FRAME_S,
                           interval_s=STREAM_INTERVAL_S)
