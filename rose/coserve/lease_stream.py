@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Callable
+from typing import cast
 
 import httpx
 import msgspec
@@ -51,8 +52,8 @@ class _Wire(asyncio.Protocol):
         self._parts: list[bytes] = []  # a fragmented message's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's (a Ray async actor's loop) is no asyncio.Transport subclass, but is one.
+        self.transport = cast(asyncio.Transport, transport)
         request = self.protocol.connect()
         for name, value in self.headers.items():
             request.headers[name] = value

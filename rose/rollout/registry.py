@@ -85,6 +85,14 @@ class WorkerRegistry:
         take its own lateness for their silence); return their turns in flight."""
         return self.table.reap(self.clock() - grace_s)
 
+    async def listen(self, tick_s: float = 0.25) -> None:
+        """Poll and reap until cancelled: liveness where no rollout manager ticks (the driver of a
+        sharded control plane, whose shards route the turns)."""
+        while True:
+            await self.poll()
+            self.reap()
+            await asyncio.sleep(tick_s)
+
     def _register(self, worker: Worker, beat: Heartbeat) -> None:
         self.table.register(WorkerState(worker.worker_id, worker.kind, worker.max_concurrency,
                                         last_heartbeat_s=self.clock(), policy_version=beat.policy_version,

@@ -76,7 +76,7 @@ def on_loop(loop: StepLoop[Any], load: WeightUpdate,
     return apply
 
 
-class _Role:
+class Role:
     """An actor whose log lines carry its role (Ray prefixes the lines it forwards with the
     actor's repr, so that names the role too), on its device: its cores (local mode) or the
     share of its node Ray gave it."""
@@ -106,7 +106,7 @@ class _Role:
         return ray.get_runtime_context().get_node_id()
 
 
-class TrainerActor(_Role):
+class TrainerActor(Role):
     """One data-parallel rank of the trainer (NCCL between ranks on CUDA, gloo on the CPU); rank 0
     publishes the weights and writes the checkpoints."""
 
@@ -177,7 +177,7 @@ class TrainerActor(_Role):
         return str(self.trainer.save(path, assets))
 
 
-class _Replica(_Role):
+class _Replica(Role):
     """A rollout replica's receiving end: joins the relay group; each sync's weights go to `load`,
     which the replica's engine loop runs between two iterations.
 

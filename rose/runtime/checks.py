@@ -82,6 +82,9 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
                "train.max_staleness: asynchronous RL plays the default rollout's episodes as a stream "
                "(rose.rollout.stream); a rollout.function of your own is for synchronous runs (set "
                "rollout.agent to change how one trajectory is played)")
+    _check(config.rollout.shards <= config.rollout.groups,
+           f"rollout.shards ({config.rollout.shards}) must be at most rollout.groups "
+           f"({config.rollout.groups}): each shard plays whole groups of every step")
     _check_loggers(t.logger)
     _check(t.sharding in SHARDINGS,
            f"train.sharding must be one of {', '.join(SHARDINGS)}, got {t.sharding!r}")
@@ -137,7 +140,7 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
 _RANGES: dict[str, tuple[float, float, bool]] = {
     **{f"rollout.{k}": (1, math.inf, True) for k in (
         "groups", "group_size", "max_tokens", "dedicated_concurrency", "serving_concurrency",
-        "max_context_tokens", "kv_cache_mb", "max_sampling_rounds")},
+        "max_context_tokens", "kv_cache_mb", "max_sampling_rounds", "shards")},
     "rollout.temperature": (0, math.inf, True),  # 0: greedy
     "rollout.stall_timeout_s": (0, math.inf, False),
     "rollout.timeout_s": (0, math.inf, False),

@@ -3,7 +3,8 @@
 `Cluster.start` initialises Ray (a local instance sized to this machine's cores, or
 `ray_address`), writes the random-initialised checkpoints when no path is given, and starts the
 trainer (`TrainerGroup`), the dedicated rollout workers and, in rose mode, the serving devices,
-each with its HTTP server and its trace replay (`Replicas`). Per step the driver calls
+each with its HTTP server and its trace replay (`Replicas`); with `rollout.shards` > 1, the
+control plane's shards, which then route the turns (`ControlShards`). Per step the driver calls
 `rollout`, `train`, `sync_weights` and `save`.
 """
 
@@ -37,6 +38,7 @@ from rose.runtime.rollouts import (
     load_rollout_function,
     stream_rollouts,
 )
+from rose.runtime.shards import ControlShards
 from rose.runtime.trainers import TrainerGroup, rank_cores
 from rose.transfer import RayRelay
 
@@ -70,6 +72,7 @@ class Cluster:
         # Asynchronous RL (train.max_staleness >= 1): the groups in play across steps, and the
         # watcher that starts dead replicas again all along (synchronous runs watch per step).
         self._stream: RolloutStream | None = None
+        self.shards: ControlShards | None = None
         self._watching: tuple[asyncio.Event, asyncio.Task[None]] | None = None
         self.stream_groups: dict[str, int] = {}  # the stream's group counts when the run ended
         self._pinned = contextlib.ExitStack()
@@ -108,6 +111,9 @@ class Cluster:
         self.tokenizer = load_tokenizer(policy)
         r.policy = for_actors(policy, self.placement.local)
         starts = self.loop.run_until_complete(self.trainers.launch(r.policy))
+        if c.rollout.shards > 1:  # before any replica registers: each is routed to by every shard
+            self.shards = r.shards = ControlShards(c, r.policy, self.placement, self.restarts)
+            self.shards.start()
         for i, cores in enumerate(c.devices.dedicated):
             r.start_dedicated(f"dedicated-{i}", cores)
         if self.mode is Mode.ROSE:
@@ -140,6 +146,8 @@ class Cluster:
             roles.append(("serving", c.serving.device, d.serving))
         if self.mode is Mode.ELASTIC:
             roles.append(("elastic", c.rollout.device, d.elastic))
+        if c.rollout.shards > 1:  # each a core's worth of the driver's work
+            roles.append(("shard", "cpu", [d.trainer[:1]] * c.rollout.shards))
         return [self.placement.demand(role, cores, actor_device(device).startswith("cuda"))
                 for role, device, listed in roles for cores in listed]
 
@@ -160,22 +168,35 @@ class Cluster:
         Asynchronous (train.max_staleness >= 1): the step's batch, taken from the groups in play,
         which go on playing while the driver trains."""
         if not self.config.train.max_staleness:
-            return self._run(self.rollout_function, step)
+            return self._run(self.rollout_function if self.shards is None else self._sharded(False), step)
         return self.loop.run_until_complete(self._take())
 
+    def _sharded(self, evaluate: bool) -> RolloutFunction:
+        """The step's rollouts (or evaluation) as the shards play them, each its share."""
+        shards = self.shards
+        assert shards is not None
+        return lambda ctx: shards.rollout(evaluate, ctx.step, ctx.version)
+
     async def _take(self) -> RolloutReport:
-        if self._stream is None:
-            ctx = RolloutContext(self.config, self.steps, self.version, self.tokenizer, self.registry)
-            self._stream = stream_rollouts(ctx, lambda: self.version)
+        if self._watching is None:
             stop = asyncio.Event()
             self._watching = (stop, asyncio.create_task(self.replicas.watch(stop)))
         await self.replicas.new_rl_step()
-        return await self._stream.take(self.config.rollout.timeout_s)
+        timeout_s = self.config.rollout.timeout_s
+        if self.shards is not None:
+            return await self.shards.take(self.steps, self.version, timeout_s)
+        if self._stream is None:
+            ctx = RolloutContext(self.config, self.steps, self.version, self.tokenizer, self.registry)
+            self._stream = stream_rollouts(ctx, lambda: self.version)
+        return await self._stream.take(timeout_s)
 
     async def _stop_stream(self) -> None:
         if self._stream is not None:
             self.stream_groups = self._stream.counts()  # those in play are stopped: no step needs them
             await self._stream.close()
+        if self.shards is not None:
+            await self.shards.close()
+            self.stream_groups = self.shards.stream_groups
         if self._watching is not None:
             stop, watch = self._watching
             stop.set()
@@ -183,7 +204,7 @@ class Cluster:
 
     def evaluate(self, step: int) -> RolloutReport:
         """The held-out evaluation of the current policy, run as the rollouts are."""
-        return self._run(heldout_rollout, step)
+        return self._run(heldout_rollout if self.shards is None else self._sharded(True), step)
 
     def _run(self, function: RolloutFunction, step: int) -> RolloutReport:
         ctx = RolloutContext(self.config, step, self.version, self.tokenizer, self.registry)
@@ -211,7 +232,7 @@ class Cluster:
         """One optimizer step. While an asynchronous run's rollouts go on, the workers on the
         trainer's device pause for it (turns in flight wait there): two busy processes on one device
         would slow the trainer far more than the rollouts they add, and the rest go on."""
-        paused = self.replicas.beside_trainer() if self._stream is not None else []
+        paused = self.replicas.beside_trainer() if self._watching is not None else []
         await self._pause(paused, True)
         try:
             return await self.trainers.train(trajectories)
@@ -226,6 +247,8 @@ class Cluster:
                 table.set_paused(wid, paused)
         calls = [(handles[w].pause if paused else handles[w].resume).remote() for w in wids if w in handles]
         await asyncio.gather(*calls, return_exceptions=True)
+        if self.shards is not None and wids:
+            await self.shards.pause(wids, paused)
 
     def sync_weights(self) -> SyncReport:
         """Publish the trainer's weights; every replica pulls and applies them (between two of
@@ -239,6 +262,8 @@ class Cluster:
         sent = await self.replicas.sync(self.replicas.all())
         if self._stream is not None:
             self._stream.refill()
+        if self.shards is not None and self._watching is not None:
+            await self.shards.set_version(self.version)
         return sent
 
     def save(self, step: int) -> str:

@@ -99,6 +99,9 @@ class RolloutConfig:
     # The dedicated workers' engine (the serving devices': serving.engine): "native" (rose.engine)
     # or "vllm" (vLLM's, from the venv `make install-vllm` makes: docs/vllm.md).
     backend: str = "native"
+    # The control plane's shards (rose.runtime.shards): 1 routes every turn from the driver;
+    # K > 1 starts K Ray actors, each playing every K-th group and routing its turns to every device.
+    shards: int = 1
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-ROLES = ("trainer", "dedicated", "serving", "elastic")
+ROLES = ("trainer", "dedicated", "serving", "elastic", "shard")
 
 
 @dataclasses.dataclass(frozen=True)

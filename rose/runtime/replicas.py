@@ -25,7 +25,6 @@ import httpx
 
 from rose.contracts import WorkerKind
 from rose.coserve.lease_client import LeaseClient, LeaseError
-from rose.coserve.lease_stream import LeaseStream
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.settings import ServerLimits
 from rose.rollout.manager import RolloutReport
@@ -34,6 +33,7 @@ from rose.runtime.actors import DedicatedWorkerActor, EndpointActor, ServingDevi
 from rose.runtime.checkpoints import Checkpoint
 from rose.runtime.config import Config, actor_device
 from rose.runtime.placement import PlacementPolicy, Unplaceable, check_placeable
+from rose.runtime.shards import ControlShards, Device
 from rose.runtime.trainers import TrainerGroup
 
 SYNC_TIMEOUT_S = 120.0
@@ -68,6 +68,9 @@ class Replicas:
         # One publish at a time: an asynchronous run's watcher may start a replica again (and
         # sync it) while the driver syncs every replica.
         self._publishing = asyncio.Lock()
+        # A sharded control plane (rollout.shards > 1): the shards route the turns, to the
+        # replicas this driver tells them of; its own registry keeps their liveness.
+        self.shards: ControlShards | None = None
 
     def all(self) -> dict[str, Any]:
         return {**self.dedicated, **self.serving, **self.endpoints}
@@ -134,10 +137,7 @@ class Replicas:
         traffic; a replica that could not be started again is gone with its node)."""
         import ray
 
-        worker = self.registry.workers.get(wid)
-        self.registry.remove(wid)
-        if worker is not None:
-            await worker.close()
+        await self._unroute(wid)
         for replicas in (self.dedicated, self.serving, self.endpoints):
             if wid in replicas:
                 with contextlib.suppress(Exception):  # already dead
@@ -154,21 +154,31 @@ class Replicas:
         if wid in self.serving or wid in self.endpoints:
             self.metrics_urls[wid] = url
             write_prometheus_targets(self.targets_file, self.metrics_urls)
-        worker = self._stream(wid, url)
-        old = self.registry.workers.get(wid)
-        if old is not None:
-            self.registry.remove(wid)
-            await old.close()
-        self.registry.add(worker, self.trainers.version if version is None else version)
+        await self._route_to(self._device(wid, url), self.trainers.version if version is None else version)
 
-    def _stream(self, wid: str, url: str) -> LeaseStream:
-        """The turn stream of replica `wid` at `url`, as the rollout manager's worker."""
+    def _device(self, wid: str, url: str) -> Device:
+        """Replica `wid`, whose lease API is at `url`, as the rollout manager routes to it."""
         r = self.config.rollout
         if wid in self.dedicated:
-            return LeaseStream(url, key=self.server_limits.lease_key, worker_id=wid,
-                               max_concurrency=r.dedicated_concurrency, kind=WorkerKind.DEDICATED)
+            key, kind, slots = self.server_limits.lease_key, WorkerKind.DEDICATED, r.dedicated_concurrency
+            return Device(wid, url, key, kind, slots)
         key = self.config.serving.endpoint_key if wid in self.endpoints else self.server_limits.lease_key
-        return LeaseStream(url, key=key, worker_id=wid, max_concurrency=r.serving_concurrency)
+        return Device(wid, url, key, WorkerKind.SERVING, r.serving_concurrency)
+
+    async def _route_to(self, device: Device, version: int) -> None:
+        """Route turns to `device` (in place of an earlier one of its name), which holds `version`."""
+        await self._unroute(device.worker_id)
+        self.registry.add(device.stream(), version)
+        if self.shards is not None:
+            await self.shards.route_to(device, version)
+
+    async def _unroute(self, wid: str) -> None:
+        worker = self.registry.workers.get(wid)
+        self.registry.remove(wid)
+        if worker is not None:
+            await worker.close()
+        if self.shards is not None:
+            await self.shards.forget(wid)
 
     async def new_rl_step(self) -> None:
         """Tell every serving executor a new step begins: it may grow its rollout budget again."""
@@ -254,7 +264,18 @@ class Replicas:
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Until `stop` (a step's rollouts ended): a replica the registry gave up on whose actor
-        has died is started again, so the step gets its capacity back."""
+        has died is started again, so the step gets its capacity back. With a sharded control
+        plane the driver's registry hears the replicas itself meanwhile (no rollout manager here
+        ticks it)."""
+        listen = asyncio.create_task(self.registry.listen()) if self.shards is not None else None
+        try:
+            await self._watch(stop)
+        finally:
+            if listen is not None:
+                listen.cancel()
+                await asyncio.gather(listen, return_exceptions=True)
+
+    async def _watch(self, stop: asyncio.Event) -> None:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.registry.stall_timeout_s)
@@ -305,7 +326,7 @@ class Replicas:
         except asyncio.CancelledError:
             self.elastic_cancelled_s.append(time.perf_counter() - start)
             raise
-        self.registry.add(self._stream(wid, await handle.address.remote()), self.trainers.version)
+        await self._route_to(self._device(wid, await handle.address.remote()), self.trainers.version)
         self.elastic_alloc_s.append(time.perf_counter() - start)
 
     async def _release_elastic(self) -> None:
@@ -314,7 +335,7 @@ class Replicas:
         for wid in [w for w in self.dedicated if w.startswith("elastic-")]:
             handle = self.dedicated.pop(wid)
             self.cores.pop(wid, None)
-            self.registry.remove(wid)
+            await self._unroute(wid)
             with contextlib.suppress(ray.exceptions.RayActorError):  # a dead one has left already
                 await handle.leave.remote()
             ray.kill(handle)

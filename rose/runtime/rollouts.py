@@ -5,7 +5,9 @@ calls it between two weight versions, with the workers alive and the serving dev
 renewed, and trains on the trajectories it returns. The default, `multi_turn_rollout`, plays
 the config's environment episodes turn by turn across the workers (`RolloutManager`). A user's
 own rollout is one function named as `package.module:function`, as slime's
-`--rollout-function-path` is.
+`--rollout-function-path` is. With `rollout.shards` > 1 the function runs on every shard of the
+control plane (rose.runtime.shards), each playing its share of the step: the groups `ctx.mine`
+names.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class RolloutContext:
     version: int
     tokenizer: Tokenizer
     registry: WorkerRegistry
+    shard: int = 0  # which of the control plane's `shards` runs this rollout
+    shards: int = 1
+
+    def mine(self, n: int) -> range:
+        """Which of `n` groups (or held-out episodes) this shard plays: every `shards`-th."""
+        return range(self.shard, n, self.shards)
+
+    def prefix(self, kind: str) -> str:
+        """A trajectory id's start, unique across the shards (`kind`: what the rollout is, and when)."""
+        return kind if self.shards == 1 else f"{kind}k{self.shard}."
 
 
 RolloutFunction = Callable[[RolloutContext], Awaitable[RolloutReport]]
@@ -62,9 +74,9 @@ def _params(ctx: RolloutContext, temperature: float) -> SamplingParams:
 
 def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
     """The step's episodes: `rollout.groups` environment seeds, `rollout.group_size` each (a
-    later sampling round draws new seeds)."""
+    later sampling round draws new seeds); on a shard, its groups of them."""
     first = ctx.step * ctx.config.rollout.groups + sampling_round * ROUND_SEED_STRIDE
-    return [e for g in range(ctx.config.rollout.groups)
+    return [e for g in ctx.mine(ctx.config.rollout.groups)
             for e in group(ctx, first + g, (ctx.step, sampling_round, g))]
 
 
@@ -95,44 +107,58 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
     `sampling_rounds`)."""
     r, seed = ctx.config.rollout, ctx.config.train.seed * 7919 + ctx.step
     manager, agent = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=seed), load_agent(r.agent)
-    report = await manager.run(episodes(ctx), ctx.version, prefix=f"s{ctx.step}-", timeout_s=r.timeout_s,
-                               agent=agent)
+    report = await manager.run(episodes(ctx), ctx.version, prefix=ctx.prefix(f"s{ctx.step}-"),
+                               timeout_s=r.timeout_s, agent=agent)
     for sampling_round in range(1, sampling_rounds(ctx.config)):
-        missing = r.groups - len(informative(report.trajectories))
+        missing = len(ctx.mine(r.groups)) - len(informative(report.trajectories))
         if missing <= 0:
             break
         more = await manager.run(episodes(ctx, sampling_round), ctx.version,
-                                 prefix=f"s{ctx.step}r{sampling_round}-", timeout_s=r.timeout_s, agent=agent)
+                                 prefix=ctx.prefix(f"s{ctx.step}r{sampling_round}-"), timeout_s=r.timeout_s,
+                                 agent=agent)
         wanted = set(informative(more.trajectories)[:missing])
         report = report.extend(more, keep=lambda t, wanted=wanted: t.group_id in wanted)
     return report
 
 
-def stream_rollouts(ctx: RolloutContext, version: Callable[[], int]) -> RolloutStream:
+def stream_rollouts(ctx: RolloutContext, version: Callable[[], int], first_step: int | None = None,
+                    skip: int = 0) -> RolloutStream:
     """Asynchronous RL's rollouts from step `ctx.step` on: the run's groups, the k-th from its
     k-th seed (the seeds a synchronous run's steps draw, in the same order), played without
     pause across steps (`RolloutStream`); with dynamic sampling (DAPO) only groups whose
     outcomes differ fill a step, up to `sampling_rounds` steps' worth of groups played for it.
-    `version()` is the trainer's."""
+    `version()` is the trainer's. On a shard: every `shards`-th of those groups, its share of
+    each step's batch, from its `skip`-th group on of a stream first started at `first_step`
+    (a shard started again plays again the groups its predecessor had in play)."""
     c, r = ctx.config, ctx.config.rollout
     manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=c.train.seed * 7919 + ctx.step)
     keep = (lambda trajectories: bool(informative(trajectories))) if c.train.objective == "dapo" \
         else (lambda trajectories: True)
-    first = ctx.step * r.groups  # a resumed run goes on with the seeds after its steps'
-    return RolloutStream(manager, load_agent(r.agent), lambda k: group(ctx, first + k, ("a", first + k)),
-                         version, r.groups, extra_groups(c), c.train.max_staleness, keep,
-                         (sampling_rounds(c) - 1) * r.groups, steps=c.train.steps - ctx.step)
+    # A resumed run goes on with the seeds after its steps'.
+    first = (ctx.step if first_step is None else first_step) * r.groups
+
+    def new_group(j: int) -> list[Episode]:
+        k = first + (skip + j) * ctx.shards + ctx.shard
+        return group(ctx, k, ("a", k))
+
+    batch, extra = len(ctx.mine(r.groups)), len(ctx.mine(extra_groups(c)))
+    prefix = ctx.prefix("a") + (f"{skip}+" if skip else "")  # a successor's ids differ from its predecessor's
+    return RolloutStream(manager, load_agent(r.agent), new_group, version, batch, extra,
+                         c.train.max_staleness, keep, (sampling_rounds(c) - 1) * batch, prefix=prefix,
+                         steps=c.train.steps - ctx.step)
 
 
 async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:
     """`eval.episodes` episodes on held-out layouts, one per seed from `EVAL_SEED` (the same
     layouts at every evaluation), sampled at `eval.temperature` (None: the rollouts'); never
-    trained on."""
+    trained on. On a shard, its share of them."""
     c = ctx.config
     held_out = [Episode(make_env(c.env.name, **env_kwargs(c, "eval")), ctx.tokenizer, seed=EVAL_SEED + i,
                         group_id=("eval", i), max_context_tokens=c.rollout.max_context_tokens,
-                        tools=_tools(c)) for i in range(c.eval.episodes)]
+                        tools=_tools(c)) for i in ctx.mine(c.eval.episodes)]
+    if not held_out:  # a shard past the episodes' count
+        return RolloutReport([], [], 0.0)
     temperature = c.rollout.temperature if c.eval.temperature is None else c.eval.temperature
     manager = RolloutManager(ctx.registry, _params(ctx, temperature), seed=c.train.seed)
-    return await manager.run(held_out, ctx.version, prefix=f"e{ctx.step}-", timeout_s=c.rollout.timeout_s,
-                             agent=load_agent(c.rollout.agent))
+    return await manager.run(held_out, ctx.version, prefix=ctx.prefix(f"e{ctx.step}-"),
+                             timeout_s=c.rollout.timeout_s, agent=load_agent(c.rollout.agent))
