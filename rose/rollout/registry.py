@@ -44,6 +44,13 @@ class WorkerRegistry:
         self.workers.pop(worker_id, None)
         return self.table.remove(worker_id) if worker_id in self.table.workers else []
 
+    async def drop(self, worker_id: str) -> None:
+        """Forget a worker and close it (its turns in flight end as its failure)."""
+        worker = self.workers.get(worker_id)
+        self.remove(worker_id)
+        if worker is not None:
+            await worker.close()
+
     def alive(self) -> list[str]:
         return list(self.table.workers)
 

@@ -173,10 +173,7 @@ class Replicas:
             await self.shards.route_to(device, version)
 
     async def _unroute(self, wid: str) -> None:
-        worker = self.registry.workers.get(wid)
-        self.registry.remove(wid)
-        if worker is not None:
-            await worker.close()
+        await self.registry.drop(wid)
         if self.shards is not None:
             await self.shards.forget(wid)
 

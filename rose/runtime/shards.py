@@ -89,17 +89,11 @@ class RolloutShard(Role):
 
     async def route_to(self, device: Device, version: int) -> None:
         """Route to `device` (in place of an earlier one of its name), which holds `version`."""
-        old = self.registry.workers.get(device.worker_id)
-        if old is not None:
-            self.registry.remove(device.worker_id)
-            await old.close()
+        await self.registry.drop(device.worker_id)
         self.registry.add(device.stream(slot_share(device.slots, self.shard, self.shards)), version)
 
     async def forget(self, worker_id: str) -> None:
-        worker = self.registry.workers.get(worker_id)
-        self.registry.remove(worker_id)
-        if worker is not None:
-            await worker.close()
+        await self.registry.drop(worker_id)
 
     async def pause(self, worker_ids: list[str], paused: bool) -> None:
         for wid in worker_ids:
