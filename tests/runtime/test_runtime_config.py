@@ -458,3 +458,11 @@ def test_dapo_limits_responses_at_their_cap_and_refills_its_batch_by_default(
     options = objective_options(config)
     assert (options.get("overlong_max_tokens"), options.get("overlong_cache_tokens"),
             sampling_rounds(config)) == expected
+
+
+def test_each_shard_of_the_control_plane_needs_whole_groups() -> None:
+    assert load_config(None, ["rollout.groups=4", "rollout.shards=4"]).rollout.shards == 4
+    with pytest.raises(ValueError, match=r"rollout\.shards \(5\) must be at most rollout\.groups \(4\)"):
+        load_config(None, ["rollout.groups=4", "rollout.shards=5"])
+    with pytest.raises(ValueError, match=r"rollout\.shards must be >= 1, got 0"):
+        load_config(None, ["rollout.shards=0"])
