@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import cProfile
@@ -189,7 +190,7 @@ class _Run:
     frames: int
     finished: int
     lost: int
-    resumed: int
+    resumed: dict[str, int]  # attempts that did not finish, by why (rose.rollout.manager.Placement)
     delays_s: list[float]
 
 
@@ -226,7 +227,8 @@ async def _play(point: Point, urls: list[str], args: argparse.Namespace, seeds: 
         await client.close()
     return _Run(cpu, wall, len(report.placements), sum(t.num_generated_tokens for t in report.trajectories),
                 frames, len(report.trajectories), report.lost_trajectories + report.failed_trajectories,
-                report.resumed_turns, delays)
+                dict(collections.Counter(p.outcome for p in report.placements if p.outcome != "done")),
+                delays)
 
 
 def _shard(point: Point, urls: list[str], args: argparse.Namespace, seeds: list[int]) -> _Run:
@@ -265,7 +267,9 @@ def _measure(point: Point, urls: list[str], args: argparse.Namespace,
         "transport": point.transport, "shards": point.shards, "dedicated": point.dedicated,
         "serving": point.serving, "trajectories": point.trajectories,
         "finished": sum(r.finished for r in runs),
-        "lost": sum(r.lost for r in runs), "attempts": attempts, "resumed": sum(r.resumed for r in runs),
+        "lost": sum(r.lost for r in runs), "attempts": attempts,
+        "resumed": sum(n for r in runs for n in r.resumed.values()),
+        "resumed_by": dict(sum((collections.Counter(r.resumed) for r in runs), collections.Counter())),
         "tokens": tokens, "frames": sum(r.frames for r in runs), "wall_s": round(wall, 2),
         "iteration_ms": round(point.iteration_s(args) * 1e3, 1),
         "turns_wall_s": round(args.turns * args.turn_tokens * point.turn_scale * point.iteration_s(args), 2),
