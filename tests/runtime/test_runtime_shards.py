@@ -93,3 +93,26 @@ def test_asynchronous_rl_takes_one_stream_of_groups_from_the_shards(tmp_path: Pa
     groups = result.summary["stream_groups"]
     assert groups["taken"] == 3 * 4 and groups["started"] == sum(groups[k] for k in (
         "taken", "dropped", "expired", "in_play"))
+
+
+@pytest.mark.slow
+def test_an_asynchronous_shard_killed_between_steps_is_replaced_and_plays_on(tmp_path: Path) -> None:
+    cluster = Cluster(_config(tmp_path, "train.steps=3", "rollout.max_tokens=8", "train.max_staleness=1"),
+                      Mode.FIXED, tmp_path)
+    try:
+        cluster.start()
+        assert cluster.shards is not None
+        first = cluster.rollout(0)
+        cluster.train(first.trajectories)
+        cluster.sync_weights()
+        ray.kill(cluster.shards.handles[1])  # its groups in play die with it
+        second = cluster.rollout(1)
+        assert any(line.startswith("shard-1 restarted") for line in cluster.restarts), cluster.restarts
+        for report in (first, second):
+            groups = [t.group_id for t in report.trajectories]
+            assert len(set(groups)) == 4 and all(groups.count(g) == 4 for g in groups)
+        # The successor went on from the first group its predecessor had not handed to a step:
+        # no group trained twice.
+        assert not {t.group_id for t in first.trajectories} & {t.group_id for t in second.trajectories}
+    finally:
+        cluster.shutdown()
