@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rose.contracts import WorkerKind
@@ -182,7 +183,14 @@ class ControlShards:
         self.restarts.append(f"shard-{k} restarted ({type(why).__name__})")
 
     async def _on_every(self, call: str, *args: Any) -> None:
-        await asyncio.gather(*(getattr(h, call).remote(*args) for h in self.handles))
+        """`call` on every shard; a dead one is skipped (its successor starts from `devices`
+        and `paused`, which the caller updated first)."""
+        import ray
+
+        calls = [getattr(h, call).remote(*args) for h in self.handles]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException) and not isinstance(result, ray.exceptions.RayActorError):
+                raise result
 
     async def route_to(self, device: Device, version: int) -> None:
         self.devices[device.worker_id] = (device, version)
@@ -219,7 +227,9 @@ class ControlShards:
 
         return merge(list(await asyncio.gather(*(share(k) for k in range(self.count)))))
 
-    async def _retried(self, k: int, call: Any) -> Any:
+    async def _retried(self, k: int, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        """`call(shard k)`, made again on a new shard k as long as the shard dies, at most
+        `SHARD_RESTARTS` times."""
         import ray
 
         deaths = 0
