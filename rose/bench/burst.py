@@ -149,15 +149,44 @@ class HandBack:
         return dataclasses.asdict(self)
 
 
-async def _after_burst(url: str, client: httpx.AsyncClient, stop_at: float) -> None:
-    """Wait until the executor's burst state is normal again (the next RL step began): a turn
-    handed back goes nowhere else in this benchmark (the rollout scheduler would route it to a
-    device with room), and in a burst or its freeze the device takes none back."""
-    while time.perf_counter() < stop_at:
-        with contextlib.suppress(httpx.HTTPError):
-            if (await client.get(f"{url}/v1/lease/capacity")).json()["state"] == "normal":
+class Room:
+    """The device's free rollout slots as `rose train`'s scheduler sees them: a turn the device
+    handed back goes back to it only for a slot of a capacity report newer than the cut (the
+    routing table marks the device full at the abort), each slot taken once. The benchmark has no
+    other device to send it to, so it waits here."""
+
+    def __init__(self, url: str, client: httpx.AsyncClient) -> None:
+        self.url, self.client = url, client
+        self.free = 0  # slots of the last report, less those taken since
+        self._poll: asyncio.Task[None] | None = None
+        self._report = asyncio.Event()
+
+    async def _polling(self) -> None:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                capacity = (await self.client.get(f"{self.url}/v1/lease/capacity")).json()
+                self.free = capacity["free_slots"]
+                self._report.set()
+            await asyncio.sleep(0.25)
+
+    async def take(self, stop_at: float) -> None:
+        """Wait for a free slot reported after this call (or until `stop_at`) and take it."""
+        if self._poll is None:
+            self._poll = asyncio.create_task(self._polling())
+        self._report.clear()
+        while time.perf_counter() < stop_at:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._report.wait(), max(0.0, stop_at - time.perf_counter()))
+            if self.free > 0:
+                self.free -= 1
                 return
-        await asyncio.sleep(0.25)
+            self._report.clear()
+
+    async def close(self) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+            await asyncio.gather(self._poll, return_exceptions=True)
+        await self.client.aclose()
 
 
 async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator,
@@ -166,8 +195,8 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
     coserve`'s backlog, resuming a turn handed back as the rollout scheduler does
     (`rose.rollout.routing.resume`): the tokens it produced join its prompt and come off its
     budget, so none is generated again, only their KV is built again (prefill); and it goes back
-    once the burst is over (`_after_burst`)."""
-    client, probe = LeaseClient(url), httpx.AsyncClient(timeout=httpx.Timeout(30.0))
+    once the device reports room for it again (`Room`)."""
+    client, room = LeaseClient(url), Room(url, httpx.AsyncClient(timeout=httpx.Timeout(30.0)))
 
     async def trajectory(k: int) -> None:
         handed = [0]  # handed-back attempts of the turn in progress
@@ -201,7 +230,7 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
                 hand_back.handed_back_with_tokens += bool(got.token_ids)
                 hand_back.partial_tokens += len(got.token_ids)
                 handed[0] += 1
-                await _after_burst(url, probe, stop_at)
+                await room.take(stop_at)
                 if time.perf_counter() < stop_at:
                     hand_back.resumed += 1
                     hand_back.resumed_prefill_tokens += len(history)
@@ -219,7 +248,7 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.close()
-    await probe.aclose()
+    await room.close()
 
 
 # -- the pool timeline and the RL steps -------------------------------------------------------
@@ -385,11 +414,11 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
 
 
 def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollout: Path, core: str | None,
-             device: tuple[str, ...]) -> dict[str, Any]:
+             device: tuple[str, ...], run: int = 0) -> dict[str, Any]:
     pool = ("--pool-mb", str(args.burst_pool_mb))
     if args.engine == "vllm":  # vLLM's KV cache is its own: this share of the pool
         pool += ("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
-    modes = ENGINE_MODES[args.engine]
+    modes = {m: v for m, v in ENGINE_MODES[args.engine].items() if m in burst_modes(args)}
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     results: dict[str, Any] = {}
     requests: dict[str, list[RequestResult]] = {}
@@ -398,8 +427,10 @@ def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollo
         for mode, (policy, _) in modes.items():
             progress.describe(mode)
             split = ("--static-rollout-pages", str(args.static_rollout_pages))
+            log = (("--iteration-log", str(Path(args.iteration_log) / f"{mode}-run{run}.jsonl"))
+                   if args.iteration_log else ())
             extra = (*pool, *(rose_args(args) if policy == "rose" else ()),
-                     *(split if policy == "static" else ()), *device)
+                     *(split if policy == "static" else ()), *log, *device)
             with bench_server(serving, rollout, policy, slo, core, extra) as url:
                 results[mode], requests[mode] = asyncio.run(_measure(url, mode, window, args, slo))
             if mode == "serving_alone":  # its P99s over the window x --slo-factor: the others' SLO
@@ -538,8 +569,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--next-step-s", type=float, default=10.0,
                    help="seconds from a burst's trigger to the next RL step, which ends the freeze "
                    "(default: 10)")
+    g.add_argument("--modes", help="comma-separated modes to run after serving_alone (default: all of the "
+                   "engine's)")
+    g.add_argument("--iteration-log", metavar="DIR", help="each server writes its executor's iterations "
+                   "here, MODE-runK.jsonl (rose serve --iteration-log)")
     g.add_argument("--static-rollout-pages", type=float, default=ExecutorConfig().static_rollout_pages,
                    help="static_partition's rollout share of the pool (default: half, as without --burst)")
+
+
+def burst_modes(args: argparse.Namespace) -> list[str]:
+    """The modes to run on the engine: serving_alone (every other's SLO and reference), then
+    `--modes` (all the engine's by default)."""
+    known = list(ENGINE_MODES[args.engine])
+    if not args.modes:
+        return known
+    asked = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in asked if m not in known]
+    if unknown:
+        raise ValueError(f"--modes: {', '.join(unknown)}: not a mode of --engine {args.engine}; "
+                         f"expected some of {', '.join(known[1:])}")
+    return ["serving_alone", *(m for m in known[1:] if m in asked)]
 
 
 def _check_vllm_cache(args: argparse.Namespace, serving: Path, max_context: int) -> None:
@@ -553,12 +602,38 @@ def _check_vllm_cache(args: argparse.Namespace, serving: Path, max_context: int)
                          f"{need_mb / args.burst_pool_mb:.2f}")
 
 
+def worst_run(summaries: list[dict[str, Any]]) -> int:
+    """The run whose `rose` kept serving worst: the lowest SLO attainment inside or outside the
+    spike, then the highest P99 TTFT and TPOT inside it over serving alone's."""
+    def badness(s: dict[str, Any]) -> tuple[float, float, float]:
+        r = s["rose"]
+        attainment = min(r[part]["slo_attainment"] or 0.0 for part in ("inside", "outside"))
+        return (-attainment, r["inside"]["ttft_vs_alone"] or 0.0, r["inside"]["tpot_vs_alone"] or 0.0)
+
+    return max(range(len(summaries)), key=lambda i: badness(summaries[i]))
+
+
+def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number of the runs' summaries as its median over the runs (the rest as the first run's)."""
+    first = summaries[0]
+    if isinstance(first, dict):
+        return {k: median_summary([s[k] for s in summaries]) for k in first}
+    if isinstance(first, int | float) and not isinstance(first, bool) and all(
+            isinstance(s, int | float) for s in summaries):
+        return round(float(np.median(summaries)), 3)
+    return first
+
+
 def run(args: argparse.Namespace) -> int:
-    for flag, given in (("--runs", args.runs != 1), ("--sweep-quantile", args.sweep_quantile),
+    for flag, given in (("--sweep-quantile", args.sweep_quantile),
                         ("--sweep-inflation", args.sweep_inflation),
                         ("--baseline-duration", args.baseline_duration)):
         if given:
-            raise ValueError(f"{flag} does not apply to --burst (one run of four modes over one window)")
+            raise ValueError(f"{flag} does not apply to --burst (its modes over one window)")
+    if "rose" not in burst_modes(args):
+        raise ValueError("--burst --modes: the figures are rose's against the others; include rose")
+    if args.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {args.runs}")
     device = serve_device_args(args)
     serving, rollout = (checkpoint_arg(flag, path, PROMPT_IDS[1]) if path is not None else None
                         for flag, path in (("--serving-model", args.serving_model),
@@ -567,18 +642,27 @@ def run(args: argparse.Namespace) -> int:
     duration = args.duration or (60.0 if args.quick else 90.0)
     # The replay `rose bench coserve` makes (the trace's mean rate is 5.53 requests/s).
     window = burst_window(Scale(load=args.rate / 5.53), duration, args.spike_s, args.lead_s)
+    if args.iteration_log:
+        Path(args.iteration_log).mkdir(parents=True, exist_ok=True)
     with default_models(serving, rollout) as (serving, rollout):
         if args.engine == "vllm":
             _check_vllm_cache(args, serving, window.scale.max_context)
-        report = _one_run(args, window, serving, rollout, pin_server_core(), device)
-    summary = {"engine": args.engine,
-               **summarize_burst(report, window, args.burst_pool_mb, args.static_rollout_pages)}
-    report = {"window": dataclasses.asdict(window), **report}
+        core = pin_server_core()
+        reports = [_one_run(args, window, serving, rollout, core, device, k) for k in range(args.runs)]
+    summaries = [{"engine": args.engine, **summarize_burst(r, window, args.burst_pool_mb,
+                                                            args.static_rollout_pages)} for r in reports]
+    worst = worst_run(summaries)
+    summary = summaries[0] if args.runs == 1 else {
+        "runs": args.runs, "worst_run": worst, "worst": summaries[worst], "median": median_summary(summaries),
+        "each": summaries}
     if args.plot:
-        plot_burst({**report, "summary": summary}, args.plot)
+        plot_burst({**reports[worst], "summary": summaries[worst]}, args.plot)
     config = {k: getattr(args, k) for k in (
         "engine", "serving_pool_share", "serving_model", "rollout_model", "duration", "quick", "trajectories",
         "slo_factor", "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb",
-        "next_step_s", "spike_s", "lead_s", "static_rollout_pages", "rate", "device", "dtype")}
+        "next_step_s", "spike_s", "lead_s", "static_rollout_pages", "rate", "runs", "modes", "device",
+        "dtype")}
+    report = {"window": dataclasses.asdict(window), **reports[0]} if args.runs == 1 else {
+        "window": dataclasses.asdict(window), "runs": reports}
     write_report(args.json, summary, config=config, **report)
     return 0

@@ -639,6 +639,13 @@ class BurstController:
         self.budget: Any = np.full(devices, pool - self.headroom) if devices else pool - self.headroom
         self.bursts: Any = np.zeros(devices, np.int64) if devices else 0     # emergency cuts so far
         self.aborted: Any = np.zeros(devices, np.int64) if devices else 0    # rollout sequences aborted
+        # The freeze ends at an RL step once serving's usage is `thaw_below` or less: the level
+        # that fired the burst less the watermark's share of the headroom, so that the regrown
+        # budget lets serving climb back to that level before it fires again (a step inside
+        # the spike waits for it to recede; `step_begun` holds such a step).
+        self.thaw_below: Any = np.zeros(devices) if devices else 0.0
+        self.step_begun: Any = np.zeros(devices, bool) if devices else False
+        self.serving_used: Any = np.zeros(devices) if devices else 0.0  # at the last observation
 
     def crossed(self, serving_used: Num, rollout_used: Num) -> Num:
         """Whether free pages are at or below the trigger: the watermark inside the headroom."""
@@ -653,12 +660,18 @@ class BurstController:
         rollout_used = sum(units for _, units in rollout)
         crossed = self.crossed(serving_used, rollout_used)
         cut = crossed & (rollout_used > 0)
-        burst = self.state == BurstState.BURST
+        normal, burst = self.state == BurstState.NORMAL, self.state == BurstState.BURST
         calm = self.pool - serving_used - rollout_used > self.trigger_free
+        self.serving_used = serving_used
+        thaw = _where(cut, False, self._thaws())
+        onset = cut & normal
+        self.thaw_below = _where(onset, serving_used - (self.headroom - self.trigger_free), self.thaw_below)
+        self.step_begun = _where(thaw | onset, False, self.step_begun)
+        regrown = _max(0, self.pool - self.headroom - serving_used)
         self.budget = _where(cut, _min(self.budget, rollout_used) // 2,
-                             _where(self.state == BurstState.NORMAL,
-                                    _max(0, self.pool - self.headroom - serving_used), self.budget))
-        self.state = _where(cut, BurstState.BURST, _where(burst & calm, BurstState.FROZEN, self.state))
+                             _where(normal | thaw, regrown, self.budget))
+        self.state = _where(cut, BurstState.BURST, _where(burst & calm, BurstState.FROZEN,
+                                                          _where(thaw, BurstState.NORMAL, self.state)))
         victims: list[Hashable] = []
         if _any(cut):
             self.bursts += cut
@@ -678,8 +691,16 @@ class BurstController:
         return MemoryDecision(self.state, self.budget, tuple(victims), cut)
 
     def new_rl_step(self, devices: Num = True) -> None:
-        """A new RL step began (on `devices`, arrays: a mask): the rollout budget may grow again."""
-        self.state = _where(devices, BurstState.NORMAL, self.state)
+        """A new RL step began (on `devices`, arrays: a mask): the rollout budget may grow again,
+        at once where the freeze may end (`thaw_below`), else at the first observation where it may."""
+        self.step_begun = self.step_begun | (devices & (self.state != BurstState.NORMAL))
+        thaw = devices & self._thaws()
+        self.state = _where(thaw, BurstState.NORMAL, self.state)
+        self.step_begun = _where(thaw, False, self.step_begun)
+
+    def _thaws(self) -> Num:
+        """Whether the freeze ends now: a step has begun and serving has receded."""
+        return (self.state == BurstState.FROZEN) & self.step_begun & (self.serving_used <= self.thaw_below)
 
 
 def memory_room(state: Num, free: Num, per_turn: float) -> Num:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--threads", "torch threads (default: torch's)", type=int)
     flag("--cores", "pin the process to these cores, e.g. '1' or '0-1'")
     flag("--no-profile", "skip the start-up latency profile", action="store_true")
+    flag("--iteration-log", "append one JSON line per executor iteration to this file: what admission and "
+         "the burst state machine saw and decided, what each model ran (for diagnosis)")
     flag("--api-key", "bearer key of the OpenAI API (default: $ROSE_API_KEY; none: open)")
     flag("--lease-key", "bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open)")
     flag("--max-body-mb", "largest request body, weights excepted", type=float)
@@ -116,9 +119,13 @@ def run(args: argparse.Namespace) -> int:
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))
     app = build_app(StepLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
                     name, limits)
-    # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
-    uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
-                limit_concurrency=limits.max_connections, ws_max_size=MAX_MESSAGE_BYTES)
+    with contextlib.ExitStack() as stack:
+        if serve.iteration_log:  # line-buffered: a reader sees each iteration as it ends
+            log = stack.enter_context(open(serve.iteration_log, "a", buffering=1))
+            executor.trace = lambda record: log.write(json.dumps(record) + "\n")
+        # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
+        uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
+                    limit_concurrency=limits.max_connections, ws_max_size=MAX_MESSAGE_BYTES)
     return 0
 
 

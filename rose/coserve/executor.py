@@ -26,11 +26,13 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rose.contracts import Capacity, Turn
 from rose.coserve.admission import (
+    Admission,
     BurstController,
     BurstState,
     RolloutDemand,
@@ -119,6 +121,10 @@ class CoServingExecutor:
         # Per serving request: the rollout work it waited for.
         self._waited: dict[str, RolloutWait] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
+        self._admitted: tuple[RolloutDemand, Admission] | None = None  # this iteration's, for the trace
+        # Called with one record per iteration when set (`rose serve --iteration-log`): what
+        # admission and the burst state machine saw and decided, what each engine ran.
+        self.trace: Callable[[dict[str, Any]], None] | None = None
         # Whether a serving request is on its way in (its server sets this): a rollout iteration
         # under `rose` is given up for it between two layers, so a request never waits out a
         # whole rollout iteration.
@@ -261,9 +267,12 @@ class CoServingExecutor:
     # -- one iteration ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        outputs = self._control_memory() if self.rollout else []
-        self._limit_s = math.inf
-        budget = self._rollout_token_budget(time.monotonic()) if self.rollout else 0
+        started = (time.time(), time.monotonic())
+        state = self._serving_state()
+        outputs = self._control_memory(state) if self.rollout else []
+        cut = len(outputs)
+        self._limit_s, self._admitted = math.inf, None
+        budget = self._rollout_token_budget(time.monotonic(), state) if self.rollout else 0
         outputs += self._record(SERVING, self.serving.step(), self.serving.last_step)
         self._iterations += 1
         serving_s = self.serving.last_step.seconds
@@ -271,16 +280,47 @@ class CoServingExecutor:
             load = self.serving.last_step.load
             budget = priority_tokens(load.prefill_tokens + load.decode_seqs,
                                      self.rollout.config.max_num_batched_tokens)
+        rolled = False
         if self.rollout and self.rollout.has_unfinished():
             self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
-            if budget != 0:
+            if rolled := budget != 0:
                 interrupt = self.serving_arrived if self.config.policy is Policy.ROSE else None
                 outputs += self._record(ROLLOUT, self.rollout.step(budget, interrupt), self.rollout.last_step)
                 self._charge_rollout_time(self.rollout.last_step.seconds)
                 if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
                     self._observe_slack(serving_s + self.rollout.last_step.seconds)
         self._export_pool()
+        if self.trace is not None:
+            self.trace(self._iteration_record(started, state.waiting, cut, budget, rolled))
         return outputs
+
+    def _iteration_record(self, started: tuple[float, float], waiting: Iterable[tuple[float, int]], cut: int,
+                          budget: int | None, rolled: bool) -> dict[str, Any]:
+        """One iteration as the trace holds it: its start (Unix time), the serving requests waiting
+        for their first token then (age in seconds, prompt tokens left), the burst state and pages
+        after the memory step, admission's demand and decision, what each engine ran."""
+        def ran(step: EngineStep) -> dict[str, Any]:
+            return {"prefill": step.load.prefill_tokens, "decodes": step.load.decode_seqs,
+                    "context": step.load.context_tokens, "s": round(step.seconds, 5),
+                    "interrupted": step.interrupted}
+
+        record: dict[str, Any] = {
+            "t": round(started[0], 4), "i": self._iterations, "state": self.burst.state.name.lower(),
+            "waiting": [[round(started[1] - arrival, 4), tokens] for arrival, tokens in waiting],
+            "pages": {"serving": self._pages(self.serving.kv_pages().active),
+                      "rollout": self._rollout().blocks.num_active_pages if self.rollout else 0,
+                      "budget": self.pool.budget(ROLLOUT), "free": self.pool.num_free},
+            "cut": cut, "budget": budget, "share": round(self.guard.share, 3),
+            "serving": ran(self.serving.last_step)}
+        if self._admitted is not None:
+            demand, a = self._admitted
+            record["admission"] = {
+                "ready_decodes": len(demand.decode_context), "prefill_wanted": demand.prefill_tokens,
+                "decodes": a.decode_seqs, "prefill": a.prefill_tokens,
+                "predicted_s": round(a.iteration_s, 5), "limit_s": round(a.limit_s, 5)}
+        if rolled:
+            record["rollout"] = ran(self._rollout().last_step)
+        return record
 
     def _charge_rollout_time(self, seconds: float) -> None:
         """Charge the rollout part of this iteration to each serving request in flight. It ran
@@ -330,10 +370,10 @@ class CoServingExecutor:
             self.served_within_slo += 1
         self.metrics.slo_attainment.set(self.served_within_slo / self.served)
 
-    def _control_memory(self) -> list[RequestOutput]:
+    def _control_memory(self, state: ServingState) -> list[RequestOutput]:
         """The burst state machine (rose only): set the rollout budget, abort what no longer fits."""
         if self.config.policy is Policy.PRIORITY:
-            self._priority_memory()
+            self._priority_memory(state)
         if self.config.policy is not Policy.ROSE:
             return []
         triggered = time.monotonic()
@@ -341,8 +381,14 @@ class CoServingExecutor:
         before = self.burst.state
         held = [(s.request_id, len(s.block_table))
                 for s in sorted(self._rollout_seqs(), key=lambda s: s.arrival)]
-        # Pages only a prefix cache holds are reclaimable: they count as free here.
-        decision = self.burst.observe(self._pages(self.serving.kv_pages().active), held)
+        # Pages only a prefix cache holds are reclaimable: they count as free here. A prompt that
+        # waits for pages is serving's usage already: counted only once allocated, a spike's second
+        # long prompt could wait behind rollout pages with free pages still above the trigger.
+        # (vLLM's prompts wait for its own cache, which no cut can grow.)
+        serving = self._pages(self.serving.kv_pages().active)
+        if isinstance(self.serving, NativeServing):
+            serving += self._next_chunk_pages(state)
+        decision = self.burst.observe(serving, held)
         self.pool.set_budget(ROLLOUT, decision.rollout_budget)
         m = self.metrics
         self._transition(before, decision.state)
@@ -360,18 +406,22 @@ class CoServingExecutor:
         self._check_reclaim()
         return aborted
 
-    def _priority_memory(self) -> None:
+    def _next_chunk_pages(self, state: ServingState) -> int:
+        """The pages native serving's next prefill chunk takes: its waiting prompts' next
+        `chunk_tokens`, and a partly filled page each."""
+        assert isinstance(self.serving, NativeServing)
+        pending = min(self.config.chunk_tokens, sum(tokens for _, tokens in state.waiting))
+        return self.serving.blocks.pages_for(pending) + len(state.waiting)
+
+    def _priority_memory(self, state: ServingState) -> None:
         """The `priority` policy's memory: rollouts may hold what serving leaves of the pool
         after its next iteration; the newest running rollout sequences beyond it are preempted
         (recomputed later, as vLLM preempts its lowest-priority requests). Where serving has a KV
         cache of its own (vLLM's), the rollout pool is the rollouts' whole."""
         used = next_pages = 0
         if isinstance(self.serving, NativeServing):
-            state = self._serving_state()
-            pending = min(self.config.chunk_tokens, sum(tokens for _, tokens in state.waiting))
-            # Its next chunk's pages, one more page per request it may start or extend.
-            next_pages = (self.serving.blocks.pages_for(pending) + len(state.waiting)
-                          + len(state.decoding_last_token_s))
+            # Its next chunk's pages, and one more page per decode it may extend.
+            next_pages = self._next_chunk_pages(state) + len(state.decoding_last_token_s)
             used = self.pool.used(SERVING)
         budget = priority_pages(self.pool.num_pages, used, next_pages)
         self.pool.set_budget(ROLLOUT, budget)
@@ -393,7 +443,7 @@ class CoServingExecutor:
         self.metrics.reclaim_iterations.observe(self._iterations - iterations)
         self._reclaim = None
 
-    def _rollout_token_budget(self, now: float) -> int | None:
+    def _rollout_token_budget(self, now: float, state: ServingState) -> int | None:
         """Rollout tokens that may join this iteration (None: no limit; under `priority` it is
         set after serving's part has run, from the tokens that part took)."""
         policy = self.config.policy
@@ -409,9 +459,9 @@ class CoServingExecutor:
             prefill_tokens=sum(s.num_uncomputed for s in sched.waiting)
             + sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1))
         cfg = self.config
-        decision = admission_step(now, self._serving_state(), demand, self.tail, self.slo, cfg.chunk_tokens,
+        decision = admission_step(now, state, demand, self.tail, self.slo, cfg.chunk_tokens,
                                   self.guard.share, cfg.arrival_reserve_tokens, cfg.idle_min_rollout_tokens)
-        self._limit_s = decision.limit_s
+        self._limit_s, self._admitted = decision.limit_s, (demand, decision)
         self.metrics.latency_error.set(self.latency.error)
         self.metrics.slack.set(min(decision.prefill_slack_s, decision.decode_slack_s))
         return decision.rollout_tokens

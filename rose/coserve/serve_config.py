@@ -31,6 +31,7 @@ class ServeConfig:
     threads: int | None = None  # None: torch's default
     cores: str | None = None  # pin the process to these cores, e.g. "1" or "0-1"
     no_profile: bool = False
+    iteration_log: str | None = None  # a JSON line per executor iteration goes to this file
     api_key: str | None = ServerLimits.api_key  # load_serve_config: $ROSE_API_KEY when unset
     lease_key: str | None = ServerLimits.lease_key  # ... $ROSE_LEASE_KEY
     max_body_mb: float = ServerLimits.max_body_bytes / MB

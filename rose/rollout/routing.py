@@ -552,9 +552,12 @@ class RoutingTable:
 
     def abort(self, worker_id: Hashable, trajectory_id: Hashable, produced: int, now: float) -> Route:
         """An executor aborted the turn (emergency cut): resume it elsewhere with its tokens.
-        The aborting executor loses the trajectory's affinity (its KV is gone)."""
+        The aborting executor loses the trajectory's affinity (its KV is gone) and takes no turn
+        until its next capacity report says it has room: the report this table holds predates
+        the cut, and the device is short of memory until its serving load recedes."""
         turn = self._take(worker_id, trajectory_id)
         self.affinity.pop(trajectory_id, None)
+        self.full(worker_id)
         return self.route(resume(turn, produced), now)
 
     def rebalance(self, now: float) -> list[tuple[RoutedTurn, Hashable, Hashable]]:

@@ -321,6 +321,37 @@ def test_burst_then_frozen_until_new_rl_step():
     assert d.state is BurstState.NORMAL and d.rollout_budget == 800
 
 
+def test_a_step_inside_the_spike_keeps_the_freeze_until_serving_recedes():
+    bc = BurstController(1000)                                     # headroom 200, trigger at free 100
+    bc.observe(100, [("a", 600)])                                  # normal: budget 700
+    d = bc.observe(350, [("a", 600)])                              # free 50: cut at serving 350
+    assert d.cut and bc.thaw_below == 250                          # 350 less the watermark's 100
+    bc.observe(350, [])                                            # -> FROZEN, budget 300
+    bc.new_rl_step()                                               # the spike still runs
+    assert bc.state is BurstState.FROZEN
+    d = bc.observe(300, [("b", 100)])
+    assert d.state is BurstState.FROZEN and d.rollout_budget == 300
+    d = bc.observe(250, [("b", 100)])                              # receded: the step's thaw
+    assert d.state is BurstState.NORMAL and d.rollout_budget == 550 and not bc.step_begun
+    d = bc.observe(350, [("b", 100), ("c", 450)])                  # back to the level that fired it
+    assert d.cut                                                   # ... fires it again, only there
+
+
+def test_a_step_after_the_spike_ends_the_freeze_at_once_and_a_burst_waits_for_one():
+    bc = BurstController(1000)
+    bc.observe(350, [("a", 700)])                                  # cut at serving 350
+    bc.new_rl_step()                                               # during BURST: held for the freeze
+    assert bc.state is BurstState.BURST and bc.step_begun
+    bc.observe(200, [])                                            # -> FROZEN
+    d = bc.observe(200, [])                                        # receded and a step begun: thaw
+    assert d.state is BurstState.NORMAL
+    assert bc.observe(350, [("a", 600)]).cut                       # a second burst
+    bc.observe(100, [])                                            # FROZEN, serving long receded,
+    assert bc.observe(100, []).state is BurstState.FROZEN          # ... but no step since it began
+    bc.new_rl_step()
+    assert bc.state is BurstState.NORMAL                           # at once
+
+
 def test_repeated_crossing_halves_again_and_frozen_can_burst():
     bc = BurstController(1000)
     bc.observe(500, [("a", 150), ("b", 150)])                      # free 200: normal, budget 300

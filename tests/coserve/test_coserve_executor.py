@@ -116,6 +116,22 @@ def test_burst_cut_hands_back_partial_turns_then_freeze_until_new_rl_step() -> N
         ("normal", "burst"), ("burst", "frozen"), ("frozen", "normal")]
 
 
+def test_a_prompt_waiting_for_pages_the_rollouts_hold_fires_the_burst() -> None:
+    """Free pages above the trigger but short of a prompt: the prompt's pages count as serving's,
+    so the cut comes in the iteration it arrives, not when the rollouts' turns end."""
+    ex = _executor(pages=40, slo_ttft_ms=1e6, slo_tpot_ms=1e6)  # headroom 8 pages, trigger at 4 free
+    for i in range(3):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(100, i), LONG))
+    ex.step()
+    ex.step()
+    free = ex.pool.num_free
+    assert free > ex.burst.trigger_free and ex.burst.state.name == "NORMAL"
+    ex.add_serving(_ids(16 * free + 1, 9), SamplingParams(max_tokens=4))  # one page more than is free
+    outs = ex.step()
+    assert ex.burst.state.name == "BURST" and [o.finish_reason for o in outs].count("abort") >= 1
+    assert ex.serving.last_step.load.prefill_tokens == 16 * free + 1  # prefilled in that iteration
+
+
 def _samples(ex: CoServingExecutor) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
