@@ -150,14 +150,16 @@ class HandBack:
 
 
 class Room:
-    """The device's free rollout slots as `rose train`'s scheduler sees them: a turn the device
-    handed back goes back to it only for a slot of a capacity report newer than the cut (the
-    routing table marks the device full at the abort), each slot taken once. The benchmark has no
-    other device to send it to, so it waits here."""
+    """Where a turn the device handed back may go back to it, as `rose train`'s scheduler sends
+    it (the benchmark has no other device): not before a capacity report made after the cut (the
+    routing table marks the device full at the abort), then for one of the free slots a report
+    gives, each taken once; in a burst the device reports none, frozen only what its halved
+    budget holds. Once the freeze is over the turn goes back as the backlog's new turns do."""
 
     def __init__(self, url: str, client: httpx.AsyncClient) -> None:
         self.url, self.client = url, client
         self.free = 0  # slots of the last report, less those taken since
+        self.normal = False  # the last report's burst state is normal
         self._poll: asyncio.Task[None] | None = None
         self._report = asyncio.Event()
 
@@ -165,18 +167,20 @@ class Room:
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 capacity = (await self.client.get(f"{self.url}/v1/lease/capacity")).json()
-                self.free = capacity["free_slots"]
+                self.free, self.normal = capacity["free_slots"], capacity["state"] == "normal"
                 self._report.set()
             await asyncio.sleep(0.25)
 
     async def take(self, stop_at: float) -> None:
-        """Wait for a free slot reported after this call (or until `stop_at`) and take it."""
+        """Wait for a report made after this call that has room (or until `stop_at`)."""
         if self._poll is None:
             self._poll = asyncio.create_task(self._polling())
         self._report.clear()
         while time.perf_counter() < stop_at:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._report.wait(), max(0.0, stop_at - time.perf_counter()))
+            if self.normal:
+                return
             if self.free > 0:
                 self.free -= 1
                 return

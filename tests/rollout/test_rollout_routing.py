@@ -179,6 +179,21 @@ def test_abort_reroutes_with_tokens_and_drops_affinity():
     assert moved.produced_tokens == 30 and moved.max_tokens == 20 and moved.prompt_tokens == 130
 
 
+def test_a_cut_turn_does_not_go_straight_back_to_the_executor_that_cut_it():
+    t = table()
+    for i in range(6):
+        t.route(turn(f"f{i}"), 0.0)                          # fills the dedicated workers
+    t.route(turn("a"), 0.0)                                  # s1: 3 free slots, now 2
+    t.route(turn("b"), 0.0)
+    assert t.location["a"] == "s1" and t.workers["s1"].free_slots == 1
+    assert t.abort("s1", "a", produced=5, now=0.0).worker_id == "s0"  # s1's room predates its cut
+    assert t.abort("s1", "b", produced=5, now=0.0).worker_id is None  # s0 full, s1 too: queued
+    t.heartbeat("s1", 0.1, free_slots=0)                     # frozen, nothing free: still queued
+    assert t.drain(0.1) == []
+    t.heartbeat("s1", 0.2, free_slots=1)                     # room again, in a later report
+    assert [(q.trajectory_id, r.worker_id) for q, r in t.drain(0.2)] == [("b", "s1")]
+
+
 def test_dead_worker_turns_come_back_for_resume():
     t = table()
     for i in range(6):
