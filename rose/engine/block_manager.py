@@ -62,6 +62,8 @@ class BlockManager:
         """Map the longest cached prefix of a sequence that holds no blocks yet.
 
         At least one token is left to compute, since the step that computes it yields the logits.
+        A cached page joins only while the owner's active pages stay within its budget: a turn
+        handed back in a burst must not take back, through the cache, the pages the cut freed.
         """
         assert not seq.block_table, "match_prefix on a sequence that holds blocks"
         seq.block_hashes = []
@@ -69,7 +71,7 @@ class BlockManager:
         for i in range((len(seq.token_ids) - 1) // bs):
             h = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             page = self._page_of.get(h)
-            if page is None:
+            if page is None or (page in self._evictable and self.num_active_pages >= self.max_pages):
                 break
             self._take(page)
             seq.block_table.append(page)

@@ -70,6 +70,24 @@ def test_prefix_cache_reclaim_and_reset() -> None:
     assert pool.num_free == 4
 
 
+def test_a_cached_prefix_is_taken_back_only_within_the_budget() -> None:
+    """A burst cut a turn (its pages went to the cache) and halved the budget: the turn resumed
+    maps no more of its cached prefix than the budget holds; the rest is computed again."""
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
+    pool = KVPool(8 * spec.block_bytes, spec.block_bytes)
+    bm = BlockManager(pool, spec, "rollout")
+    cut = Sequence("a", list(range(24)), SamplingParams())
+    assert bm.ensure_slots(cut, 24)
+    cut.num_computed_tokens = 24
+    bm.commit(cut)
+    bm.free(cut)
+    assert bm.num_cached_pages == 6 and bm.num_active_pages == 0
+    pool.set_budget("rollout", 2)
+    resumed = Sequence("a+", [*range(24), 7], SamplingParams())
+    bm.match_prefix(resumed)
+    assert resumed.num_cached_tokens == 8 and bm.num_active_pages == 2
+
+
 def test_fork_shares_pages_and_copies_on_write() -> None:
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
     pool = KVPool(8 * spec.block_bytes, spec.block_bytes)
