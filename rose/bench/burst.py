@@ -17,7 +17,8 @@ Measured, besides what the server's /metrics say at the end:
 - the burst: each trigger, the emergency cuts, the pages and turns cut, how many iterations
   and milliseconds after the trigger rollouts held no more than the cut's budget (the pages are
   serving's), the burst and the freeze; the freeze lasts until the next RL step, which this
-  benchmark begins (`POST /v1/lease/new_rl_step`) `--next-step-s` after each trigger;
+  benchmark begins (`POST /v1/lease/new_rl_step`) `--next-step-s` after each trigger (the freeze
+  ends then, or once serving recedes);
 - the hand-back: a cut turn streams its tokens before its abort (finish reason "abort"); its
   trajectory resumes it as the rollout scheduler does (its prompt plus the tokens produced, its
   budget less them) and the benchmark follows it until it finishes;
@@ -261,8 +262,9 @@ async def timeline(url: str, t0: float, wall0: float, stop_at: float, next_step_
                    samples: list[dict[str, float]], steps: list[dict[str, Any]],
                    missed: list[dict[str, Any]]) -> None:
     """Scrape the pool every `SAMPLE_S` until `stop_at`; `next_step_s` after each burst trigger
-    (the server's time of it), begin the next RL step (POST /v1/lease/new_rl_step), which ends the
-    freeze. Times are seconds from `t0` (perf_counter; `wall0` is the same instant in Unix time)."""
+    (the server's time of it), begin the next RL step (POST /v1/lease/new_rl_step), which lets the
+    freeze end once serving recedes. Times are seconds from `t0` (perf_counter; `wall0` is the same
+    instant in Unix time)."""
     last_trigger, step_at = 0.0, None
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
         while (now := time.perf_counter()) < stop_at:
@@ -571,8 +573,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lead-s", type=float, default=20.0,
                    help="seconds of the window before the spike (default: 20)")
     g.add_argument("--next-step-s", type=float, default=10.0,
-                   help="seconds from a burst's trigger to the next RL step, which ends the freeze "
-                   "(default: 10)")
+                   help="seconds from a burst's trigger to the next RL step, which lets the freeze end "
+                   "once serving recedes (default: 10)")
     g.add_argument("--modes", help="comma-separated modes to run after serving_alone (default: all of the "
                    "engine's)")
     g.add_argument("--iteration-log", metavar="DIR", help="each server writes its executor's iterations "

@@ -46,7 +46,8 @@ the high-watermark inside H (free pages fall to (1 - high_watermark) * H). Emerg
 rollout budget is halved and the newest rollout sequences that no longer fit are aborted (the
 executor hands them back with their partial tokens). BURST lasts while free pages stay under
 the watermark (each further crossing halves again); after it, FROZEN keeps the budget where it
-is until `new_rl_step()`.
+is until an RL step has begun (`new_rl_step()`) and serving's usage has receded
+(`BurstController.thaw_below`).
 """
 
 from __future__ import annotations
@@ -642,7 +643,9 @@ class BurstController:
         # The freeze ends at an RL step once serving's usage is `thaw_below` or less: the level
         # that fired the burst less the watermark's share of the headroom, so that the regrown
         # budget lets serving climb back to that level before it fires again (a step inside
-        # the spike waits for it to recede; `step_begun` holds such a step).
+        # the spike waits for it to recede; `step_begun` holds such a step). At least that share
+        # itself: a device using no more is quiet by the trigger's own measure (a burst fired by
+        # one prompt on an idle device would otherwise wait for serving to go idle).
         self.thaw_below: Any = np.zeros(devices) if devices else 0.0
         self.step_begun: Any = np.zeros(devices, bool) if devices else False
         self.serving_used: Any = np.zeros(devices) if devices else 0.0  # at the last observation
@@ -665,7 +668,8 @@ class BurstController:
         self.serving_used = serving_used
         thaw = _where(cut, False, self._thaws())
         onset = cut & normal
-        self.thaw_below = _where(onset, serving_used - (self.headroom - self.trigger_free), self.thaw_below)
+        margin = self.headroom - self.trigger_free
+        self.thaw_below = _where(onset, _max(serving_used - margin, margin), self.thaw_below)
         self.step_begun = _where(thaw | onset, False, self.step_begun)
         regrown = _max(0, self.pool - self.headroom - serving_used)
         self.budget = _where(cut, _min(self.budget, rollout_used) // 2,

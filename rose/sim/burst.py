@@ -31,7 +31,7 @@ class Cut:
 class BurstMemory:
     """`n` replicas' pools of `pool` bytes, shared as `sharing` says (`static_share`: the
     rollouts' share under a static split); KV bytes per token of the rollout and serving models;
-    `step_after_burst_s` > 0: the next RL step (which ends a burst's freeze) begins that long
+    `step_after_burst_s` > 0: the next RL step (which lets a burst's freeze end) begins that long
     after each burst's trigger, else when the run begins it (`new_rl_step`). One state machine
     per replica, all of them in the controller's arrays."""
 

@@ -352,6 +352,17 @@ def test_a_step_after_the_spike_ends_the_freeze_at_once_and_a_burst_waits_for_on
     assert bc.state is BurstState.NORMAL                           # at once
 
 
+def test_a_burst_fired_from_a_quiet_device_thaws_once_serving_is_quiet_again():
+    bc = BurstController(1000)                                     # the watermark's share of H: 100
+    bc.observe(0, [("a", 800)])                                    # rollouts at their budget
+    assert bc.observe(120, [("a", 800)]).cut                       # one prompt fires it
+    assert bc.thaw_below == 100                                    # not 120 - 100: idle is not needed
+    bc.observe(120, [])
+    bc.observe(90, [])
+    bc.new_rl_step()
+    assert bc.state is BurstState.NORMAL
+
+
 def test_repeated_crossing_halves_again_and_frozen_can_burst():
     bc = BurstController(1000)
     bc.observe(500, [("a", 150), ("b", 150)])                      # free 200: normal, budget 300
