@@ -47,10 +47,15 @@ def test_one_pool_two_kv_shapes_accounting() -> None:
     assert pool.used("serving") == 0 and pool.num_free == 8
 
 
+def _manager(pages: int, head_dim: int = 8, owner: str = "m") -> tuple[KVPool, BlockManager]:
+    """A block manager of 4-token blocks on a pool of `pages`."""
+    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim, block_size=4)
+    pool = KVPool(pages * spec.block_bytes, spec.block_bytes)
+    return pool, BlockManager(pool, spec, owner)
+
+
 def test_prefix_cache_reclaim_and_reset() -> None:
-    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
-    pool = KVPool(4 * spec.block_bytes, spec.block_bytes)
-    bm = BlockManager(pool, spec, "m")
+    pool, bm = _manager(4)
     first = Sequence("a", list(range(10)), SamplingParams())
     bm.match_prefix(first)
     assert first.num_cached_tokens == 0 and bm.ensure_slots(first, 10)
@@ -73,14 +78,12 @@ def test_prefix_cache_reclaim_and_reset() -> None:
 def test_a_cached_prefix_is_taken_back_only_within_the_budget() -> None:
     """A burst cut a turn (its pages went to the cache) and halved the budget: the turn resumed
     maps no more of its cached prefix than the budget holds; the rest is computed again."""
-    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4)
-    pool = KVPool(8 * spec.block_bytes, spec.block_bytes)
-    bm = BlockManager(pool, spec, "rollout")
+    pool, bm = _manager(8, owner="rollout")
     cut = Sequence("a", list(range(24)), SamplingParams())
     assert bm.ensure_slots(cut, 24)
     cut.num_computed_tokens = 24
     bm.commit(cut)
-    bm.free(cut)
+    bm.free(cut)  # (its pages stay cached)
     assert bm.num_cached_pages == 6 and bm.num_active_pages == 0
     pool.set_budget("rollout", 2)
     resumed = Sequence("a+", [*range(24), 7], SamplingParams())
@@ -89,9 +92,8 @@ def test_a_cached_prefix_is_taken_back_only_within_the_budget() -> None:
 
 
 def test_fork_shares_pages_and_copies_on_write() -> None:
-    spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
-    pool = KVPool(8 * spec.block_bytes, spec.block_bytes)
-    bm = BlockManager(pool, spec, "m")
+    pool, bm = _manager(8, head_dim=4)
+    spec = bm.spec
     parent = Sequence("p", list(range(6)), SamplingParams())
     assert bm.ensure_slots(parent, 6)
     parent.num_computed_tokens = 6
