@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,8 +126,27 @@ def test_the_window_is_plotted(tmp_path: Path) -> None:
 
 
 def test_flags_that_do_not_apply_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "coserve", "--burst", "--runs", "2"]) == 2
-    assert "--runs does not apply to --burst" in capsys.readouterr().err
+    assert main(["bench", "coserve", "--burst", "--sweep-quantile", "0.9"]) == 2
+    assert "--sweep-quantile does not apply to --burst" in capsys.readouterr().err
+    assert main(["bench", "coserve", "--burst", "--modes", "naive_share,priority"]) == 2
+    assert "priority: not a mode of --engine native" in capsys.readouterr().err
+    assert main(["bench", "coserve", "--burst", "--modes", "naive_share"]) == 2
+    assert "include rose" in capsys.readouterr().err
+    assert main(["bench", "coserve", "--burst", "--runs", "0"]) == 2
+    assert "--runs must be >= 1" in capsys.readouterr().err
+
+
+def test_runs_give_each_runs_figures_their_medians_and_the_worst() -> None:
+    def run(attainment: float, ttft: float, tpot: float) -> dict[str, Any]:
+        inside = {"slo_attainment": attainment, "ttft_vs_alone": ttft, "tpot_vs_alone": tpot}
+        return {"rose": {"inside": inside, "outside": {"slo_attainment": 1.0}}, "slo": {"ttft_ms": 600.0}}
+
+    summaries = [run(1.0, 1.02, 1.1), run(1.0, 1.08, 1.0), run(0.95, 0.9, 1.0), run(1.0, 1.01, 1.2)]
+    assert burst.worst_run(summaries) == 2  # attainment first
+    assert burst.worst_run([summaries[i] for i in (0, 1, 3)]) == 1  # then TTFT inside
+    median = burst.median_summary(summaries)
+    assert median["rose"]["inside"] == {"slo_attainment": 1.0, "ttft_vs_alone": 1.015, "tpot_vs_alone": 1.05}
+    assert median["slo"] == {"ttft_ms": 600.0}
 
 
 def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path,
