@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -149,16 +150,17 @@ def test_runs_give_each_runs_figures_their_medians_and_the_worst() -> None:
     assert median["slo"] == {"ttft_ms": 600.0}
 
 
-def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path,
-                                                                     tiny_qwen3: Path) -> None:
+def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path, tiny_qwen3: Path,
+                                                                     tmp_path: Path) -> None:
     """Tiny models on a pool of 128 pages: the trace's spike (its rate and prompts scaled up, long
     outputs) needs the pages rollouts hold; the burst cuts turns, hands them back with their tokens,
-    and their trajectories finish them after the next RL step."""
+    and their trajectories finish them after the next RL step. The server traces its iterations."""
     scale = burst.Scale(load=0.5, prompt_scale=0.25, max_output=200, max_context=512)
     window = burst.burst_window(scale, duration_s=24.0, spike_s=4.0, lead_s=8.0)
     args = argparse.Namespace(trajectories=8, next_step_s=6.0, engine="native")
     slo = {"ttft_ms": 1e6, "tpot_ms": 1e6}
-    extra = ("--pool-mb", "0.5", "--chunk-tokens", "64", "--no-profile")
+    log = tmp_path / "iterations.jsonl"
+    extra = ("--pool-mb", "0.5", "--chunk-tokens", "64", "--no-profile", "--iteration-log", str(log))
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(bench_server(tiny_qwen2, tiny_qwen3, "rose", slo, None, extra))
         result, requests = asyncio.run(burst._measure(url, "rose", window, args, slo))
@@ -169,3 +171,9 @@ def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2
     assert back["handed_back_with_tokens"] >= 1 and back["partial_tokens"] > 0
     assert back["resumed_finished"] >= 1 and back["lost"] == 0
     assert result["errors"] == 0 and len(requests) == result["requests"]
+    iterations = [json.loads(line) for line in log.read_text().splitlines()]
+    cuts = [r for r in iterations if r["cut"]]
+    assert cuts and all(r["state"] == "burst" and r["pages"]["rollout"] <= r["pages"]["budget"] for r in cuts)
+    assert sum(r["cut"] for r in iterations) == result["rollout_turns_cut"]
+    first = iterations[0]["i"]
+    assert [r["i"] for r in iterations] == list(range(first, first + len(iterations)))  # each one
