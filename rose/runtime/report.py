@@ -245,7 +245,7 @@ def _plot_pools(a: Any, pools: PoolTimelines) -> None:
                label=f"{wid}: rollout budget")
     if pools:
         a.legend(fontsize=8, loc="upper left")
-    title = "serving devices' KV pool (shaded: burst red, frozen until the next RL step orange)"
+    title = "serving devices' KV pool (shaded: burst red, frozen orange)"
     a.set(xlabel="time (s)", ylabel="KV pages", title=title if pools else "serving devices' KV pool (none)")
 
 
