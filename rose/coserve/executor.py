@@ -268,7 +268,8 @@ class CoServingExecutor:
 
     def step(self) -> list[RequestOutput]:
         started = (time.time(), time.monotonic())
-        state = self._serving_state()
+        # What admission, the memory step and the trace read; a device that only serves needs none.
+        state = self._serving_state() if self.rollout or self.trace else ServingState()
         outputs = self._control_memory(state) if self.rollout else []
         cut = len(outputs)
         self._limit_s, self._admitted = math.inf, None
