@@ -3,7 +3,7 @@ another. Everything else in `rose` may import from here; this package imports no
 
 from rose.contracts.engine import GenerationEngine, InFlight, RequestOutput
 from rose.contracts.load import TokenLoad
-from rose.contracts.sampling import SamplingParams
+from rose.contracts.sampling import SamplingParams, StructuredKind, StructuredOutput
 from rose.contracts.turn import TURN_CHUNK_S, Turn, TurnOutput
 from rose.contracts.worker import (
     Capacity,
@@ -24,6 +24,8 @@ __all__ = [
     "PushedHeartbeats",
     "RequestOutput",
     "SamplingParams",
+    "StructuredKind",
+    "StructuredOutput",
     "TokenLoad",
     "Turn",
     "TurnHost",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import ClassVar
 
@@ -26,6 +27,27 @@ def _check_float(name: str, value: object, low: float, high: float, low_open: bo
         and (value > low if low_open else value >= low)
     if not ok:
         raise ValueError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+
+
+class StructuredKind(str, enum.Enum):
+    """What a structured output's `spec` is (vLLM's `StructuredOutputsParams` fields)."""
+
+    JSON = "json"  # a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object (spec unused)
+    REGEX = "regex"
+    CHOICE = "choice"  # a JSON list of strings: the output is one of them
+    GRAMMAR = "grammar"  # an EBNF grammar (GBNF, as xgrammar and vLLM take it)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate: every token drawn keeps the output a prefix
+    of a string the constraint accepts, and generation ends once it is complete."""
+
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
+
+    kind: StructuredKind
+    spec: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +74,7 @@ class SamplingParams:
     min_tokens: int = 0  # until this many output tokens, no stop or end-of-sequence id is drawn
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     top_logprobs: int = 0  # with each token, the logprobs of this many likeliest ones
+    structured: StructuredOutput | None = None  # constrained decoding (structured output)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

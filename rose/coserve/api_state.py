@@ -11,19 +11,17 @@ import dataclasses
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
 from rose.contracts import TurnHost
 from rose.coserve.api_errors import APIError, ClientGone, busy
 from rose.coserve.executor import ROLLOUT, SERVING, CoServingExecutor
+from rose.coserve.settings import ChatOptions, ServerLimits
 from rose.engine import RequestOutput
 from rose.model import Tokenizer
 from rose.steploop import LoopDeadError, StepLoop
-
-if TYPE_CHECKING:  # server.py assembles the app from the routers, which import this module
-    from rose.coserve.server import ServerLimits
 
 T = TypeVar("T")
 
@@ -139,6 +137,7 @@ class ServerState(LeaseState):
     executor: CoServingExecutor = dataclasses.field(kw_only=True)
     tokenizer: Tokenizer = dataclasses.field(kw_only=True)
     model_name: str = dataclasses.field(kw_only=True)
+    chat: ChatOptions = dataclasses.field(kw_only=True)
     arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
 
 

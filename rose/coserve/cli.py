@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--no-profile", "skip the start-up latency profile", action="store_true")
     flag("--iteration-log", "append one JSON line per executor iteration to this file: what admission and "
          "the burst state machine saw and decided, what each model ran (for diagnosis)")
+    flag("--chat-template", "the chat template (Jinja), as text or a file (default: the model's)")
+    flag("--tool-call-parser", "the tool-call format read from chat replies (auto: the one the chat "
+         "template writes)")
+    flag("--reasoning-parser", "split the model's reasoning off into reasoning_content (e.g. qwen3)")
     flag("--api-key", "bearer key of the OpenAI API (default: $ROSE_API_KEY; none: open)")
     flag("--lease-key", "bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open)")
     flag("--max-body-mb", "largest request body, weights excepted", type=float)
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))
     app = build_app(StepLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
-                    name, limits)
+                    name, limits, serve.chat_options())
     with contextlib.ExitStack() as stack:
         if serve.iteration_log:  # line-buffered: a reader sees each iteration as it ends
             log = stack.enter_context(open(serve.iteration_log, "a", buffering=1))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.config import load
-from rose.coserve.settings import MB, Engine, ExecutorConfig, ServerLimits
+from rose.coserve.settings import MB, ChatOptions, Engine, ExecutorConfig, ServerLimits
 
 
 @dataclasses.dataclass
@@ -32,6 +32,9 @@ class ServeConfig:
     cores: str | None = None  # pin the process to these cores, e.g. "1" or "0-1"
     no_profile: bool = False
     iteration_log: str | None = None  # a JSON line per executor iteration goes to this file
+    chat_template: str | None = ChatOptions.chat_template
+    tool_call_parser: str = ChatOptions.tool_call_parser
+    reasoning_parser: str | None = ChatOptions.reasoning_parser
     api_key: str | None = ServerLimits.api_key  # load_serve_config: $ROSE_API_KEY when unset
     lease_key: str | None = ServerLimits.lease_key  # ... $ROSE_LEASE_KEY
     max_body_mb: float = ServerLimits.max_body_bytes / MB
@@ -39,6 +42,10 @@ class ServeConfig:
     max_waiting: int = ServerLimits.max_waiting_per_model
     queue_timeout_s: float = ServerLimits.queue_timeout_s
     limit_concurrency: int = ServerLimits.max_connections
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(chat_template=self.chat_template, tool_call_parser=self.tool_call_parser,
+                           reasoning_parser=self.reasoning_parser)
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(api_key=self.api_key, lease_key=self.lease_key,

@@ -30,7 +30,7 @@ from rose.coserve.api_errors import APIError, ClientGone
 from rose.coserve.api_state import Arrivals, LeaseState, ServerState
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_api import LEASE_PREFIX, WEIGHTS_PATH
-from rose.coserve.settings import ServerLimits
+from rose.coserve.settings import ChatOptions, ServerLimits
 from rose.engine import RequestOutput
 from rose.model import Tokenizer
 from rose.steploop import StepLoop
@@ -223,7 +223,8 @@ def _describe_model(app: FastAPI, model_name: str) -> None:
 
 
 def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokenizer: Tokenizer,
-              model_name: str, limits: ServerLimits | None = None) -> FastAPI:
+              model_name: str, limits: ServerLimits | None = None, chat: ChatOptions | None = None
+              ) -> FastAPI:
     """The HTTP server of `executor`, whose commands go through `loop` (a `StepLoop` over it,
     e.g. `StepLoop(executor, name="rose-executor")`); the app's lifespan stops the loop at exit."""
     if loop.target is not executor:
@@ -231,7 +232,7 @@ def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokeni
     limits = limits or ServerLimits()
     app = FastAPI(title="ROSE co-serving executor", lifespan=_lifespan)
     app.state.server = state = ServerState(loop, executor, limits, executor=executor, tokenizer=tokenizer,
-                                           model_name=model_name)
+                                           model_name=model_name, chat=chat or ChatOptions())
     executor.metrics.set_model_name(model_name)
     app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals)
     for kind, handler in _HANDLERS.items():

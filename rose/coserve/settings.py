@@ -154,3 +154,12 @@ class ServerLimits:
                      "health_timeout_s", "shutdown_timeout_s", "max_connections"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How chat requests are rendered and their replies read: vLLM's server flags of one name."""
+
+    chat_template: str | None = None  # a Jinja template, or a file holding one; None: the model's
+    tool_call_parser: str = "auto"  # the tool-call format in replies; auto: the template's own
+    reasoning_parser: str | None = None  # reasoning text split off as `reasoning_content`; None: kept
