@@ -63,14 +63,18 @@ def _check_model(state: ServerState, name: str | None) -> None:
 
 
 async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                    stop: list[str], arrived: Callable[[], None]) -> AsyncIterator[_Delta]:
+                    body: CompletionRequest | ChatCompletionRequest, arrived: Callable[[], None]
+                    ) -> AsyncIterator[_Delta]:
     """Run one serving request; yield one delta per engine output (detokenized incrementally:
     text is held back while a UTF-8 character or a stop string may still be incomplete, but
     the delta still goes out with its token ids, so that the client sees every token when
-    it is produced, as vLLM streams). `arrived` ends the request's arrival once it is queued."""
+    it is produced, as vLLM streams). `body` says how its text is written (stop strings,
+    special tokens); `arrived` ends the request's arrival once it is queued."""
     executor = state.executor
     rid = f"cmpl-{uuid.uuid4().hex}"
-    text = IncrementalDetokenizer(state.tokenizer.decode, stop)
+    skip_special = body.skip_special_tokens
+    text = IncrementalDetokenizer(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=skip_special),
+                                  body.stop_strings, body.include_stop_str_in_output)
 
     def add() -> None:
         try:
@@ -82,9 +86,11 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
         stream = state.loop.stream(rid, add)
         async for out in stream:
             last = out.token_ids[-1] if out.token_ids else None
-            # A stop token's text is left out, as vLLM leaves it (the token and its logprob stay).
+            # A stop token's text is left out, as vLLM leaves it, unless asked for (the token and its
+            # logprob stay).
             stop_token = last if out.finish_reason == "stop" and last in params.stop_token_ids else None
-            shown = out.token_ids[:-1] if stop_token is not None else out.token_ids
+            hide = stop_token is not None and not body.include_stop_str_in_output
+            shown = out.token_ids[:-1] if hide else out.token_ids
             delta = text.push(shown, out.finished, out.num_output_tokens > params.min_tokens)
             finish = "stop" if text.stopped else out.finish_reason if out.finished else None
             reason = text.stopped_at if text.stopped else stop_token
@@ -235,29 +241,36 @@ def _tool_delta(stream: ToolCallStream, delta: _Delta) -> tuple[dict[str, Any], 
     return out, "tool_calls"
 
 
-async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: list[int],
+async def _respond(state: ServerState, request: Request, kind: str, prompts: list[list[int]],
                    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                   tools: frozenset[str] | None = None, prefill: str = "") -> Response:
+                   tools: frozenset[str] | None = None, prefill: str = "", echoes: list[str] | None = None
+                   ) -> Response:
+    """Each prompt's `n` choices, numbered as vLLM numbers them (prompt i's sample j is choice
+    i * n + j); a completion's choice starts with `echoes[i]`, its prompt's text, if given."""
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
-    # By default a request may grow to what the model's context and the KV pool hold.
-    default = max(1, state.executor.serving.max_request_tokens - len(prompt_ids))
-    # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
-    params = body.model_copy(update={"max_tokens": max_tokens or body.max_tokens}).sampling(
-        default, body.stop_token_ids)
-    deltas = _merge([_generate(state, prompt_ids, p, body.stop_strings, request.state.arrived)
-                     for p in body.samples(params)])
+    samples: list[tuple[list[int], SamplingParams]] = []
+    for ids in prompts:
+        # By default a request may grow to what the model's context and the KV pool hold.
+        default = max(1, state.executor.serving.max_request_tokens - len(ids))
+        # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
+        params = body.model_copy(update={"max_tokens": max_tokens or body.max_tokens}).sampling(
+            default, body.stop_token_ids)
+        samples += [(ids, p) for p in body.samples(params)]
+    num_choices, prompt_tokens = len(samples), sum(len(ids) for ids in prompts)
+    deltas = _merge([_generate(state, ids, p, body, request.state.arrived) for ids, p in samples])
     # Bad input surfaces here, as a 4xx, before any byte is sent.
     first = await state.first(request, deltas, SERVING)
 
     # Per choice, the tokens answered so far and their texts' length in logprobs: what the next
-    # chunk's logprobs follow.
-    sent: list[list[int]] = [[] for _ in range(body.n)]
-    offsets = [0] * body.n
+    # chunk's logprobs follow; the echoed prompt its first text starts with.
+    sent: list[list[int]] = [[] for _ in range(num_choices)]
+    offsets = [0] * num_choices
+    unechoed = [echoes[i // body.n] if echoes else "" for i in range(num_choices)]
     # Streamed with tools: per choice, the text held back from the first call on.
     # A prefilled call's opening is part of each reply's text (not of its tokens).
-    streams = [ToolCallStream(tools) for _ in range(body.n)]
+    streams = [ToolCallStream(tools) for _ in range(num_choices)]
     for stream in streams:
         stream.feed(prefill)
 
@@ -273,7 +286,9 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
             c["delta" if stream else "message"] = {"content": delta.text} if stream else {
                 "role": "assistant", "content": delta.text}
         else:
-            c["text"] = delta.text
+            c["text"], unechoed[index] = unechoed[index] + delta.text, ""
+        if chat and not stream and body.echoed:  # vLLM's: after the reply is read
+            c["message"]["content"] = body.echoed + (c["message"]["content"] or "")
         c["logprobs"] = None
         if body.returns_logprobs:
             c["logprobs"] = _logprobs(state, chat, delta, sent[index], offsets[index])
@@ -283,7 +298,7 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
         return c
 
     async def collect() -> list[_Delta]:
-        whole = [_Delta("", [], [], [], None) for _ in range(body.n)]
+        whole = [_Delta("", [], [], [], None) for _ in range(num_choices)]
         whole[first[0]].extend(first[1])
         async for i, delta in deltas:
             whole[i].extend(delta)
@@ -293,7 +308,7 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
         whole = await unless_gone(request, collect())  # a client gone: no use generating on
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
                              "choices": [choice(i, d, False) for i, d in enumerate(whole)],
-                             "usage": _usage(len(prompt_ids), sum(len(d.token_ids) for d in whole))})
+                             "usage": _usage(prompt_tokens, sum(len(d.token_ids) for d in whole))})
 
     async def events() -> AsyncIterator[str]:
         chunk = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
@@ -302,15 +317,18 @@ async def _respond(state: ServerState, request: Request, kind: str, prompt_ids: 
         try:
             if chat:  # as vLLM opens a chat stream: each choice's role, no content yet
                 role = {"role": "assistant", "content": ""}
-                for i in range(body.n):
+                for i in range(num_choices):
                     yield sse({**chunk, "choices": [{"index": i, "delta": role, "logprobs": None,
                                                      "finish_reason": None}]})
+                for i in range(num_choices if body.echoed else 0):  # then, as vLLM, what is echoed
+                    yield sse({**chunk, "choices": [{"index": i, "delta": {"content": body.echoed},
+                                                     "logprobs": None, "finish_reason": None}]})
             yield sse({**chunk, "choices": [choice(*first, True)]})
             async for i, delta in deltas:
                 completion += len(delta.token_ids)
                 yield sse({**chunk, "choices": [choice(i, delta, True)]})
             if body.stream_options and body.stream_options.include_usage:
-                yield sse({**chunk, "choices": [], "usage": _usage(len(prompt_ids), completion)})
+                yield sse({**chunk, "choices": [], "usage": _usage(prompt_tokens, completion)})
             yield sse("[DONE]")
         finally:
             await deltas.aclose()  # a client that went away: abort the requests
@@ -350,8 +368,12 @@ async def models(state: Served) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, state: Served) -> Response:
     _check_model(state, body.model)
-    ids = await _encode(state, body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
-    return await _respond(state, request, "cmpl", ids, body, None)
+    prompts = [await _encode(state, p, "prompt") if isinstance(p, str) else p for p in body.prompts]
+    echoes = None
+    if body.echo:  # the prompt as sent, or as its token ids decode
+        echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=False)
+                  for p in body.prompts]
+    return await _respond(state, request, "cmpl", prompts, body, None, echoes=echoes)
 
 
 @router.post("/v1/chat/completions")
@@ -363,20 +385,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise APIError(400, "logprobs: streaming with tools does not return logprobs (a call's text is "
                             "held back); send stream: false, or tool_choice: 'none'", "logprobs")
     prefill = body.tool_prefill
-    ids = await _encode(state, _render(state, body.messages, True, body.tool_dicts) + prefill, "messages")
+    text = _render(state, body.messages, body.add_generation_prompt, body.tool_dicts,
+                   body.continue_final_message, body.chat_template_kwargs)
+    ids = await _encode(state, text + prefill, "messages")
     names = frozenset(t.function.name for t in body.tools or []) if body.parses_tool_calls else None
     if isinstance(body.tool_choice, NamedToolChoice):
         names = frozenset({body.tool_choice.function.name})
-    return await _respond(state, request, "chatcmpl", ids, body, body.max_completion_tokens, names, prefill)
+    return await _respond(state, request, "chatcmpl", [ids], body, body.max_completion_tokens, names, prefill)
 
 
 def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-            tools: list[dict[str, Any]] | None = None) -> str:
+            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+            template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt, with the tools (and past calls and results) as the model's template writes them
     (`Tokenizer.apply_chat_template`)."""
     rendered = [m.rendered() for m in messages]
     try:
-        return state.tokenizer.apply_chat_template(rendered, add_generation_prompt, tools)
+        return state.tokenizer.apply_chat_template(rendered, add_generation_prompt, tools,
+                                                   continue_final_message, template_kwargs)
     except (TemplateError, TypeError, ValueError) as e:  # the template's own refusal, or its bad input
         raise APIError(400, f"messages: the model's chat template cannot render them: {e}", "messages") from e
 

@@ -1,15 +1,19 @@
 """Request bodies of the HTTP API: OpenAI's completions and chat completions, and the lease.
 
 Every number is bounded here, at the edge, so that nothing out of range (beyond int64, NaN,
-inf) reaches the engine thread. Unknown fields are refused (a client must not believe a
-parameter took effect when it did not); parameters this server does not implement are
-declared only to accept the neutral value some clients send explicitly.
+inf) reaches the engine thread. A field this server does not know is ignored with a warning in
+the log, as vLLM does (clients and frameworks send their own: `metadata`, `store`,
+`service_tier`); parameters of OpenAI's or vLLM's API that this server does not implement are
+declared, and refused with a 400 unless they hold the neutral value some clients send explicitly,
+so that no client believes such a parameter took effect. A leased turn is strict: its fields
+are ROSE's own, and an unknown one is an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -38,11 +42,24 @@ MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 StopString = Annotated[str, Field(min_length=1)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+log = logging.getLogger(__name__)
 
 
-class _Sampling(_Strict):
+class _Body(BaseModel):
+    """A part of an OpenAI API body: unknown fields are logged and dropped."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ignore_unknown(self) -> _Body:
+        if self.__pydantic_extra__:
+            log.warning("%s: fields ignored (this server does not know them): %s", type(self).__name__,
+                        ", ".join(sorted(self.__pydantic_extra__)))
+            self.__pydantic_extra__.clear()
+        return self
+
+
+class _Sampling(_Body):
     """Sampling fields shared by every generation request (vLLM's extensions included)."""
 
     max_tokens: MaxTokens | None = None
@@ -60,7 +77,7 @@ class _Sampling(_Strict):
                               ignore_eos=self.ignore_eos)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
@@ -78,14 +95,22 @@ NEUTRAL: dict[str, tuple[object, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
+    # vLLM's
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "chat_template": (None,),  # a request's own template (vLLM too takes one only when told to trust it)
 }
 _UNSUPPORTED = Field(default=None, description="not implemented: only its neutral value is accepted")
 
 
 def _check_neutral(value: object, field: str) -> object:
     allowed = NEUTRAL[field]
-    # bool is an int in Python: True must not pass as 1, nor False as 0.
-    if isinstance(value, bool) or value not in allowed:
+    # Of one type: bool is an int in Python, and True must not pass as 1, nor False as 0.
+    if not any(type(value) is type(a) and value == a for a in allowed):
         raise PydanticCustomError(
             "unsupported", "this server does not implement {field}; accepted only: {allowed}",
             {"field": field, "allowed": ", ".join("null" if a is None else repr(a) for a in allowed)})
@@ -121,6 +146,8 @@ class _OpenAIRequest(_Sampling):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
+    skip_special_tokens: bool = True  # special tokens' text left out of the reply
 
     best_of: Any = _UNSUPPORTED
     response_format: Any = _UNSUPPORTED
@@ -128,6 +155,12 @@ class _OpenAIRequest(_Sampling):
     tool_choice: Any = _UNSUPPORTED
     functions: Any = _UNSUPPORTED
     function_call: Any = _UNSUPPORTED
+    use_beam_search: Any = _UNSUPPORTED
+    prompt_logprobs: Any = _UNSUPPORTED
+    allowed_token_ids: Any = _UNSUPPORTED
+    bad_words: Any = _UNSUPPORTED
+    truncate_prompt_tokens: Any = _UNSUPPORTED
+    spaces_between_special_tokens: Any = _UNSUPPORTED
 
     _implemented: ClassVar[frozenset[str]] = frozenset()  # of NEUTRAL's, those a subclass implements
 
@@ -174,11 +207,31 @@ class _OpenAIRequest(_Sampling):
         return [dataclasses.replace(params, seed=params.seed + i) for i in range(self.n)]
 
 
+MAX_PROMPTS = 64  # prompts in one completion request, as a list
+PromptText = Annotated[str, Field(min_length=1)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_OpenAIRequest):
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+    # One prompt (text or token ids), or a list of them: each gets `n` choices.
+    prompt: (PromptText | PromptIds | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with this many top ones
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt's text before each choice's
     suffix: Any = _UNSUPPORTED
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:  # vLLM would score the prompt's tokens too
+            raise PydanticCustomError("echo", "echo with logprobs needs the prompt's logprobs, which this "
+                                      "server does not compute; send echo or logprobs, not both")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)  # type: ignore[list-item]
 
     @property
     def num_top_logprobs(self) -> int:
@@ -189,23 +242,24 @@ class CompletionRequest(_OpenAIRequest):
         return self.logprobs is not None  # 0: the sampled token's alone
 
 
-class TextPart(_Strict):
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
 MAX_TOOLS = 128  # tools per request (OpenAI's bound)
+MAX_TEMPLATE_KWARGS_JSON = 64 * 1024  # chat_template_kwargs, as JSON characters
 MAX_TOOLS_JSON = 256 * 1024  # the tools' schemas together, as JSON characters
 MAX_TOOL_CALLS = 128  # tool calls per assistant message
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(_Body):
     name: FunctionName
     arguments: str  # a JSON string, as OpenAI sends it back
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(_Body):
     """A past assistant turn's call, as OpenAI's reply gave it."""
 
     id: str = Field(max_length=256)
@@ -213,28 +267,28 @@ class ToolCallIn(_Strict):
     function: FunctionCall
 
 
-class FunctionDef(_Strict):
+class FunctionDef(_Body):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, rendered for the model, not enforced
     strict: bool | None = None  # accepted; the arguments are not constrained
 
 
-class ToolDef(_Strict):
+class ToolDef(_Body):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(_Body):
     name: FunctionName
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None only in an assistant turn with tool_calls
     name: str | None = None  # accepted, unused
@@ -288,6 +342,36 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # As vLLM renders a chat: the generation prompt, or the last message continued; more template
+    # variables (Qwen3's `enable_thinking`); echo: the reply starts with the last message's content
+    # when that is the assistant's.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+    chat_template: Any = _UNSUPPORTED
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_size(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_JSON:
+            raise PydanticCustomError("chat_template_kwargs", "chat_template_kwargs takes more than {limit} "
+                                      "characters of JSON", {"limit": MAX_TEMPLATE_KWARGS_JSON})
+        return value
+
+    @model_validator(mode="after")
+    def _continue_or_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:  # vLLM's rule
+            raise PydanticCustomError("continue_final_message", "continue_final_message and "
+                                      "add_generation_prompt cannot both be true: send "
+                                      "add_generation_prompt: false to continue the last message")
+        return self
+
+    @property
+    def echoed(self) -> str:
+        """The text the reply starts with under `echo`: the last message's, if it is the assistant's."""
+        last = self.messages[-1]
+        return last.rendered()["content"] if self.echo and last.role == "assistant" else ""
 
     _tools = field_validator("tools")(_check_tools)
 
@@ -333,7 +417,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return self.logprobs
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """`POST /tokenize` (vLLM's): a prompt's token ids, or a chat's as the template renders it."""
 
     model: str | None = None
@@ -357,7 +441,7 @@ class TokenizeRequest(_Strict):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
 

@@ -37,6 +37,9 @@ class ServeConfig:
     reasoning_parser: str | None = ChatOptions.reasoning_parser
     api_key: str | None = ServerLimits.api_key  # load_serve_config: $ROSE_API_KEY when unset
     lease_key: str | None = ServerLimits.lease_key  # ... $ROSE_LEASE_KEY
+    allow_open_lease: bool = ServerLimits.allow_open_lease  # a non-loopback host with no lease key
+    shutdown_timeout: float = ServerLimits.drain_timeout_s  # vLLM's flag: the drain on SIGTERM, s
+    disable_uvicorn_access_log: bool = False  # vLLM's flag: no line per HTTP request on stderr
     max_body_mb: float = ServerLimits.max_body_bytes / MB
     max_weights_mb: float = ServerLimits.max_weights_bytes / MB
     max_waiting: int = ServerLimits.max_waiting_per_model
@@ -49,6 +52,7 @@ class ServeConfig:
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(api_key=self.api_key, lease_key=self.lease_key,
+                            allow_open_lease=self.allow_open_lease, drain_timeout_s=self.shutdown_timeout,
                             max_body_bytes=int(self.max_body_mb * MB),
                             max_weights_bytes=int(self.max_weights_mb * MB),
                             max_waiting_per_model=self.max_waiting, queue_timeout_s=self.queue_timeout_s,
@@ -59,7 +63,7 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
                       flags: Mapping[str, Any] | None = None) -> ServeConfig:
     """The defaults, the keys from the environment, the YAML file(s), `key=value` overrides, then
     the flags given (dotted keys: `executor.pool_mb`). The executor's checks run as it loads; the
-    server's in `server_limits()`."""
+    server's (`server_limits()`) and the lease key's on a non-loopback host once it has."""
     from rose.model.device import resolve  # torch: only once a config is checked
 
     environment = ServeConfig(api_key=os.environ.get("ROSE_API_KEY") or None,
@@ -68,6 +72,12 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
     if config.model is None:
         raise ValueError("config: model: a serving checkpoint is required (--model, or model: in --config)")
     resolve(config.device, config.dtype, label="config: ")
+    try:
+        config.server_limits().check_bind(config.host)
+    except ValueError as exc:
+        raise ValueError(f"config: {exc}") from None
+    if config.chat_template is not None:
+        config = dataclasses.replace(config, chat_template=_chat_template(config.chat_template))
     if config.engine is Engine.VLLM:
         if find_spec("vllm") is None:
             raise ValueError("config: engine: vllm is not installed in this Python (`make install-vllm` "
@@ -76,3 +86,21 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
             raise ValueError("config: engine: vllm serves beside a rollout model, which it needs "
                              "(--rollout-model)")
     return config
+
+
+def _chat_template(value: str) -> str:
+    """`--chat-template`, as vLLM takes it: a file's path, else the template itself; its text,
+    checked as Jinja before any model loads."""
+    import jinja2
+
+    path = Path(value)
+    is_file = len(value) < 4096 and "\n" not in value and path.is_file()
+    text = path.read_text() if is_file else value
+    if not is_file and "{{" not in text and "{%" not in text:
+        raise ValueError(f"config: chat_template: {value[:200]!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"config: chat_template: not a valid Jinja template (line {e.lineno}: {e.message})"
+                         ) from None
+    return text

@@ -8,6 +8,7 @@ OpenAI-style error body; the executor keeps serving the others. The OpenAI API a
 API each take their own bearer key (`ServerLimits`); /health and /metrics stay open. Bodies are
 capped, each model's queue of requests waiting for their first token is bounded (429 beyond it)
 and has a deadline (503). A client that disconnects, streaming or not, has its request aborted.
+Once the shutdown drain starts (`rose.coserve.drain`) every new request but /metrics gets a 503.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from starlette.types import ASGIApp, ExceptionHandler, Message, Receive, Scope, 
 from rose.contracts import TurnHost
 from rose.coserve import lease_api, openai_api
 from rose.coserve.api_errors import APIError, ClientGone
-from rose.coserve.api_state import Arrivals, LeaseState, ServerState
+from rose.coserve.api_state import Arrivals, Drain, LeaseState, ServerState
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_api import LEASE_PREFIX, WEIGHTS_PATH
 from rose.coserve.settings import ChatOptions, ServerLimits
@@ -39,28 +40,32 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 class _Guard:
-    """ASGI middleware in front of routing: the bearer keys, then the body-size cap (from
-    Content-Length, and while the body streams in). The body is read here, whole, so that no
-    handler ever holds more than the cap; it is replayed to the app. An authorized serving
+    """ASGI middleware in front of routing: the drain, the bearer keys, then the body-size cap
+    (from Content-Length, and while the body streams in). The body is read here, whole, so that
+    no handler ever holds more than the cap; it is replayed to the app. An authorized serving
     request counts as arriving from here until the engine has it (`Arrivals`): the handler ends
-    its arrival (`scope["state"]["arrived"]`) once it is queued, this middleware at the latest."""
+    its arrival (`scope["state"]["arrived"]`) once it is queued, this middleware at the latest;
+    and as open for the drain until its response is sent."""
 
-    def __init__(self, app: ASGIApp, limits: ServerLimits, arrivals: Arrivals) -> None:
-        self.app, self.limits, self.arrivals = app, limits, arrivals
+    def __init__(self, app: ASGIApp, limits: ServerLimits, arrivals: Arrivals, drain: Drain) -> None:
+        self.app, self.limits, self.arrivals, self.drain = app, limits, arrivals, drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":  # the turn stream: its key on the upgrade, its bounds its own
             try:
+                self._admit(scope["path"])
                 self._authorize(scope, scope["path"])
             except APIError as exc:
                 await receive()  # the client's connect
-                await send({"type": "websocket.close", "code": 1008, "reason": exc.message[:120]})
+                code = 1013 if exc.status == 503 else 1008  # try again later; policy violation
+                await send({"type": "websocket.close", "code": code, "reason": exc.message[:120]})
                 return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
         try:
+            self._admit(path)
             self._authorize(scope, path)
         except APIError as exc:
             await exc.response()(scope, receive, send)
@@ -68,6 +73,12 @@ class _Guard:
         arrived = (self.arrivals.arrive() if scope["method"] == "POST" and path in openai_api.GENERATE_PATHS
                    else _nothing)
         scope.setdefault("state", {})["arrived"] = arrived
+        serving = path not in OPEN_PATHS and not path.startswith(LEASE_PREFIX)
+        with self.drain.serving() if serving else contextlib.nullcontext():
+            await self._forward(scope, receive, send, path, arrived)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, path: str,
+                       arrived: Callable[[], None]) -> None:
         try:
             try:
                 body = await _read_body(scope, receive, self.limits.max_weights_bytes
@@ -79,6 +90,12 @@ class _Guard:
                 await self.app(scope, _replay(body, receive), send)
         finally:
             arrived()
+
+    def _admit(self, path: str) -> None:
+        if self.drain.started and path != "/metrics":
+            raise APIError(503, "the server is shutting down and takes no new requests; send it to "
+                                "another replica", kind="server_error", code="shutting_down",
+                           headers={"Connection": "close"})
 
     def _authorize(self, scope: Scope, path: str) -> None:
         if path in OPEN_PATHS:
@@ -229,12 +246,14 @@ def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokeni
     e.g. `StepLoop(executor, name="rose-executor")`); the app's lifespan stops the loop at exit."""
     if loop.target is not executor:
         raise ValueError("the engine loop must drive the executor the app serves")
-    limits = limits or ServerLimits()
+    limits, chat = limits or ServerLimits(), chat or ChatOptions()
+    if chat.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(chat.chat_template)
     app = FastAPI(title="ROSE co-serving executor", lifespan=_lifespan)
     app.state.server = state = ServerState(loop, executor, limits, executor=executor, tokenizer=tokenizer,
-                                           model_name=model_name, chat=chat or ChatOptions())
+                                           model_name=model_name, chat=chat)
     executor.metrics.set_model_name(model_name)
-    app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals)
+    app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals, drain=state.drain)
     for kind, handler in _HANDLERS.items():
         app.add_exception_handler(kind, handler)
     app.include_router(openai_api.router)
@@ -246,10 +265,10 @@ def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokeni
 
 def build_lease_app(loop: StepLoop[RequestOutput], host: TurnHost, limits: ServerLimits) -> FastAPI:
     """The lease API's turn endpoints alone (the turn stream first), around `host` on `loop`: a
-    dedicated worker's, behind the lease key; `/health` answers while the loop does."""
+    dedicated worker's, behind the lease key; `/health` answers while the loop makes progress."""
     app = FastAPI(title="ROSE turn host", lifespan=_lifespan_of_loop)
     app.state.server = state = LeaseState(loop, host, limits)
-    app.add_middleware(_Guard, limits=limits, arrivals=Arrivals())
+    app.add_middleware(_Guard, limits=limits, arrivals=Arrivals(), drain=state.drain)
     for kind, handler in _HANDLERS.items():
         app.add_exception_handler(kind, handler)
     app.include_router(lease_api.router)

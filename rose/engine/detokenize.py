@@ -15,9 +15,11 @@ INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = (),
+                 include_stop: bool = False) -> None:
         self._decode = decode
         self._stop = [s for s in stop if s]
+        self._include_stop = include_stop  # the text ends after the stop string, not before it
         self._hold = max((len(s) - 1 for s in self._stop), default=0)
         self._window: list[int] = []  # context tokens, then unread ones
         self._context = 0  # context tokens at the window's start
@@ -50,6 +52,7 @@ class IncrementalDetokenizer:
         found = [(i, s) for s in stops if (i := self._pending.find(s)) >= 0]
         if found:
             cut, self.stopped_at = min(found, key=lambda f: f[0])
+            cut += len(self.stopped_at) if self._include_stop else 0
             self.stopped = True
             text, self._pending = self._pending[:cut], ""
             return text

@@ -73,6 +73,10 @@ def build_tokenizer(vocab_size: int) -> HFTokenizer:
     return tok
 
 
+# Appended to a message continued (`continue_final_message`), to find where its content ends.
+_CONTINUE_TAG = "ROSE_CONTINUE_FINAL_MESSAGE "
+
+
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
@@ -137,17 +141,41 @@ class Tokenizer:
         return "tools" in self.chat_template
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation rendered, with the `tools` (and past calls and results) as the template
         writes them; a template that knows no tools gets them in Qwen's (Hermes) format, in the
-        system message (`rose.tools.parsing.with_tools`). Raises `TemplateError` where the
-        template refuses the conversation."""
+        system message (`rose.tools.parsing.with_tools`). `continue_final_message`: the text ends
+        where the last message's content does, for the model to go on writing it (as transformers
+        does it: the content is tagged, the render cut at the tag). `template_kwargs` are more
+        variables for the template (e.g. Qwen3's `enable_thinking`). Raises `TemplateError` where
+        the template refuses the conversation, ValueError where the last message cannot be
+        continued."""
         if not self.supports_tools:
             messages, tools = with_tools(messages, tools), None
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ValueError("continue_final_message: the last message has no text to continue")
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG}]
         # The special tokens are template variables too, as transformers passes them (`{{ bos_token }}`).
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools, **{k: v for k, v in special.items() if v is not None})
+        # A request's variables add to these, never replace them.
+        text = self._template.render({**(template_kwargs or {}), "messages": messages,
+                                      "add_generation_prompt": add_generation_prompt, "tools": tools,
+                                      **{k: v for k, v in special.items() if v is not None}})
+        if continue_final_message:
+            at = text.rfind(_CONTINUE_TAG.strip())
+            if at < 0:
+                raise ValueError("continue_final_message: the chat template does not write the last "
+                                 "message's content as it is, so it cannot be continued")
+            # A template that strips the content's trailing space lost the tag's: cut the same.
+            kept = text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG
+            text = text[:at] if kept else text[:at].rstrip()
+        return text
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer rendering chats with another template (`rose serve --chat-template`)."""
+        return Tokenizer(self._tok, chat_template, self.eos_token, self.pad_token, self.bos_token)
 
     def save(self, path: str | Path, model_max_length: int) -> None:
         """`tokenizer.json`, `tokenizer_config.json` and the `generation_config.json` that names
