@@ -413,8 +413,9 @@ async def tokenize(body: TokenizeRequest, state: Served) -> dict[str, Any]:
     if body.messages is None:
         ids = await _encode(state, body.prompt or "", "prompt")
     else:
-        ids = await _encode(state, _render(state, body.messages, body.add_generation_prompt, body.tool_dicts),
-                            "messages")
+        text = _render(state, body.messages, body.add_generation_prompt, body.tool_dicts,
+                       body.continue_final_message, body.chat_template_kwargs)
+        ids = await _encode(state, text, "messages")
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": state.executor.serving.max_model_len,
                              "tokens": ids}
     if body.return_token_strs:

@@ -331,6 +331,13 @@ def _check_tools(tools: list[ToolDef] | None) -> list[ToolDef] | None:
     return tools
 
 
+def _check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value and len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_JSON:
+        raise PydanticCustomError("chat_template_kwargs", "chat_template_kwargs takes more than {limit} "
+                                  "characters of JSON", {"limit": MAX_TEMPLATE_KWARGS_JSON})
+    return value
+
+
 class ChatCompletionRequest(_OpenAIRequest):
     _implemented: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
 
@@ -351,13 +358,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     echo: bool = False
     chat_template: Any = _UNSUPPORTED
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs_size(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_JSON:
-            raise PydanticCustomError("chat_template_kwargs", "chat_template_kwargs takes more than {limit} "
-                                      "characters of JSON", {"limit": MAX_TEMPLATE_KWARGS_JSON})
-        return value
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     @model_validator(mode="after")
     def _continue_or_prompt(self) -> ChatCompletionRequest:
@@ -423,16 +424,20 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True  # with `messages`
-    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None  # with `messages`
+    # With `messages`, as a chat completion renders them:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     return_token_strs: bool = False
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.messages is None) == (self.prompt is None):
             raise PydanticCustomError("tokenize", "give either prompt or messages, not both nor neither")
         return self
-
 
     _tools = field_validator("tools")(_check_tools)
 

@@ -121,11 +121,14 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI)
     assert kept.text == cut.text + stop and text.startswith(kept.text)
 
 
-def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI) -> None:
+def test_chat_template_kwargs_reach_the_template(client: openai.OpenAI, served: tuple[str, Path]) -> None:
     plain = client.chat.completions.create(messages=USER, **GREEDY).usage.prompt_tokens
     shout = client.chat.completions.create(messages=USER, **{**GREEDY, "extra_body": {
         "ignore_eos": True, "chat_template_kwargs": {"shout": True}}}).usage.prompt_tokens
-    assert shout > plain
+    tokenized = httpx.post(f"{served[0]}/tokenize", json={"messages": USER, "chat_template_kwargs": {
+        "shout": True}, "return_token_strs": True}).json()
+    assert shout > plain and tokenized["count"] == shout
+    assert "".join(tokenized["token_strs"]).startswith("SHOUT")
 
 
 def test_the_last_message_is_continued_and_echoed(client: openai.OpenAI, served: tuple[str, Path]) -> None:

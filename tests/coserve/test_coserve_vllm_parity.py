@@ -38,14 +38,24 @@ CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "hi there, what is 2+2?"}]
 
 
-def vllm_server(model: Path, startup_s: float = 300.0) -> contextlib.AbstractContextManager[tuple[str, Any]]:
+# The tokenizer's ChatML, with Qwen3's switch: `enable_thinking: false` (a request's
+# chat_template_kwargs) opens the reply with an empty thought. Both servers take it as --chat-template.
+TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+            "{% if enable_thinking is defined and enable_thinking is false %}"
+            "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+
+def vllm_server(model: Path, startup_s: float = 300.0, *flags: str
+                ) -> contextlib.AbstractContextManager[tuple[str, Any]]:
     """vLLM's own OpenAI server on a free local port, on the CPU with a small KV cache, the
-    engine settings `rose serve --engine vllm` gives vLLM (fp32, eager, seed 0); stopped on exit."""
+    engine settings `rose serve --engine vllm` gives vLLM (fp32, eager, seed 0), and `flags`;
+    stopped on exit."""
     def command(port: int) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                 "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "float32", "--enforce-eager", "--seed", "0", "--max-model-len", str(MAX_MODEL_LEN),
-                "--kv-cache-memory-bytes", str(64 << 20)]
+                "--kv-cache-memory-bytes", str(64 << 20), *flags]
     return http_process(command, "vLLM's server", startup_s, dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
 
 
@@ -54,6 +64,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("parity")
     serving = tiny_qwen3_for_vllm(root / "serving", seed=11)
     save_model(random_model(preset_config("qwen3", "tiny", head_dim=8), seed=3), root / "rollout")
+    (root / "template.jinja").write_text(TEMPLATE)
     return serving, root / "rollout"
 
 
@@ -62,9 +73,11 @@ def clients(checkpoints: tuple[Path, Path]) -> Iterator[tuple[Any, Any]]:
     """(vLLM's server, `rose serve --engine vllm`), each behind an `openai.OpenAI` client; one at
     a time would double the wait, both at once share the two cores only while starting."""
     serving, rollout = checkpoints
+    template = ["--chat-template", str(serving.parent / "template.jinja")]
     argv = ["--engine", "vllm", "--model", str(serving), "--rollout-model", str(rollout),
-            "--served-model-name", MODEL, "--device", "cpu", "--no-profile", "--pool-mb", "4"]
-    with vllm_server(serving) as (vllm_url, _), serve_process(argv, startup_s=300) as (rose_url, _):
+            "--served-model-name", MODEL, "--device", "cpu", "--no-profile", "--pool-mb", "4", *template]
+    with vllm_server(serving, 300.0, *template) as (vllm_url, _), \
+            serve_process(argv, startup_s=300) as (rose_url, _):
         yield (openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="-", max_retries=0),
                openai.OpenAI(base_url=f"{rose_url}/v1", api_key="-", max_retries=0))
 
@@ -315,3 +328,73 @@ def test_what_vllm_refuses_both_refuse(clients: tuple[Any, Any], request_: dict[
     for client in clients:
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=MODEL, **_body({"prompt": "hello", "seed": 3, **request_}))
+
+
+# -- what vLLM's clients send beyond OpenAI's core: the same answer from both -------------------
+
+def test_unknown_fields_are_ignored_by_both(clients: tuple[Any, Any]) -> None:
+    unknown = {"metadata": {"team": "search"}, "store": False, "service_tier": "auto"}
+    plain = _both(clients, False, prompt="hello world, the", max_tokens=6, **GREEDY)
+    vllm, rose = _both(clients, False, prompt="hello world, the", max_tokens=6, extra_body=unknown, **GREEDY)
+    assert_same(plain[0], vllm)
+    assert_same(vllm, rose)
+    assert_same(*_both(clients, True, messages=CHAT, max_tokens=6, extra_body=unknown, **GREEDY))
+
+
+def test_chat_template_kwargs_reach_both_templates(clients: tuple[Any, Any]) -> None:
+    plain = _both(clients, True, messages=CHAT, max_tokens=8, **GREEDY)[0]
+    vllm, rose = _both(clients, True, messages=CHAT, max_tokens=8,
+                       extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **GREEDY)
+    assert vllm["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the empty thought
+    assert_same(vllm, rose)
+
+
+def test_a_continued_message_and_chat_echo_are_vllms(clients: tuple[Any, Any]) -> None:
+    messages = [*CHAT, {"role": "assistant", "content": "Four, and"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    vllm, rose = _both(clients, True, messages=messages, max_tokens=8, extra_body=extra, **GREEDY)
+    assert _text(vllm).startswith("Four, and")
+    # A difference on purpose: vLLM's chat echo also scores the prompt (`prompt_logprobs`, unasked
+    # for); ROSE computes no prompt logprobs.
+    assert vllm.pop("prompt_logprobs") and "prompt_logprobs" not in rose
+    assert_same(vllm, rose)
+    assert_same(*(_folded(answer) for answer in _both(
+        clients, True, messages=messages, max_tokens=8, extra_body=extra, stream=True, **GREEDY)))
+
+
+def test_special_tokens_are_skipped_or_kept_alike(clients: tuple[Any, Any]) -> None:
+    think = httpx.post(f"{str(clients[0].base_url).removesuffix('/v1/')}/tokenize", json={
+        "model": MODEL, "prompt": "<think>", "add_special_tokens": False}).json()["tokens"]
+    assert len(think) == 1
+    forced = dict(prompt="hello world, the", max_tokens=4, logit_bias={str(think[0]): 50.0}, **GREEDY)
+    for skip in (True, False):
+        vllm, rose = _both(clients, False, extra_body={"skip_special_tokens": skip}, **forced)
+        assert ("<think>" in _text(vllm)) != skip
+        assert_same(vllm, rose)
+
+
+def test_echo_is_vllms(clients: tuple[Any, Any]) -> None:
+    for prompt in ("hello world, the", IDS):
+        vllm, rose = _both(clients, False, prompt=prompt, max_tokens=6, echo=True, **GREEDY)
+        assert_same(vllm, rose)
+        streamed = _both(clients, False, prompt=prompt, max_tokens=6, echo=True, stream=True, **GREEDY)
+        assert_same(*(_folded(answer) for answer in streamed))
+
+
+def test_a_list_of_prompts_is_vllms(clients: tuple[Any, Any]) -> None:
+    """Prompt i's sample j is choice i * n + j on both; sample j is seeded seed + j."""
+    request = dict(max_tokens=6, n=2, temperature=1.0, seed=5, logprobs=1)
+    for prompts in (["hello world, the", "hi there"], [IDS, IDS[:4]]):
+        vllm, rose = _both(clients, False, prompt=prompts, **request)
+        assert [c["index"] for c in vllm["choices"]] == [0, 1, 2, 3]
+        assert_same(vllm, rose)
+
+
+def test_the_stop_string_kept_is_vllms(clients: tuple[Any, Any]) -> None:
+    request: dict[str, Any] = dict(prompt=IDS, max_tokens=16, **GREEDY)
+    text = _text(_both(clients, False, **request)[0])
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    kept = {"include_stop_str_in_output": True}
+    vllm, rose = _both(clients, False, stop=[stop], extra_body=kept, **request)
+    assert _text(vllm).endswith(stop)
+    assert_same(vllm, rose)
