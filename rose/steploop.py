@@ -11,7 +11,10 @@ the layers whose code does the work, not the loop that calls into them (docs/arc
 The thread outlives its callers: a caller cancelled while its command waits is skipped, an
 iteration that raises fails the requests it was running and the loop goes on, and a reader
 that stops reading has its request aborted. `ping` goes through the thread, so a dead or stuck
-loop is seen; `shutdown` ends every pending call and stream from any state.
+loop is seen; `check` sees the same from outside it, by the progress the thread records (each
+pass of the loop, each command, each item of a long command's `progressing` input), so that a
+health probe never waits behind a long command such as a weight push. `shutdown` ends every
+pending call and stream from any state.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -194,6 +198,7 @@ class StepLoop(Generic[Out]):
         self._lock = threading.Lock()  # orders submit against closing
         self._dead: str | None = None  # why the loop no longer runs commands
         self._ids = itertools.count()
+        self._progress = time.monotonic()  # the thread's last sign of progress (`check`)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -243,6 +248,25 @@ class StepLoop(Generic[Out]):
         except asyncio.TimeoutError:
             raise LoopDeadError(f"{self.name}: no answer within {timeout_s} s; an iteration "
                                   "or a command is stuck") from None
+
+    def check(self, timeout_s: float) -> None:
+        """Any thread, without a round trip through the loop's: raise LoopDeadError if the
+        thread has ended, or has made no progress for `timeout_s` (an iteration or a command
+        that does not return). An idle loop makes progress: it wakes every `IDLE_WAIT_S`."""
+        if self._dead is not None or not self._thread.is_alive():
+            raise LoopDeadError(self._dead or f"{self.name}: the loop's thread has ended")
+        quiet_s = time.monotonic() - self._progress
+        if quiet_s > timeout_s:
+            raise LoopDeadError(f"{self.name}: no progress for {quiet_s:.1f} s (more than {timeout_s} s); "
+                                "an iteration or a command is stuck")
+
+    def progressing(self, items: Iterable[T]) -> Iterator[T]:
+        """`items`, each one taken counting as the loop's progress: the input of a long command
+        that consumes it item by item (a weight push, tensor by tensor), which `check` must not
+        take for a stuck loop."""
+        for item in items:
+            self._progress = time.monotonic()
+            yield item
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -304,6 +328,15 @@ class StepLoop(Generic[Out]):
 
         await self.call(abort)
 
+    async def abort_all(self) -> None:
+        """`abort` every request that has a stream or a sink (a server's last act before it
+        exits): each ends with its last output, finish_reason 'abort'."""
+
+        def abort() -> None:
+            self._deliver([out for rid in list(self._streams) if (out := self.target.abort(rid)) is not None])
+
+        await self.call(abort)
+
     async def detach(self, sink: Sink[Out], how: Callable[[str], Out | None] | None = None) -> None:
         """The reader of `sink` left: stop its requests still running (with `how`, default the
         target's `abort`) and send it nothing more."""
@@ -336,6 +369,7 @@ class StepLoop(Generic[Out]):
         stalled = 0  # iterations in a row that had work but produced nothing
         try:
             while not self._stop:
+                self._progress = time.monotonic()
                 self._run_commands()
                 if self._paused or not self.target.has_unfinished():
                     self._wait(IDLE_WAIT_S)
@@ -372,6 +406,7 @@ class StepLoop(Generic[Out]):
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+            self._progress = time.monotonic()
 
     def _step(self) -> bool:
         """One iteration; whether it produced anything."""

@@ -1,7 +1,7 @@
 """What the OpenAI and lease routers share: the server's state (on `app.state`, handed to the
 routes as the `Served` dependency, or the lease API's part of it as `Leased`), each model's
 queue of requests waiting for their first token, the serving requests still on their way to the
-engine, and SSE framing."""
+engine, the shutdown drain, and SSE framing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
@@ -53,6 +54,41 @@ class Arrivals:
                     self._pending -= 1
 
         return release
+
+
+def engine_dead(why: str) -> APIError:
+    return APIError(503, f"the engine loop is down: {why}", kind="server_error", code="engine_dead")
+
+
+class Drain:
+    """The shutdown drain (`rose.coserve.drain`): once it starts, new requests are refused and
+    the open serving requests (the OpenAI API's) are waited for, up to its deadline. The event
+    loop's thread alone counts them."""
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None  # monotonic; None: not draining
+        self.open = 0  # serving requests in progress
+
+    @property
+    def started(self) -> bool:
+        return self.deadline is not None
+
+    def start(self, timeout_s: float) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + timeout_s
+
+    def done(self) -> bool:
+        """Whether the drain has nothing left to wait for: no open serving request, or its time is up."""
+        return self.deadline is not None and (self.open == 0 or time.monotonic() >= self.deadline)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """One serving request in progress, until its response is sent."""
+        self.open += 1
+        try:
+            yield
+        finally:
+            self.open -= 1
 
 
 class WaitingQueue:
@@ -104,6 +140,7 @@ class LeaseState:
     host: TurnHost
     limits: ServerLimits
     queues: dict[str, WaitingQueue] = dataclasses.field(init=False)
+    drain: Drain = dataclasses.field(default_factory=Drain, kw_only=True)
 
     def __post_init__(self) -> None:
         self.queues = {m: WaitingQueue(m, self.limits.max_waiting_per_model) for m in (SERVING, ROLLOUT)}
@@ -121,12 +158,23 @@ class LeaseState:
                            "queue_timeout") from None
 
     async def alive(self) -> None:
-        """Raise a 503 unless the engine loop answers within `health_timeout_s`."""
+        """Raise a 503 if the engine loop's thread has ended, or has made no progress for
+        `health_timeout_s` (`StepLoop.check`). Answered here, on the event loop: a weight push
+        that holds the engine thread for long, progressing, never fails it."""
         try:
-            await self.loop.ping(self.limits.health_timeout_s)
+            self.loop.check(self.limits.health_timeout_s)
         except LoopDeadError as exc:
-            raise APIError(503, f"the engine loop is down: {exc}", kind="server_error",
-                           code="engine_dead") from None
+            raise engine_dead(str(exc)) from None
+
+    async def answered(self, work: Awaitable[T]) -> T:
+        """`work` (a call on the engine loop), unless the loop takes over `health_timeout_s` to
+        answer: then a 503, so that a stuck loop fails a probe that needs its answer instead of
+        hanging it."""
+        timeout_s = self.limits.health_timeout_s
+        try:
+            return await asyncio.wait_for(work, timeout_s)
+        except TimeoutError:
+            raise engine_dead(f"no answer within {timeout_s} s; an iteration or a command is stuck") from None
 
 
 @dataclasses.dataclass

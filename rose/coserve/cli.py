@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import functools
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import sys
 import time
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import torch
@@ -68,7 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
          "template writes)")
     flag("--reasoning-parser", "split the model's reasoning off into reasoning_content (e.g. qwen3)")
     flag("--api-key", "bearer key of the OpenAI API (default: $ROSE_API_KEY; none: open)")
-    flag("--lease-key", "bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open)")
+    flag("--lease-key", "bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open, "
+         "which only a loopback --host allows)")
+    flag("--allow-open-lease", "serve the lease API (rollout turns, weight pushes) with no key on a "
+         "non-loopback --host", action="store_true")
+    flag("--shutdown-timeout", "on SIGTERM, seconds the open serving requests may take to finish; new "
+         "ones are refused (0: cut them at once)", type=float)
+    flag("--disable-uvicorn-access-log", "no access log (uvicorn's line per HTTP request, on stdout)",
+         action="store_true")
     flag("--max-body-mb", "largest request body, weights excepted", type=float)
     flag("--max-weights-mb", "largest body of POST /v1/lease/weights", type=float)
     flag("--max-waiting", "requests per model waiting for their first token; more get a 429", type=int)
@@ -106,6 +114,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from rose.coserve.drain import DrainingServer
+
     serve = serve_config(args)
     limits = serve.server_limits()  # bad values fail before models load
     if serve.cores:
@@ -127,21 +137,27 @@ def run(args: argparse.Namespace) -> int:
         if serve.iteration_log:  # line-buffered: a reader sees each iteration as it ends
             log = stack.enter_context(open(serve.iteration_log, "a", buffering=1))
             executor.trace = lambda record: log.write(json.dumps(record) + "\n")
-        # Streams still open at shutdown (rollout turns) are cut after 5 s rather than awaited.
-        uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5,
-                    limit_concurrency=limits.max_connections, ws_max_size=MAX_MESSAGE_BYTES)
+        access_log = not serve.disable_uvicorn_access_log
+        config = uvicorn.Config(app, host=serve.host, port=serve.port, log_level="warning",
+                                access_log=access_log, limit_concurrency=limits.max_connections,
+                                ws_max_size=MAX_MESSAGE_BYTES)
+        if access_log:  # its lines are at info; uvicorn's others stay at warning
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+        DrainingServer(config, app.state.server).run()
     return 0
 
 
 @contextlib.contextmanager
 def http_process(command: Callable[[int], list[str]], name: str, startup_s: float,
-                 env: Mapping[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A server process, `command(port)`, on a free local port: its URL and the process once
-    `/health` answers; on exit it is terminated (killed if it has not stopped within 15 s)."""
+                 env: Mapping[str, str] | None = None, log: IO[Any] | None = None
+                 ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A server process, `command(port)`, on a free local port (its stdout and stderr to `log`,
+    None: this process's): its URL and the process once `/health` answers; on exit it is
+    terminated (killed if it has not stopped within 15 s)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(command(port), env=env)
+    proc = subprocess.Popen(command(port), env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s

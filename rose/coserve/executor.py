@@ -485,11 +485,12 @@ class CoServingExecutor:
         m.preemptions.labels(m.model_name).inc(preemptions - self._preemptions)
         self._preemptions = preemptions
         cached = self.serving.cached_pages()
+        kv = self.serving.kv_pages()
         # Serving's pages, its prefix cache's included: the pool's count, or its own cache's.
-        serving = (self._pages(self.serving.kv_pages().active + cached) if self.own_pages
-                   else self.pool.used(SERVING))
+        serving = self._pages(kv.active + cached) if self.own_pages else self.pool.used(SERVING)
         free = self.pool.num_free + max(0, self.own_pages - serving)
-        m.kv_usage.labels(m.model_name).set(1.0 - free / self.device_pages)
+        m.set_kv_usage((kv.active, kv.total), (self.rollout.blocks.num_active_pages, self.pool.num_pages)
+                       if self.rollout is not None else None)
         m.turns_running.set(len(self._turns))
         m.pool_pages.labels(SERVING).set(serving)
         m.pool_pages.labels(ROLLOUT).set(self.pool.used(ROLLOUT))

@@ -7,6 +7,7 @@ either transport."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -96,7 +97,7 @@ async def capacity(state: Leased) -> dict[str, Any]:
 @router.post("/v1/lease/heartbeat")
 async def heartbeat(state: Leased) -> dict[str, Any]:
     await state.alive()  # a dead or stuck engine loop must fail the heartbeat, not hang it
-    return {"time": time.time(), "capacity": await _capacity(state)}
+    return {"time": time.time(), "capacity": await state.answered(_capacity(state))}
 
 
 @control_router.post("/v1/lease/new_rl_step")
@@ -108,12 +109,15 @@ async def new_rl_step(state: Served) -> dict[str, str]:
 @control_router.post(WEIGHTS_PATH, openapi_extra=_BINARY_BODY)
 async def weights(request: Request, state: Served, version: int = Query(ge=0, le=INT64_MAX),
                   in_flight: InFlight = InFlight.CONTINUE) -> dict[str, Any]:
-    try:
-        tensors = load_safetensors(await request.body())
+    body = await request.body()
+    try:  # off the event loop: a whole model's body takes a while to read
+        tensors = await asyncio.to_thread(load_safetensors, body)
     except (ValueError, SafetensorError) as exc:
         raise APIError(400, f"expected a safetensors body: {exc}") from None
+    # Applied on the engine thread; each tensor taken is progress for /health.
+    pieces = state.loop.progressing(tensors.items())
     try:
-        await state.loop.call(lambda: state.executor.load_weights(tensors.items(), version, in_flight))
+        await state.loop.call(lambda: state.executor.load_weights(pieces, version, in_flight))
     except StaleVersion as exc:
         raise APIError(409, str(exc), "version", code="stale_version") from None
     except ValueError as exc:

@@ -94,8 +94,8 @@ class ExecutorMetrics:
                              registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Serving requests waiting to be scheduled", model,
                              registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV page pool in use, by both "
-                              "models (1 = full)", model, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of the KV cache serving may use that "
+                              "its requests hold (1 = full)", model, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of serving requests, counted at "
                                      "their first token", model, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated for serving requests",
@@ -135,6 +135,8 @@ class ExecutorMetrics:
             "that arrived while they ran", registry=r)
         self.iterations = Counter("rose:iterations", "Executor iterations", ["engine"], registry=r)
         self.busy = Counter("rose:busy_seconds", "Time spent computing iterations", ["engine"], registry=r)
+        self.rollout_kv_usage = Gauge("rose:rollout_kv_cache_usage_perc", "Share of the KV pool rollouts "
+                                      "draw from that their turns hold (1 = full)", registry=r)
         self.pool_pages = Gauge("rose:kv_pool_pages", "KV pool pages by owner (and free)", ["owner"],
                                 registry=r)
         self.cached_pages = Gauge("rose:kv_cached_pages",
@@ -196,6 +198,17 @@ class ExecutorMetrics:
             metric.labels(name)
         for reason in FINISH_REASONS:
             self.request_success.labels(name, reason)
+
+    def set_kv_usage(self, serving: tuple[int, int], rollout: tuple[int, int] | None) -> None:
+        """Each model's KV usage, as (pages its requests hold, pages it may hold). Pages only a
+        prefix cache holds count as free, as vLLM counts them. Serving may hold its own cache
+        (vLLM's, with --engine vllm) or the whole shared pool (the native engine: the burst
+        cut takes the rollouts' pages back for it; under `static`, its fixed share); rollouts
+        draw from the shared pool, or from their own beside vLLM's cache."""
+        held, total = serving
+        self.kv_usage.labels(self.model_name).set(held / total)
+        if rollout is not None:
+            self.rollout_kv_usage.set(rollout[0] / rollout[1])
 
     def serving_output(self, out: RequestOutput) -> None:
         """One iteration's output of a serving request: its new tokens, and its prompt's with its

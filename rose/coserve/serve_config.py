@@ -39,7 +39,7 @@ class ServeConfig:
     lease_key: str | None = ServerLimits.lease_key  # ... $ROSE_LEASE_KEY
     allow_open_lease: bool = ServerLimits.allow_open_lease  # a non-loopback host with no lease key
     shutdown_timeout: float = ServerLimits.drain_timeout_s  # vLLM's flag: the drain on SIGTERM, s
-    disable_uvicorn_access_log: bool = False  # vLLM's flag: no line per HTTP request on stderr
+    disable_uvicorn_access_log: bool = False  # vLLM's flag: no line per HTTP request (on stdout)
     max_body_mb: float = ServerLimits.max_body_bytes / MB
     max_weights_mb: float = ServerLimits.max_weights_bytes / MB
     max_waiting: int = ServerLimits.max_waiting_per_model

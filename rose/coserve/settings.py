@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import math
+import socket
 from typing import Any
 
 MB = 1024**2
@@ -137,12 +139,16 @@ class ServerLimits:
     """Who may call, and how much any caller may ask of the server."""
 
     api_key: str | None = None  # bearer key of the OpenAI API; None: open
-    lease_key: str | None = None  # bearer key of /v1/lease/*; None: open
+    lease_key: str | None = None  # bearer key of /v1/lease/*; None: open (only on loopback, `check_bind`)
+    allow_open_lease: bool = False  # lets a non-loopback bind leave the lease API without a key
     max_body_bytes: int = 4 * 1024**2
     max_weights_bytes: int = 64 * 1024**3  # POST /v1/lease/weights: a whole model
     max_waiting_per_model: int = 256  # requests of one model waiting for their first token
     queue_timeout_s: float = 120.0  # no first token by then: aborted, answered 503
     health_timeout_s: float = 10.0  # the engine loop must answer /health within this
+    # On SIGTERM: open serving requests may finish for this long (new ones are refused), then
+    # what is left is cut. 25 s: the drain and the exit fit Kubernetes' default 30 s grace period.
+    drain_timeout_s: float = 25.0
     shutdown_timeout_s: float = 5.0  # waited for the engine thread to stop at exit
     max_connections: int = 1024  # uvicorn's limit_concurrency: connections beyond it get a 503
 
@@ -154,6 +160,29 @@ class ServerLimits:
                      "health_timeout_s", "shutdown_timeout_s", "max_connections"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0 (0: cut open requests at once), "
+                             f"got {self.drain_timeout_s!r}")
+
+    def check_bind(self, host: str) -> None:
+        """Refuse to serve the lease API (rollout turns, weight pushes) without a key on `host`
+        unless it is a loopback address, or the opening is asked for. The OpenAI API's key does
+        not guard the lease API."""
+        if self.lease_key is None and not self.allow_open_lease and not _loopback(host):
+            raise ValueError(f"host {host!r} is not a loopback address and the lease API (/v1/lease/*: "
+                             "rollout turns, weight pushes) has no key: set --lease-key (or "
+                             "$ROSE_LEASE_KEY), or pass --allow-open-lease to open it to anyone who "
+                             "reaches the port")
+
+
+def _loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (a name is resolved; "" and a name
+    that does not resolve are not)."""
+    try:
+        infos = socket.getaddrinfo(host, None) if host else []
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
 @dataclasses.dataclass(frozen=True)

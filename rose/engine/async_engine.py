@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 import torch
 
 from rose.contracts import GenerationEngine, InFlight, RequestOutput, SamplingParams
-from rose.steploop import StepLoop
+from rose.steploop import LoopDeadError, StepLoop
 
 E = TypeVar("E", bound=GenerationEngine)
 
@@ -33,6 +33,15 @@ class AsyncLLMEngine(StepLoop[RequestOutput], Generic[E]):
     async def ping(self, timeout_s: float) -> None:
         """The loop answers, and its engine can still run (`check_health`, on the loop's thread)."""
         await super().ping(timeout_s, self.engine.check_health)
+
+    def check(self, timeout_s: float) -> None:
+        """`ping` from outside the loop's thread (`StepLoop.check`): every engine's
+        `check_health` only reads whether an iteration failed it."""
+        super().check(timeout_s)
+        try:
+            self.engine.check_health()
+        except RuntimeError as exc:
+            raise LoopDeadError(f"{self.name}: {exc}") from None
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                            in_flight: InFlight | None = None) -> None:

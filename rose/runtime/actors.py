@@ -70,7 +70,7 @@ def on_loop(loop: StepLoop[Any], load: WeightUpdate,
     tensors that changed, or with all of `whole` (the receiver's copy, already updated) for an
     engine that takes every weight at once."""
     def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        given = named if whole is None else whole.items()
+        given = loop.progressing(named if whole is None else whole.items())  # progress for /health
         loop.submit(lambda: load(given, version)).result()
 
     return apply
@@ -217,7 +217,9 @@ class _HttpReplica(_Replica):
         return self.url
 
     def _serve(self, app: Any, limits: ServerLimits) -> uvicorn.Server:
-        """Serve `app` from a thread on a free port of this actor's host (its URL: `self.url`)."""
+        """Serve `app` from a thread on a free port of this actor's host (its URL: `self.url`);
+        off the loopback (a cluster's node address) only with a lease key (the run's)."""
+        limits.check_bind(self.host)
         sock = socket.socket()
         sock.bind((self.host, 0))
         self.url = f"http://{self.host}:{sock.getsockname()[1]}"

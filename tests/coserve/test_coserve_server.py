@@ -608,6 +608,7 @@ def test_health_and_heartbeat_report_a_stuck_engine_loop(checkpoints: tuple[Path
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             hung = pool.submit(httpx.post, f"{url}/v1/completions", json=COMPLETION, timeout=60)
             assert _wait(lambda: executor.has_unfinished())
+            time.sleep(limits.health_timeout_s)  # stuck: no progress for that long
             for r in (httpx.get(f"{url}/health", timeout=10),
                       httpx.post(f"{url}/v1/lease/heartbeat", timeout=10)):
                 assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text

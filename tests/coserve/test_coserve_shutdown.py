@@ -1,5 +1,6 @@
-"""`rose serve` as a real process exits promptly on SIGTERM and SIGINT whatever state it is in:
-requests in flight, streams nobody reads, an engine loop stuck in an iteration."""
+"""`rose serve` as a real process exits with 0 within its drain's bound on SIGTERM and SIGINT,
+whatever state it is in: requests in flight, streams nobody reads, an engine loop stuck in an
+iteration. (tests/coserve/test_coserve_operations.py: what the drain lets finish.)"""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ raise SystemExit(main(sys.argv[2:]))
 """
 
 
+DRAIN_S = 2.0  # --shutdown-timeout
+# After the drain: the cut's grace, then at most ServerLimits.shutdown_timeout_s (5 s) for the
+# engine thread to stop; the rest is start-up slack on a loaded machine.
+EXIT_WITHIN_S = DRAIN_S + 20
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model("qwen3", "tiny", tmp_path_factory.mktemp("shutdown") / "tiny", seed=3)
@@ -53,7 +60,7 @@ def serve(model: Path) -> Iterator[Serve]:
         port = _free_port()
         proc = subprocess.Popen([sys.executable, "-c", SERVE, mode, "serve", "--model", str(model),
                                  "--rollout-model", str(model), "--port", str(port), "--no-profile",
-                                 "--pool-mb", "8"])
+                                 "--pool-mb", "8", "--shutdown-timeout", str(DRAIN_S)])
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -72,9 +79,10 @@ def serve(model: Path) -> Iterator[Serve]:
 
 
 def _exits_within(proc: subprocess.Popen, sig: int, timeout_s: float) -> float:
+    """Seconds from `sig` to the process's exit, which is with 0."""
     start = time.monotonic()
     proc.send_signal(sig)
-    proc.wait(timeout=timeout_s)
+    assert proc.wait(timeout=timeout_s) == 0
     return time.monotonic() - start
 
 
@@ -87,8 +95,7 @@ def _hang(url: str, path: str, body: dict) -> None:
 def test_sigterm_with_a_stuck_engine_loop(serve: Serve) -> None:
     proc, url = serve("stuck")
     _hang(url, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4})
-    # uvicorn's 5 s grace for open requests, then at most 5 s for the engine thread.
-    assert _exits_within(proc, signal.SIGTERM, 40) < 30
+    assert DRAIN_S <= _exits_within(proc, signal.SIGTERM, 40) < EXIT_WITHIN_S
 
 
 def test_sigint_with_streams_nobody_reads(serve: Serve) -> None:
@@ -100,4 +107,4 @@ def test_sigint_with_streams_nobody_reads(serve: Serve) -> None:
                            ("/v1/lease/turns", turn)):
             r = stack.enter_context(httpx.stream("POST", f"{url}{path}", json=body, timeout=60))
             assert r.status_code == 200
-        assert _exits_within(proc, signal.SIGINT, 40) < 30
+        assert _exits_within(proc, signal.SIGINT, 40) < EXIT_WITHIN_S
