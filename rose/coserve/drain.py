@@ -63,13 +63,10 @@ class DrainingServer(uvicorn.Server):
                 server.close()
             log.info("shutting down: no new requests; waiting up to %g s for %d open serving request(s)",
                      self.timeout_s, self.drain.open)
-        if await super().on_tick(counter):
-            return True
-        if not self.drain.done():
+        if not (await super().on_tick(counter) or self.drain.done()):  # super: a second signal
             return False
         if self.drain.open:
-            log.warning("shutting down: %d serving request(s) still open after %g s are cut",
-                        self.drain.open, self.timeout_s)
+            log.warning("shutting down: %d serving request(s) still open are cut", self.drain.open)
         with contextlib.suppress(LoopDeadError, TimeoutError):  # a stuck loop: uvicorn cancels
             await asyncio.wait_for(self.state.loop.abort_all(), CUT_GRACE_S)
         return True
