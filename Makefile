@@ -56,13 +56,16 @@ test-vllm: install-vllm
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
-# The checks on a CUDA device (marked `gpu`, skipped without one): engine parity with
-# transformers in fp32 and bf16, seeded sampling, a trainer step, the co-serving executor, the
-# delta codec's device path. The Makefile installs the CPU build of torch: on a GPU machine install
-# a CUDA build into .venv first (e.g. `.venv/bin/pip install torch --index-url
-# https://download.pytorch.org/whl/cu128`).
-test-gpu: install
-	$(BIN)/python -m pytest -q -m gpu
+# Every check on a CUDA device, in under 10 minutes (scripts/gpu_checks.sh): the tests marked `gpu`
+# (engine parity with transformers in fp32 and bf16, seeded sampling, a trainer step, the
+# co-serving executor, the delta codec's device path, `--engine vllm` on cuda where vLLM's CUDA
+# build is installed), then `rose bench engine` and `rose bench transfer` on the GPU; a summary in
+# $OUT, else build/gpu-out. It runs a Python whose torch sees the GPU ($GPU_PYTHON; .venv's if
+# its torch is a CUDA build, else python3), so no `install` first: that installs the CPU build.
+# On a machine without network, first `scripts/gpu_checks.sh --wheels` where pip works, and bring
+# build/gpu-wheels. Never part of `make test` or CI.
+test-gpu:
+	scripts/gpu_checks.sh
 
 # Fault injection: a short rose train whose dedicated worker, serving executor and trainer are
 # killed mid-step (also part of `make test`).

@@ -21,6 +21,7 @@ it leaves of the iteration's token budget and of the pool, preempted when servin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -48,6 +49,12 @@ from rose.coserve.admission import (
     rollout_capacity,
     serving_state,
 )
+from rose.coserve.device_memory import (
+    GpuBudget,
+    check_memory_settings,
+    iteration_activations,
+    rollout_pool_bytes,
+)
 from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
 from rose.coserve.serving_engine import NativeServing, ServingEngine
@@ -60,6 +67,18 @@ from rose.model.decoder import CausalLM
 from rose.model.device import resolve
 
 SERVING, ROLLOUT = "serving", "rollout"
+
+
+def _engine_config(cfg: ExecutorConfig) -> EngineConfig:
+    """The executor's native engines' settings."""
+    return EngineConfig(max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_tokens,
+                        max_num_batched_tokens=max(2048, cfg.chunk_tokens))
+
+
+def _vllm_limits(cfg: ExecutorConfig) -> dict[str, int]:
+    """vLLM's batch limits as a serving engine: the native engine's sequences, a chunk of prompt
+    beside a decode of each."""
+    return {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.chunk_tokens + cfg.max_num_seqs}
 
 
 class TurnSlotsFull(RuntimeError):
@@ -82,8 +101,7 @@ class CoServingExecutor:
         and the freeze, as in one pool, though on the CPU the pages a cut frees cannot join
         the other engine's cache."""
         self.config = cfg = config or ExecutorConfig()
-        engine = EngineConfig(max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_tokens,
-                              max_num_batched_tokens=max(2048, cfg.chunk_tokens))
+        engine = _engine_config(cfg)
         if isinstance(serving, CausalLM):
             models = [m for m in (serving, rollout) if m]
             own_bytes = 0
@@ -149,10 +167,14 @@ class CoServingExecutor:
                         dtype: str | None = None, engine: Engine = Engine.NATIVE) -> CoServingExecutor:
         """Both checkpoints loaded on `device`, in `dtype` (None: `rose.model.device`'s defaults:
         CUDA if there is one, in bfloat16; else the CPU, in float32). `engine`: what serves the
-        serving model (vLLM: its KV cache is `config.serving_pool_share` of the pool, and it
-        needs a rollout model)."""
+        serving model (vLLM needs a rollout model; its memory: on the CPU its KV cache is
+        `config.serving_pool_share` of the pool, on a GPU `_vllm_on_gpu`)."""
         config = config or ExecutorConfig()
         device, dtype = resolve(device, dtype)
+        gpu_vllm = engine is Engine.VLLM and device.type == "cuda"
+        check_memory_settings(config, gpu_vllm)
+        if gpu_vllm:
+            return cls._vllm_on_gpu(serving_path, rollout_path, config, device, dtype)
         rollout = load_model(rollout_path, dtype, device) if rollout_path else None
         rollout_eos = eos_ids(rollout_path, rollout.config) if rollout_path and rollout else ()
         if engine is Engine.VLLM:
@@ -160,11 +182,36 @@ class CoServingExecutor:
 
             vllm = VllmServing.from_pretrained(
                 serving_path, int(config.pool_bytes * config.serving_pool_share), str(device),
-                str(dtype).removeprefix("torch."), max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.chunk_tokens + config.max_num_seqs)
+                str(dtype).removeprefix("torch."), **_vllm_limits(config))
             return cls(vllm, rollout, config, rollout_eos=rollout_eos)
         serving = load_model(serving_path, dtype, device)
         return cls(serving, rollout, config, eos_ids(serving_path, serving.config), rollout_eos)
+
+    @classmethod
+    def _vllm_on_gpu(cls, serving_path: str | Path, rollout_path: str | Path | None, config: ExecutorConfig,
+                     device: torch.device, dtype: torch.dtype) -> CoServingExecutor:
+        """vLLM serving on a GPU beside the rollout model, both within `config.gpu_memory_utilization`
+        of it (`rose.coserve.device_memory`): vLLM first, in its share, which it sizes itself; then
+        the rollout model, whose pool is what the budget has left (`pool_mb` is set to both caches)."""
+        from rose.coserve.vllm_serving import VllmServing
+
+        budget = GpuBudget.take(device, config.gpu_memory_utilization)
+        share = config.gpu_memory_utilization * config.serving_pool_share
+        vllm = VllmServing.from_pretrained(serving_path, None, str(device), str(dtype).removeprefix("torch."),
+                                           memory_share=share, **_vllm_limits(config))
+        held = budget.held()
+        # vLLM's part: its share (its activations come and go), or what it holds if more.
+        serving = max(math.ceil(budget.total * share), held)
+        if rollout_path is None:
+            return cls(vllm, None, config)  # refused there
+        rollout = load_model(rollout_path, dtype, device)
+        weights = budget.held() - held
+        engine = _engine_config(config)
+        activations = iteration_activations(rollout, engine.max_num_batched_tokens, engine.max_num_seqs)
+        pool = rollout_pool_bytes(budget.bytes, serving, weights, activations)
+        kv = vllm.kv_pages()
+        sized = dataclasses.replace(config, pool_mb=(kv.total * kv.page_bytes + pool) / MB)
+        return cls(vllm, rollout, sized, rollout_eos=eos_ids(rollout_path, rollout.config))
 
     def profile(self) -> None:
         """Fit the latency model on both engines (a few seconds, at start-up)."""

@@ -67,8 +67,13 @@ class ExecutorConfig:
 
     pool_mb: float = _setting(256.0, "KV page pool shared by both models, MiB")
     headroom: float = _setting(HEADROOM, "share of the pool reserved for serving")
-    serving_pool_share: float = _setting(0.5, "with --engine vllm: the share of the pool that is vLLM's "
-                                         "KV cache (its own; the rollout model's pool is the rest)")
+    serving_pool_share: float = _setting(0.5, "with --engine vllm: vLLM's share, on the CPU of the pool (its "
+                                         "KV cache), on cuda of --gpu-memory-utilization (its weights, "
+                                         "activations and KV cache); the rollout model's is the rest")
+    # vLLM's own flag and default, for what both models take of one GPU (rose.coserve.device_memory).
+    gpu_memory_utilization: float = _setting(0.9, "with --engine vllm on cuda: the share of the GPU's memory "
+                                             "both models may take (weights, activations, KV caches); "
+                                             "sizes them in place of --pool-mb")
     high_watermark: float = _setting(HIGH_WATERMARK, "burst when serving has used this share of the headroom")
     slo_ttft_ms: float = _setting(1000.0, "serving's time-to-first-token objective (SLO), ms")
     slo_tpot_ms: float = _setting(200.0, "serving's time-per-output-token objective (SLO), ms")
@@ -118,6 +123,7 @@ class ExecutorConfig:
             need(getattr(self, name) >= 0, name, ">= 0")
         need(0 < self.headroom < 1, "headroom", "in (0, 1)")
         need(0 < self.serving_pool_share < 1, "serving_pool_share", "in (0, 1)")
+        need(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "in (0, 1]")
         need(0 < self.high_watermark <= 1, "high_watermark", "in (0, 1]")
         need(0 < self.static_rollout_pages < 1, "static_rollout_pages", "in (0, 1)")
         need(0 < self.admission_quantile <= 1, "admission_quantile", "in (0, 1]")

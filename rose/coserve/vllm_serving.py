@@ -10,9 +10,10 @@ KV blocks in use, from vLLM's scheduler and block pool; the load of an iteration
 each request advanced in it.
 
 vLLM's KV cache is its own allocation, fixed when the engine starts: it cannot be one pool with
-the rollout engine's. The executor bounds each (`ExecutorConfig.serving_pool_share`) and counts
-both as the device's KV, so that the burst state machine follows vLLM's usage as it follows the
-native engine's in a shared pool.
+the rollout engine's. The executor bounds each (`ExecutorConfig.serving_pool_share`: of the pool
+on the CPU, of `gpu_memory_utilization` on a GPU, `rose.coserve.device_memory`) and counts both as
+the device's KV, so that the burst state machine follows vLLM's usage as it follows the native
+engine's in a shared pool.
 
 Requests sample as on vLLM's own OpenAI server: every sampling field is handed to vLLM as its
 server hands it (`vllm_sampling`), and logprobs are vLLM's default, the model's raw log-softmax,
@@ -45,6 +46,7 @@ class VllmServing(VllmEngine):
     # filter (the native serving engine's too, without `logprobs_at_temperature`).
     logprobs_mode: ClassVar[str] = "raw_logprobs"
     chat_top_logprobs_sampled_first = True
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     def __init__(self, llm: Any, config: ModelConfig) -> None:
         super().__init__(llm, config)

