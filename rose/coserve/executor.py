@@ -174,7 +174,8 @@ class CoServingExecutor:
         gpu_vllm = engine is Engine.VLLM and device.type == "cuda"
         check_memory_settings(config, gpu_vllm)
         if gpu_vllm:
-            return cls._vllm_on_gpu(serving_path, rollout_path, config, device, dtype)
+            return cls._vllm_on_gpu(serving_path, rollout_path, config, device, dtype)._with_tokenizers(
+                serving_path, rollout_path)
         rollout = load_model(rollout_path, dtype, device) if rollout_path else None
         rollout_eos = eos_ids(rollout_path, rollout.config) if rollout_path and rollout else ()
         if engine is Engine.VLLM:
@@ -183,9 +184,11 @@ class CoServingExecutor:
             vllm = VllmServing.from_pretrained(
                 serving_path, int(config.pool_bytes * config.serving_pool_share), str(device),
                 str(dtype).removeprefix("torch."), **_vllm_limits(config))
-            return cls(vllm, rollout, config, rollout_eos=rollout_eos)
-        serving = load_model(serving_path, dtype, device)
-        return cls(serving, rollout, config, eos_ids(serving_path, serving.config), rollout_eos)
+            executor = cls(vllm, rollout, config, rollout_eos=rollout_eos)
+        else:
+            serving = load_model(serving_path, dtype, device)
+            executor = cls(serving, rollout, config, eos_ids(serving_path, serving.config), rollout_eos)
+        return executor._with_tokenizers(serving_path, rollout_path)
 
     @classmethod
     def _vllm_on_gpu(cls, serving_path: str | Path, rollout_path: str | Path | None, config: ExecutorConfig,
@@ -212,6 +215,15 @@ class CoServingExecutor:
         kv = vllm.kv_pages()
         sized = dataclasses.replace(config, pool_mb=(kv.total * kv.page_bytes + pool) / MB)
         return cls(vllm, rollout, sized, rollout_eos=eos_ids(rollout_path, rollout.config))
+
+    def _with_tokenizers(self, serving_path: str | Path, rollout_path: str | Path | None
+                         ) -> CoServingExecutor:
+        """Structured output on the native engines, over their checkpoints' tokenizers."""
+        if isinstance(self.serving, LLMEngine):
+            self.serving.use_checkpoint_tokenizer(serving_path)
+        if self.rollout is not None and rollout_path is not None:
+            self.rollout.use_checkpoint_tokenizer(rollout_path)
+        return self
 
     def profile(self) -> None:
         """Fit the latency model on both engines (a few seconds, at start-up)."""

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from rose.contracts import SamplingParams, Turn, TurnOutput
+from rose.contracts import SamplingParams, StructuredKind, StructuredOutput, Turn, TurnOutput
 from rose.contracts.sampling import MAX_REPETITION_PENALTY
 
 INT32_MAX = 2**31 - 1
@@ -81,6 +81,72 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# A structured output's schema, regex, grammar or choice list, as (JSON) text: the body's cap
+# would let one take megabytes, each compiled on the engine thread.
+MAX_STRUCTURED_CHARS = 64 * 1024
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`: the schema is enforced whatever `strict` says (as
+    under vLLM)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("response_format", "response_format of type json_schema needs its "
+                                      "json_schema: {\"name\": ..., \"schema\": {...}}")
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: one constraint of json (a schema), regex, choice, grammar
+    (EBNF or Lark) and json_object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's options of its backends, not implemented here: refused unless off.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _options_off(self) -> StructuredOutputs:
+        for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                     "structural_tag"):
+            if getattr(self, name) not in (None, False):
+                raise PydanticCustomError("unsupported", "this server does not implement "
+                                          "structured_outputs.{field}; accepted only: null, false",
+                                          {"field": name})
+        return self
+
+    def specs(self) -> list[tuple[StructuredKind, Any]]:
+        """Each constraint's kind and value (None: not given)."""
+        return [(StructuredKind.JSON, self.json_), (StructuredKind.REGEX, self.regex),
+                (StructuredKind.CHOICE, self.choice), (StructuredKind.GRAMMAR, self.grammar),
+                (StructuredKind.JSON_OBJECT, "" if self.json_object else None)]
+
+
+_SPEC_KINDS = (StructuredKind.JSON, StructuredKind.REGEX, StructuredKind.CHOICE, StructuredKind.GRAMMAR)
+
+
+def _spec(value: dict[str, Any] | list[str] | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's bound; vLLM's default max_logprobs)
 LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-LOGIT_BIAS, LOGIT_BIAS]
@@ -89,7 +155,6 @@ LOGIT_BIAS = 100.0  # vLLM clamps each bias to [-LOGIT_BIAS, LOGIT_BIAS]
 # that mean "off": anything else is refused with a 400 naming the parameter.
 NEUTRAL: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -149,8 +214,17 @@ class _OpenAIRequest(_Sampling):
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
     skip_special_tokens: bool = True  # special tokens' text left out of the reply
 
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older
+    # guided_* fields (vLLM 0.32 dropped those: it ignores them with a warning and leaves the
+    # output unconstrained; clients written for older vLLMs still send them, and get them here).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
     best_of: Any = _UNSUPPORTED
-    response_format: Any = _UNSUPPORTED
     tools: Any = _UNSUPPORTED
     tool_choice: Any = _UNSUPPORTED
     functions: Any = _UNSUPPORTED
@@ -178,6 +252,40 @@ class _OpenAIRequest(_Sampling):
         _logit_bias(value)
         return value
 
+    def _constraints(self) -> list[tuple[str, StructuredOutput]]:
+        """Each structured output the request asks for, with the field that asks."""
+        fmt, so = self.response_format, self.structured_outputs
+        given: list[tuple[str, StructuredKind, Any]] = []
+        if fmt is not None and fmt.json_schema is not None and fmt.type == "json_schema":
+            given.append(("response_format", StructuredKind.JSON, fmt.json_schema.schema_))
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", StructuredKind.JSON_OBJECT, ""))
+        if so is not None:
+            given += [(f"structured_outputs.{kind.value}", kind, value) for kind, value in so.specs()]
+        given += [(f"guided_{k.value}", k, getattr(self, f"guided_{k.value}")) for k in _SPEC_KINDS]
+        return [(name, StructuredOutput(kind, _spec(value))) for name, kind, value in given
+                if value is not None]
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> _OpenAIRequest:
+        found = self._constraints()
+        if len(found) > 1:
+            raise PydanticCustomError("structured_output", "{first} and {second} both constrain the output; "
+                                      "send one of them", {"first": found[0][0], "second": found[1][0]})
+        for name, constraint in found:
+            if len(constraint.spec) > MAX_STRUCTURED_CHARS:
+                raise PydanticCustomError("structured_output", "{field} takes {size} characters (as JSON), "
+                                          "more than the {limit} a request may send",
+                                          {"field": name, "size": len(constraint.spec),
+                                           "limit": MAX_STRUCTURED_CHARS})
+        return self
+
+    @property
+    def structured(self) -> StructuredOutput | None:
+        """The structured output asked for, if any (at most one: checked)."""
+        found = self._constraints()
+        return found[0][1] if found else None
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -197,7 +305,7 @@ class _OpenAIRequest(_Sampling):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p,
             min_tokens=self.min_tokens, logit_bias=_logit_bias(self.logit_bias),
-            top_logprobs=self.num_top_logprobs)
+            top_logprobs=self.num_top_logprobs, structured=self.structured)
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """The `n` samples' parameters: a seed gives sample i `seed + i`, as vLLM does, so that
@@ -484,6 +592,8 @@ def check_turn(turn: Turn) -> Turn:
          and all(t <= INT32_MAX for t in p.stop_token_ids), f"at most {MAX_STOP} ids, each <= {INT32_MAX}"),
         ("params.logit_bias", len(p.logit_bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} pairs"),
         ("params.top_logprobs", p.top_logprobs <= MAX_LOGPROBS, f"at most {MAX_LOGPROBS}"),
+        ("params.structured", p.structured is None or len(p.structured.spec) <= MAX_STRUCTURED_CHARS,
+         f"null, or a spec of at most {MAX_STRUCTURED_CHARS} characters"),
     )
     for field, ok, expected in checks:
         if not ok:

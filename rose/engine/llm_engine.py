@@ -19,7 +19,8 @@ from rose.engine.model_runner import IterationInterrupted, ModelRunner
 from rose.engine.sampling import Sampled, sample, unsampleable_rows
 from rose.engine.scheduler import Batch, Scheduler, SchedulerConfig
 from rose.engine.sequence import Sequence, Status
-from rose.model import ModelConfig, load_model
+from rose.engine.structured_output import Constraint, Grammars
+from rose.model import CheckpointError, ModelConfig, Tokenizer, load_model, load_tokenizer
 from rose.model.decoder import CausalLM
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size
+        self.grammars: Grammars | None = None  # structured output's (`use_tokenizer`)
         self.policy_version = 0
         self.num_preemptions = 0
         self.num_interrupted = 0  # iterations given up part way (`step(interrupt=...)`)
@@ -106,7 +108,24 @@ class LLMEngine:
         """The checkpoint at `path` on `device` in `dtype` (None: `rose.model.device`'s defaults:
         CUDA if there is one, in bfloat16; else the CPU, in float32)."""
         model = load_model(path, dtype=dtype, device=device)
-        return cls(model, EngineConfig(**config), eos_token_ids=eos_ids(path, model.config))
+        engine = cls(model, EngineConfig(**config), eos_token_ids=eos_ids(path, model.config))
+        engine.use_checkpoint_tokenizer(path)
+        return engine
+
+    def use_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """The model's tokenizer: structured output compiles its grammars over its vocabulary
+        (on the first constrained request; an engine without one refuses those requests)."""
+        self.grammars = Grammars(tokenizer, self.vocab_size, self.eos_token_ids)
+
+    def use_checkpoint_tokenizer(self, path: str | Path) -> None:
+        """`use_tokenizer` with the checkpoint's tokenizer, if it has one (tokenizer.json) that
+        ROSE reads; else the engine serves all but structured output."""
+        if not (Path(path) / "tokenizer.json").is_file():
+            return
+        try:
+            self.use_tokenizer(load_tokenizer(path))
+        except CheckpointError as exc:
+            log.warning("engine %r: no structured output (%s)", self.name, exc)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -132,13 +151,28 @@ class LLMEngine:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         self._check_fits(where, len(prompt_token_ids), params.max_tokens)
+        constraint = self._constraint(where, params)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seeds, device="cpu"))
         seq = Sequence(request_id, prompt_token_ids, params, priority,
-                       torch.Generator(device=self.device).manual_seed(seed))
+                       torch.Generator(device=self.device).manual_seed(seed), constraint)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _constraint(self, where: str, params: SamplingParams) -> Constraint | None:
+        """The matcher of the request's structured output, its grammar ending at the request's
+        stop tokens (as vLLM's: its stop ids, and end of sequence unless ignore_eos)."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"{where}: structured output needs the model's tokenizer, and engine "
+                             f"{self.name!r} has none")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        try:
+            return self.grammars.constraint(params.structured, stops)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     @property
     def max_request_tokens(self) -> int:
@@ -168,6 +202,7 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         self.scheduler.remove(seq)
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        seq.constraint = None  # its matcher's memory goes back too
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
         """Retire a request that produced nothing more; its last output."""
@@ -249,7 +284,12 @@ class LLMEngine:
         for i, token, logprob, top in zip(good, drawn.tokens, drawn.logprobs, drawn.top, strict=True):
             seq = sampling[i]
             seq.append(token, now)
-            if reason := self._finish_reason(seq, token):
+            if seq.constraint is not None and not seq.constraint.accept(token):
+                # Only where another setting masked every token the grammar allows (min_tokens
+                # holding back the stop tokens that end it).
+                self._retire(seq, "error", f"token {token} breaks the structured output's grammar: "
+                             "no token it allows was left to draw (min_tokens?)")
+            elif reason := self._finish_reason(seq, token):
                 self._retire(seq, reason)
             outputs.append(seq.output([token], [logprob], [seq.kv_version],
                                       [top] if seq.params.top_logprobs else None))
@@ -259,6 +299,8 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
+        if seq.constraint is not None and seq.constraint.terminated:
+            return "stop"  # the grammar's end (as vLLM's)
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None

@@ -18,6 +18,7 @@ import torch
 
 from rose.engine import cpu_kernels
 from rose.engine.sequence import Sequence
+from rose.engine.structured_output import mask_logits
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -117,8 +118,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection
     Each row draws from its sequence's own generator, so a seeded request gives the same tokens
     whatever else shares its batch. Rows must be sampleable (see `unsampleable_rows`): a NaN
     would silently pick token 0.
+
+    A row with a structured output's constraint is first masked, in place, to the tokens its
+    grammar allows next (as vLLM masks the logits before its sampler: its logprobs are under the
+    mask too); a batch without one pays nothing for it.
     """
     logits = logits.float()
+    constraints = {i: s.constraint for i, s in enumerate(seqs) if s.constraint is not None}
+    if constraints:
+        mask_logits(logits, constraints)
     device = logits.device
     params = [s.params for s in seqs]
     scale = _column([p.temperature if p.logprobs_at_temperature and not p.greedy else 1.0

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from rose.contracts import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from rose.engine.structured_output import Constraint
 
 _arrivals = itertools.count()
 
@@ -23,7 +27,8 @@ class Sequence:
     """Prompt plus output tokens; `num_computed_tokens` of them have KV in `block_table`."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, generator: torch.Generator | None = None) -> None:
+                 priority: int = 0, generator: torch.Generator | None = None,
+                 constraint: Constraint | None = None) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -34,6 +39,9 @@ class Sequence:
         self.last_token_time: float | None = None  # when the latest output token was sampled
         self.first_token_time: float | None = None
         self.generator = generator or torch.Generator(device="cpu")
+        # Its structured output's grammar, advanced by each token it draws (never by the tokens a
+        # preempted sequence computes again: they are not drawn again).
+        self.constraint = constraint
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash of each full block, chained from the first

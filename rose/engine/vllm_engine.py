@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from rose.contracts import InFlight, RequestOutput, SamplingParams
+from rose.contracts import InFlight, RequestOutput, SamplingParams, StructuredKind, StructuredOutput
 from rose.engine.kv_pool import KVSpec
+from rose.engine.structured_output import choice_list
 from rose.model import CausalLM, ModelConfig
 
 if TYPE_CHECKING:
@@ -130,7 +131,25 @@ def vllm_sampling(params: SamplingParams, vocab_size: int) -> vllm.SamplingParam
         repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
         logit_bias=dict(params.logit_bias) or None, stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, logprobs=params.top_logprobs, detokenize=False,
-        output_kind=vllm.sampling_params.RequestOutputKind.DELTA)
+        output_kind=vllm.sampling_params.RequestOutputKind.DELTA,
+        structured_outputs=None if params.structured is None else vllm_structured(params.structured))
+
+
+def vllm_structured(structured: StructuredOutput) -> vllm.sampling_params.StructuredOutputsParams:
+    """A structured output as vLLM's server passes it on (its backend, "auto" by default,
+    compiles and checks it when the request is added)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    spec = structured.spec
+    match structured.kind:
+        case StructuredKind.JSON_OBJECT:
+            return StructuredOutputsParams(json_object=True)
+        case StructuredKind.CHOICE:
+            try:
+                return StructuredOutputsParams(choice=choice_list(spec))
+            except ValueError as exc:
+                raise ValueError(f"structured output (choice): {exc}") from None
+    return StructuredOutputsParams(**{structured.kind.value: spec})
 
 
 def to_vllm(params: SamplingParams, vocab_size: int) -> vllm.SamplingParams:

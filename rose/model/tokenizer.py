@@ -115,6 +115,11 @@ class Tokenizer:
         return idx
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers` object (structured output reads its vocabulary and encoding)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -8,6 +8,7 @@ vLLM is not in the default venv: `make test-vllm` runs this file from `.venv-vll
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -15,14 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm` runs this file")
 import openai  # vLLM's dependency
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
+from rose.contracts import SamplingParams, StructuredKind, StructuredOutput
 from rose.coserve.cli import http_process, serve_process
-from rose.model import preset_config, random_model, save_model
+from rose.engine import LLMEngine
+from rose.model import load_tokenizer, preset_config, random_model, save_model
 
 pytestmark = pytest.mark.vllm
 
@@ -398,3 +402,35 @@ def test_the_stop_string_kept_is_vllms(clients: tuple[Any, Any]) -> None:
     vllm, rose = _both(clients, False, stop=[stop], extra_body=kept, **request)
     assert _text(vllm).endswith(stop)
     assert_same(vllm, rose)
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+        "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"},
+                       "population": {"type": "integer", "minimum": 0}}}
+
+
+def test_a_greedy_json_schema_answer_is_vllms(clients: tuple[Any, Any],
+                                              checkpoints: tuple[Path, Path]) -> None:
+    """Both constrain through vLLM's structured-output backend: the same JSON, token for token.
+    The native engine (xgrammar too, with its own arithmetic) writes valid JSON under the same
+    constraint, not necessarily the same."""
+    tok = load_tokenizer(checkpoints[0])
+    # Greedy, a random model's likeliest token is often whitespace, which JSON allows without end.
+    # The end of text is held back too, so the reply ends at the tokenizer's own end of sequence:
+    # vLLM reports the checkpoint's other end-of-sequence id as a `stop_reason`, which ROSE's
+    # server does not (a difference outside structured output).
+    other_eos = [t for t in tok.stop_token_ids if t != tok.eos_token_id]
+    bias = {str(i): -100 for i in range(tok.vocab_size) if tok.decode([i]).isspace() or i in other_eos}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    vllm, rose = _both(clients, True, messages=CHAT, max_tokens=200, response_format=fmt, logit_bias=bias,
+                       logprobs=True, **GREEDY)
+    assert vllm["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(_text(vllm)), CITY)
+    assert_same(vllm, rose)
+    native = LLMEngine.from_pretrained(checkpoints[0], dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=200, temperature=0.0,
+                            logit_bias=tuple((int(i), -100.0) for i in bias),
+                            structured=StructuredOutput(StructuredKind.JSON, json.dumps(CITY)))
+    out = native.generate([tok.encode(tok.apply_chat_template(CHAT))], params)[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(tok.decode(out.token_ids)), CITY)
