@@ -75,6 +75,7 @@ from rose.reporting import write_report
 from rose.traces import Trace, load_trace
 
 POOL_MB = 8  # small enough that prefix caches fill it and allocations evict
+SHUTDOWN_TIMEOUT_S = 5  # the drain on SIGTERM: open requests get this long to finish
 MAX_CONTEXT, MAX_OUTPUT = 1024, 64  # trace lengths clipped to these (the tiny models hold 2048)
 VOCAB = (10, 500)  # token ids the clients send (the tiny vocabulary has 512)
 REQUEST_TIMEOUT_S = 60.0  # a request waiting this long for its next byte counts as a timeout
@@ -155,7 +156,8 @@ class ServerProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> dict[str, Any]:
-        """SIGTERM, then SIGKILL after 15 s: how long it took and whether SIGTERM sufficed."""
+        """SIGTERM, then SIGKILL after 15 s (the server drains for SHUTDOWN_TIMEOUT_S of them): how
+        long it took and whether SIGTERM sufficed."""
         start = time.monotonic()
         self.proc.terminate()
         try:
@@ -189,7 +191,7 @@ def _serve(root: Path, keys: Keys, device: tuple[str, ...] = ()) -> Iterator[Ser
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "rose.cli", "serve", "--model", str(serving), "--rollout-model",
            str(rollout), "--port", str(port), "--threads", "1", "--pool-mb", str(POOL_MB),
-           *keys.server_args(), *device]
+           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *keys.server_args(), *device]
     server = ServerProcess(cmd, port, root / "server.log")
     try:
         server.wait_ready()
