@@ -65,9 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--iteration-log", "append one JSON line per executor iteration to this file: what admission and "
          "the burst state machine saw and decided, what each model ran (for diagnosis)")
     flag("--chat-template", "the chat template (Jinja), as text or a file (default: the model's)")
-    flag("--tool-call-parser", "the tool-call format read from chat replies (auto: the one the chat "
-         "template writes)")
-    flag("--reasoning-parser", "split the model's reasoning off into reasoning_content (e.g. qwen3)")
+    flag("--tool-call-parser", "the tool-call format read from chat replies: hermes, llama3_json, "
+         "pythonic (auto: the one the chat template writes)")
+    flag("--reasoning-parser", "split the model's reasoning off into `reasoning`: qwen3, deepseek_r1")
     flag("--api-key", "bearer key of the OpenAI API (default: $ROSE_API_KEY; none: open)")
     flag("--lease-key", "bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open, "
          "which only a loopback --host allows)")

@@ -20,18 +20,17 @@ from jinja2 import TemplateError
 from rose.contracts import SamplingParams
 from rose.coserve.api_errors import APIError
 from rose.coserve.api_state import Served, ServerState, sse, unless_gone
+from rose.coserve.chat_reply import ChoiceReader, ReplyPlan
 from rose.coserve.executor import SERVING
 from rose.coserve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
-    NamedToolChoice,
     TokenizeRequest,
 )
 from rose.engine.detokenize import IncrementalDetokenizer
 from rose.steploop import LoopDeadError, RequestFailed
-from rose.tools.parsing import ToolCallStream, parse_tool_calls
 
 router = APIRouter()
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -213,40 +212,12 @@ def _logprobs(state: ServerState, chat: bool, delta: _Delta, before: list[int], 
             "text_offset": offsets}
 
 
-def tool_reply(text: str, finish_reason: str | None,
-               tools: frozenset[str]) -> tuple[dict[str, Any], str | None]:
-    """A chat choice's message and finish reason, as vLLM's tool parser answers them: the calls in
-    `tool_calls` and the text around them as content, finish_reason "tool_calls"; a reply with a
-    malformed call, or a call of a tool not offered, comes back whole as content."""
-    parsed = parse_tool_calls(text, tools)
-    if not parsed.calls or not parsed.ok:
-        return {"role": "assistant", "content": text}, finish_reason
-    return ({"role": "assistant", "content": parsed.content or None,
-             "tool_calls": [c.openai() for c in parsed.calls]}, "tool_calls")
-
-
-def _tool_delta(stream: ToolCallStream, delta: _Delta) -> tuple[dict[str, Any], str | None]:
-    """A streamed chunk's delta with tools, as vLLM streams them: text before a call as content
-    while it comes; the calls, whole, in the choice's last chunk (finish_reason "tool_calls")."""
-    content = stream.feed(delta.text)
-    if delta.finish_reason is None:
-        return {"content": content}, None
-    rest, parsed = stream.finish()
-    out: dict[str, Any] = {"content": content + rest}
-    if parsed is None:
-        return out, delta.finish_reason
-    if not out["content"]:
-        del out["content"]
-    out["tool_calls"] = [{"index": k, **call.openai()} for k, call in enumerate(parsed.calls)]
-    return out, "tool_calls"
-
-
 async def _respond(state: ServerState, request: Request, kind: str, prompts: list[list[int]],
                    body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-                   tools: frozenset[str] | None = None, prefill: str = "", echoes: list[str] | None = None
-                   ) -> Response:
+                   plan: ReplyPlan | None = None, echoes: list[str] | None = None) -> Response:
     """Each prompt's `n` choices, numbered as vLLM numbers them (prompt i's sample j is choice
-    i * n + j); a completion's choice starts with `echoes[i]`, its prompt's text, if given."""
+    i * n + j); a completion's choice starts with `echoes[i]`, its prompt's text, if given. A
+    chat's replies are read as `plan` says (reasoning, tool calls)."""
     created, rid = int(time.time()), f"{kind}-{uuid.uuid4().hex}"
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
@@ -257,6 +228,8 @@ async def _respond(state: ServerState, request: Request, kind: str, prompts: lis
         # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
         params = body.model_copy(update={"max_tokens": max_tokens or body.max_tokens}).sampling(
             default, body.stop_token_ids)
+        if plan is not None and plan.structured is not None:  # a forced call's JSON
+            params = dataclasses.replace(params, structured=plan.structured)
         samples += [(ids, p) for p in body.samples(params)]
     num_choices, prompt_tokens = len(samples), sum(len(ids) for ids in prompts)
     deltas = _merge([_generate(state, ids, p, body, request.state.arrived) for ids, p in samples])
@@ -268,20 +241,16 @@ async def _respond(state: ServerState, request: Request, kind: str, prompts: lis
     sent: list[list[int]] = [[] for _ in range(num_choices)]
     offsets = [0] * num_choices
     unechoed = [echoes[i // body.n] if echoes else "" for i in range(num_choices)]
-    # Streamed with tools: per choice, the text held back from the first call on.
-    # A prefilled call's opening is part of each reply's text (not of its tokens).
-    streams = [ToolCallStream(tools) for _ in range(num_choices)]
-    for stream in streams:
-        stream.feed(prefill)
+    readers = [ChoiceReader(plan) for _ in range(num_choices)] if plan is not None and plan.reads else None
 
     def choice(index: int, delta: _Delta, stream: bool) -> dict[str, Any]:
         c: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
         if delta.finish_reason is not None:
             c["stop_reason"] = delta.stop_reason
-        if chat and tools is not None and not stream:
-            c["message"], c["finish_reason"] = tool_reply(prefill + delta.text, delta.finish_reason, tools)
-        elif chat and tools is not None:
-            c["delta"], c["finish_reason"] = _tool_delta(streams[index], delta)
+        if chat and readers is not None and not stream:
+            c["message"], c["finish_reason"] = readers[index].message(delta.text, delta.finish_reason)
+        elif chat and readers is not None:  # a chunk with nothing to read yet is not sent (`unread`)
+            c["delta"], c["finish_reason"] = readers[index].delta(delta.text, delta.finish_reason)
         elif chat:  # streamed, the role comes once, in a chunk of its own (`events`)
             c["delta" if stream else "message"] = {"content": delta.text} if stream else {
                 "role": "assistant", "content": delta.text}
@@ -310,6 +279,10 @@ async def _respond(state: ServerState, request: Request, kind: str, prompts: lis
                              "choices": [choice(i, d, False) for i, d in enumerate(whole)],
                              "usage": _usage(prompt_tokens, sum(len(d.token_ids) for d in whole))})
 
+    def unread(c: dict[str, Any]) -> bool:
+        """A read chunk with nothing to send: no text read yet, no logprobs, no finish (vLLM's)."""
+        return c.get("delta") == {} and c["logprobs"] is None and c["finish_reason"] is None
+
     async def events() -> AsyncIterator[str]:
         chunk = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
                  "model": state.model_name}
@@ -323,10 +296,12 @@ async def _respond(state: ServerState, request: Request, kind: str, prompts: lis
                 for i in range(num_choices if body.echoed else 0):  # then, as vLLM, what is echoed
                     yield sse({**chunk, "choices": [{"index": i, "delta": {"content": body.echoed},
                                                      "logprobs": None, "finish_reason": None}]})
-            yield sse({**chunk, "choices": [choice(*first, True)]})
+            if not unread(c := choice(*first, True)):
+                yield sse({**chunk, "choices": [c]})
             async for i, delta in deltas:
                 completion += len(delta.token_ids)
-                yield sse({**chunk, "choices": [choice(i, delta, True)]})
+                if not unread(c := choice(i, delta, True)):
+                    yield sse({**chunk, "choices": [c]})
             if body.stream_options and body.stream_options.include_usage:
                 yield sse({**chunk, "choices": [], "usage": _usage(prompt_tokens, completion)})
             yield sse("[DONE]")
@@ -379,19 +354,15 @@ async def completions(body: CompletionRequest, request: Request, state: Served) 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: Served) -> Response:
     _check_model(state, body.model)
-    if (wrong := body.tool_choice_error()) is not None:
-        raise APIError(400, f"tool_choice: {wrong}", "tool_choice")
-    if body.stream and body.parses_tool_calls and body.logprobs:
-        raise APIError(400, "logprobs: streaming with tools does not return logprobs (a call's text is "
-                            "held back); send stream: false, or tool_choice: 'none'", "logprobs")
-    prefill = body.tool_prefill
+    if (wrong := body.tool_error()) is not None:
+        raise APIError(400, f"{wrong[0]}: {wrong[1]}", wrong[0])
+    plan = ReplyPlan.of(body, state.chat, state.tokenizer.chat_template)
+    if plan.keeps_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})
     text = _render(state, body.messages, body.add_generation_prompt, body.tool_dicts,
                    body.continue_final_message, body.chat_template_kwargs)
-    ids = await _encode(state, text + prefill, "messages")
-    names = frozenset(t.function.name for t in body.tools or []) if body.parses_tool_calls else None
-    if isinstance(body.tool_choice, NamedToolChoice):
-        names = frozenset({body.tool_choice.function.name})
-    return await _respond(state, request, "chatcmpl", [ids], body, body.max_completion_tokens, names, prefill)
+    ids = await _encode(state, text, "messages")
+    return await _respond(state, request, "chatcmpl", [ids], body, body.max_completion_tokens, plan)
 
 
 def _render(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,

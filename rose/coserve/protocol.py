@@ -378,8 +378,10 @@ class ToolCallIn(_Body):
 class FunctionDef(_Body):
     name: FunctionName
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema, rendered for the model, not enforced
-    strict: bool | None = None  # accepted; the arguments are not constrained
+    # A JSON schema: rendered for the model; a reply to tool_choice "required" or naming this
+    # function is held to it (`rose.coserve.chat_reply.tool_schema`), one to "auto" is not.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; as above, whatever its value
 
 
 class ToolDef(_Body):
@@ -451,9 +453,9 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
-    # "required" and a named function start the reply with a call's opening (see `tool_prefill`).
+    # None: "auto" with tools, else "none" (`rose.coserve.chat_reply` reads replies by it).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; several calls in one turn are always parsed
+    parallel_tool_calls: bool | None = None  # false: a reply's first call only
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -484,27 +486,23 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     _tools = field_validator("tools")(_check_tools)
 
-    def tool_choice_error(self) -> str | None:
-        """What is wrong with tool_choice, given the tools (a model validator's error has no field)."""
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
-            return "tool_choice 'required' or a named function needs tools"
+    def tool_error(self) -> tuple[str, str] | None:
+        """The field and what is wrong with tools and tool_choice together, by vLLM's (and
+        OpenAI's) rules (a model validator's error would name no field)."""
+        if self.tools == []:
+            return "tools", "tools must not be empty: give at least one tool, or leave tools out"
+        if self.tool_choice not in (None, "none") and not self.tools:
+            return "tool_choice", f"tool_choice {self._choice_name} needs tools"
         if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
                 self.tool_choice.function.name not in {t.function.name for t in self.tools}:
-            return f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+            name = self.tool_choice.function.name
+            return "tool_choice", f"tool_choice names {name!r}, which is not in tools"
         return None
 
     @property
-    def parses_tool_calls(self) -> bool:
-        """Tool calls are looked for in the reply: tools were given and tool_choice is not none."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    @property
-    def tool_prefill(self) -> str:
-        """The text the reply is made to begin with: a call's opening for "required", and its
-        name too for a named function (no constrained decoding: the model writes the rest)."""
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return '<tool_call>\n{"name": ' + json.dumps(self.tool_choice.function.name) + ', "arguments": '
-        return '<tool_call>\n{"name": "' if self.tool_choice == "required" else ""
+    def _choice_name(self) -> str:
+        named = isinstance(self.tool_choice, NamedToolChoice)
+        return "naming a function" if named else repr(self.tool_choice)
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:

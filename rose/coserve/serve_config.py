@@ -76,6 +76,10 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
         config.server_limits().check_bind(config.host)
     except ValueError as exc:
         raise ValueError(f"config: {exc}") from None
+    try:
+        config.chat_options()  # an unknown parser's name
+    except ValueError as exc:
+        raise ValueError(f"config: {exc}") from None
     if config.chat_template is not None:
         config = dataclasses.replace(config, chat_template=_chat_template(config.chat_template))
     if config.engine is Engine.VLLM:

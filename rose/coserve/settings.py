@@ -17,6 +17,9 @@ import math
 import socket
 from typing import Any
 
+from rose.coserve.reasoning import check_reasoning_parser
+from rose.tools.tool_parsers import check_tool_parser
+
 MB = 1024**2
 
 # The policy's default settings, which the admission functions (`rose.coserve.admission`) take
@@ -197,4 +200,8 @@ class ChatOptions:
 
     chat_template: str | None = None  # a Jinja template, or a file holding one; None: the model's
     tool_call_parser: str = "auto"  # the tool-call format in replies; auto: the template's own
-    reasoning_parser: str | None = None  # reasoning text split off as `reasoning_content`; None: kept
+    reasoning_parser: str | None = None  # reasoning text split off as `reasoning`; None: kept
+
+    def __post_init__(self) -> None:
+        check_tool_parser(self.tool_call_parser)
+        check_reasoning_parser(self.reasoning_parser)

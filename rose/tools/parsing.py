@@ -6,7 +6,11 @@
 
 A template that knows no tools (SmolLM2's, ROSE's own ChatML) gets the same format: `with_tools`
 renders the tool schemas into the system message as Qwen3's template does, assistant tool calls
-as `<tool_call>` blocks and tool results as `<tool_response>` blocks in a user turn."""
+as `<tool_call>` blocks and tool results as `<tool_response>` blocks in a user turn.
+
+`parse_tool_calls` says what is wrong with each malformed call (an RL agent answers the model
+with it); the server reads replies in this and vLLM's other formats, whole and streamed, with
+`rose.tools.tool_parsers`."""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import uuid
 from collections.abc import Collection
 from typing import Any
 
@@ -27,12 +30,6 @@ _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", 
 class ToolCall:
     name: str
     arguments: dict[str, Any]
-    id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def openai(self) -> dict[str, Any]:
-        """As OpenAI's (and vLLM's) `message.tool_calls[i]`: the arguments as a JSON string."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,38 +121,3 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
         else:
             out.insert(0, {"role": "system", "content": tools_prompt(tools)})
     return out
-
-
-class ToolCallStream:
-    """Text arriving in pieces (a streamed reply): `feed` answers the content that can go out now,
-    holding back from the first `<tool_call>` on (and any tail that may begin one); `finish`
-    parses what was held back."""
-
-    def __init__(self, tools: Collection[str] | None = None) -> None:
-        self.tools, self.text, self.sent, self.in_call = tools, "", 0, False
-
-    def feed(self, text: str) -> str:
-        self.text += text
-        if self.in_call:
-            return ""
-        start = self.text.find(OPEN, self.sent)
-        if start >= 0:
-            self.in_call = True
-            end = start
-        else:
-            hold = next((k for k in range(len(OPEN) - 1, 0, -1) if self.text.endswith(OPEN[:k])), 0)
-            end = len(self.text) - hold
-        out, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return out
-
-    def finish(self) -> tuple[str, ParsedCalls | None]:
-        """The rest of the content, and the calls (None: no call, or a malformed one, whose text
-        is then the content)."""
-        rest = self.text[self.sent:]
-        self.sent = len(self.text)
-        if not self.in_call:
-            return rest, None
-        parsed = parse_tool_calls(rest, self.tools)
-        if not parsed.calls or not parsed.ok:
-            return rest, None
-        return parsed.content, parsed

@@ -1,25 +1,33 @@
-"""Tool calling through the OpenAI API: `tools` and `tool_choice` rendered into the prompt, tool
-calls parsed from the reply, tool-call conversations accepted, bad tool requests refused by name."""
+"""Tool calling and reasoning through the OpenAI API, as vLLM's server answers them: `tools` and
+`tool_choice` rendered into the prompt, tool calls read from the reply (whole, and streamed in
+pieces), the reasoning split off, tool-call conversations accepted, bad tool requests refused
+by name.
+
+A random model writes no tool call of its own accord: the tests of how a given reply is read
+script the engine's output (`scripted`), and everything between it and the `openai` client is
+the server's."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from servers import running
 
+from rose.coserve import openai_api
 from rose.coserve.executor import CoServingExecutor
-from rose.coserve.openai_api import _Delta, _tool_delta, tool_reply
+from rose.coserve.openai_api import _Delta
 from rose.coserve.server import build_app
-from rose.coserve.settings import ExecutorConfig
+from rose.coserve.settings import ChatOptions, ExecutorConfig
 from rose.model import Tokenizer, init_model, load_tokenizer
 from rose.steploop import StepLoop
-from rose.tools.parsing import ToolCallStream, format_tool_call
+from rose.tools.parsing import format_tool_call
 from rose.tools.sandbox import CALCULATOR_TOOL, PYTHON_TOOL
 
 TOOLS = [CALCULATOR_TOOL, PYTHON_TOOL]
@@ -35,10 +43,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def url(checkpoint: tuple[Path, Path]) -> Iterator[str]:
+def app(checkpoint: tuple[Path, Path]) -> Any:
     executor = CoServingExecutor.from_pretrained(*checkpoint, ExecutorConfig(pool_mb=8))
     executor.profile()
-    with running(build_app(StepLoop(executor), executor, load_tokenizer(checkpoint[0]), MODEL, None)) as base:
+    return build_app(StepLoop(executor), executor, load_tokenizer(checkpoint[0]), MODEL, None)
+
+
+@pytest.fixture(scope="module")
+def url(app: Any) -> Iterator[str]:
+    with running(app) as base:
         yield base
 
 
@@ -53,22 +66,6 @@ def _prompt(url: str, messages: list[Any]) -> str:
     assert r.status_code == 200, r.text
     tokens = r.json()["tokens"]
     return httpx.post(f"{url}/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
-
-
-def test_a_reply_with_calls_becomes_tool_calls() -> None:
-    names = frozenset({"calculator", "python"})
-    text = "I will compute it.\n" + format_tool_call("calculator", {"expression": "6*7"})
-    message, finish = tool_reply(text, "stop", names)
-    assert finish == "tool_calls" and message["content"] == "I will compute it."
-    [call] = message["tool_calls"]
-    assert call["type"] == "function" and call["function"]["name"] == "calculator"
-    assert json.loads(call["function"]["arguments"]) == {"expression": "6*7"}
-    # Only calls: no content. Malformed, or a tool not offered: the whole text as content.
-    assert tool_reply(format_tool_call("python", {"code": "1"}), "stop", names)[0]["content"] is None
-    for bad in ('<tool_call>{"name": "calculator", "arguments": {</tool_call>',
-                format_tool_call("shell", {"cmd": "ls"})):
-        assert tool_reply(bad, "length", names) == ({"role": "assistant", "content": bad}, "length")
-    assert tool_reply("42", "stop", names) == ({"role": "assistant", "content": "42"}, "stop")
 
 
 def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, url: str) -> None:
@@ -100,8 +97,9 @@ def test_a_tool_call_conversation_round_trips(client: openai.OpenAI, url: str) -
 
 @pytest.mark.parametrize(("extra", "param", "message"), [
     ({"tool_choice": {"type": "function", "function": {"name": "shell"}}}, "tool_choice", "not in tools"),
-    ({"tool_choice": "required", "tools": None}, "tool_choice", "needs tools"),
-    ({"stream": True, "logprobs": True}, "logprobs", "streaming with tools"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "tool_choice 'required' needs tools"),
+    ({"tool_choice": "auto", "tools": None}, "tool_choice", "tool_choice 'auto' needs tools"),
+    ({"tools": []}, "tools", "must not be empty"),
     ({"tools": [CALCULATOR_TOOL] * 2}, "tools", "two tools have one name"),
     ({"tools": [PYTHON_TOOL] * 129}, "tools", "at most 128"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "should match pattern"),
@@ -128,25 +126,6 @@ def test_streaming_with_tools_streams(client: openai.OpenAI, choice: str) -> Non
     finished = [c.choices[0] for c in chunks if c.choices[0].finish_reason is not None]
     assert sorted(c.index for c in finished) == [0, 1]
     assert all(c.finish_reason in ("stop", "length", "tool_calls") for c in finished)
-
-
-def test_a_streamed_call_comes_whole_in_the_last_chunk() -> None:
-    names = frozenset({"calculator"})
-    text = "Sure. " + format_tool_call("calculator", {"expression": "6*7"}) + " done"
-    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
-    stream = ToolCallStream(names)
-    deltas = [_tool_delta(stream, _Delta(p, [], [], [], None)) for p in pieces[:-1]]
-    last, finish = _tool_delta(stream, _Delta(pieces[-1], [], [], [], "stop"))
-    assert "".join(d["content"] for d, _ in deltas) == "Sure. " and all(f is None for _, f in deltas)
-    assert finish == "tool_calls" and last["content"] == "done"
-    [call] = last["tool_calls"]
-    assert call["index"] == 0 and json.loads(call["function"]["arguments"]) == {"expression": "6*7"}
-    # Text that only looks like a call's start is held back, then sent; a malformed call as content.
-    plain = ToolCallStream(names)
-    assert plain.feed("a <tool") == "a " and plain.feed("s>") == "<tools>" and plain.finish() == ("", None)
-    bad = ToolCallStream(names)
-    got = _tool_delta(bad, _Delta("x<tool_call>{", [], [], [], "length"))
-    assert got == ({"content": "x<tool_call>{"}, "length")
 
 
 def test_a_template_with_tools_renders_them_itself(checkpoint: tuple[Path, Path]) -> None:
@@ -176,25 +155,152 @@ def test_a_deeply_nested_schema_is_not_a_server_error(url: str, depth: int) -> N
     assert r.status_code < 500, r.text
 
 
+@pytest.fixture
+def scripted(app: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, ChatOptions], None]:
+    """`script(reply, options)`: every choice's reply is `reply`, one token per engine output
+    (the server's tokenizer's), read with `options` (`--tool-call-parser`, `--reasoning-parser`)."""
+    state = app.state.server
+
+    def script(reply: str, options: ChatOptions) -> None:
+        ids = state.tokenizer.encode(reply)
+
+        async def generate(*args: Any, **kwargs: Any) -> AsyncIterator[_Delta]:
+            args[-1]()  # the request has arrived
+            for k, t in enumerate(ids):
+                last = k == len(ids) - 1
+                yield _Delta(state.tokenizer.decode([t], skip_special_tokens=False), [t], [-1.0], [],
+                             "stop" if last else None)
+
+        monkeypatch.setattr(openai_api, "_generate", generate)
+        monkeypatch.setattr(state, "chat", options)
+
+    return script
+
+
+def _streamed_calls(chunks: list[Any]) -> tuple[str, list[dict[str, Any]], list[Any]]:
+    """A stream's content, its calls (each: its first delta, and its arguments joined), and
+    its finish reasons."""
+    content, calls, finishes = "", [], []
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finishes += [c.finish_reason] if c.finish_reason else []
+            for call in c.delta.tool_calls or []:
+                if call.index == len(calls):
+                    calls.append({"first": call, "arguments": call.function.arguments or "", "pieces": 1})
+                else:
+                    assert call.id is None and call.function.name is None
+                    calls[call.index]["arguments"] += call.function.arguments
+                    calls[call.index]["pieces"] += 1
+    return content, calls, finishes
+
+
+CALL = format_tool_call("calculator", {"expression": "6 * 7"})
+
+
+@pytest.mark.parametrize(("parser", "reply", "before"), [
+    ("auto", "Let me compute it.\n" + CALL, "Let me compute it.\n"),  # the template knows no tools: hermes
+    ("llama3_json", '{"name": "calculator", "parameters": {"expression": "6 * 7"}}', ""),
+    ("pythonic", "[calculator(expression='6 * 7')]", ""),
+])
+def test_a_streamed_tool_call_arrives_in_pieces(client: openai.OpenAI, scripted: Any, parser: str, reply: str,
+                                                before: str) -> None:
+    scripted(reply, ChatOptions(tool_call_parser=parser))
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": [USER], "tools": TOOLS}
+    content, [call], finishes = _streamed_calls(list(client.chat.completions.create(stream=True, **kwargs)))
+    assert content == before and finishes == ["tool_calls"]
+    first = call["first"]
+    assert first.index == 0 and first.type == "function" and first.id.startswith("chatcmpl-tool-")
+    assert first.function.name == "calculator"
+    assert json.loads(call["arguments"]) == {"expression": "6 * 7"}
+    if parser != "pythonic":  # the model's JSON as it is written (pythonic's: one piece per argument)
+        assert call["pieces"] > 3
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and (whole.message.content or "") == before
+    [got] = whole.message.tool_calls
+    assert got.function.name == "calculator" and json.loads(got.function.arguments) == {"expression": "6 * 7"}
+
+
+def test_streamed_tool_calls_come_with_their_logprobs(client: openai.OpenAI, scripted: Any) -> None:
+    """Each token's logprob goes out in its chunk, whatever of the reply can be read by then
+    (vLLM's): none is lost while a call's text is read."""
+    scripted("ok " + CALL, ChatOptions())
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[USER], tools=TOOLS, stream=True,
+                                                 logprobs=True))
+    tokens = [t for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert "".join(t.token for t in tokens) == "ok " + CALL
+    assert _streamed_calls(chunks)[2] == ["tool_calls"]
+
+
+def test_tool_choice_none_leaves_a_call_as_content(client: openai.OpenAI, scripted: Any) -> None:
+    scripted(CALL, ChatOptions())
+    done = client.chat.completions.create(model=MODEL, messages=[USER], tools=TOOLS, tool_choice="none")
+    assert done.choices[0].message.content == CALL and done.choices[0].message.tool_calls is None
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_the_reasoning_is_split_off(client: openai.OpenAI, scripted: Any) -> None:
+    scripted("<think>\nSix sevens.\n</think>\n\nIt is 42.", ChatOptions(reasoning_parser="qwen3"))
+    done = client.chat.completions.create(model=MODEL, messages=[USER]).choices[0].message
+    assert (done.reasoning, done.content) == ("\nSix sevens.\n", "\n\nIt is 42.")  # type: ignore[attr-defined]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[USER], stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = [d.reasoning for d in deltas if getattr(d, "reasoning", None)]  # type: ignore[attr-defined]
+    assert len(reasoning) > 1 and "".join(reasoning) == "\nSix sevens.\n"
+    assert "".join(d.content or "" for d in deltas) == "\n\nIt is 42."
+    # Thinking turned off (Qwen3's template kwarg): the reply is all content.
+    off = client.chat.completions.create(model=MODEL, messages=[USER],
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == "<think>\nSix sevens.\n</think>\n\nIt is 42."
+
+
+def test_a_call_after_the_reasoning_is_read_from_the_content(client: openai.OpenAI, scripted: Any) -> None:
+    scripted("<think>I need the calculator.</think>" + CALL, ChatOptions(reasoning_parser="qwen3"))
+    content, [call], finishes = _streamed_calls(list(client.chat.completions.create(
+        model=MODEL, messages=[USER], tools=TOOLS, stream=True)))
+    assert content == "" and finishes == ["tool_calls"] and call["first"].function.name == "calculator"
+    done = client.chat.completions.create(model=MODEL, messages=[USER], tools=TOOLS).choices[0]
+    assert done.message.reasoning == "I need the calculator."  # type: ignore[attr-defined]
+    assert done.message.tool_calls[0].function.name == "calculator"
+
+
+# Tools whose arguments a random model completes within a few hundred tokens (a free string it
+# writes on and on): for the replies held to their schemas.
+CHOICE_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {key: {"enum": values}}, "required": [key],
+    "additionalProperties": False}}}
+    for name, key, values in (("pick", "op", ["add", "mul"]), ("flip", "side", ["heads", "tails"]))]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in CHOICE_TOOLS}
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_and_named_tool_choice_start_the_reply_with_a_call(client: openai.OpenAI,
-                                                                    stream: bool) -> None:
-    named = {"type": "function", "function": {"name": "calculator"}}
-    auto = client.chat.completions.create(model=MODEL, messages=[USER], max_tokens=4, tools=TOOLS)
-    for choice, opening in (("required", '<tool_call>\n{"name": "'),
-                            (named, '<tool_call>\n{"name": "calculator", "arguments": ')):
-        kwargs: dict[str, Any] = {"model": MODEL, "messages": [USER], "max_tokens": 4, "tools": TOOLS,
-                                  "tool_choice": choice, "seed": 3}
-        if stream:
-            chunks = list(client.chat.completions.create(stream=True, **kwargs))
-            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-        else:
-            done = client.chat.completions.create(**kwargs)
-            assert done.usage.prompt_tokens > auto.usage.prompt_tokens  # the opening is in the prompt
-            content, calls = done.choices[0].message.content or "", done.choices[0].message.tool_calls or []
-        # A random model rarely completes the call: then its text, the opening first, is the content.
-        if calls:
-            assert choice == "required" or all(c.function.name == "calculator" for c in calls)
-        else:
-            assert content.startswith(opening), content
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "flip"}}],
+                         ids=["required", "named"])
+def test_required_and_named_tool_choice_constrain_the_reply_to_a_call(client: openai.OpenAI, choice: Any,
+                                                                      stream: bool) -> None:
+    """A random model calls a tool when it must: its reply is held to the call's JSON schema
+    (structured output), as vLLM holds it, and read as JSON."""
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": [USER], "max_tokens": 400, "tools": CHOICE_TOOLS,
+                              "tool_choice": choice, "seed": 6, "temperature": 0.5}  # a seed that completes
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        content, calls, finishes = _streamed_calls(chunks)
+        got = [(c["first"].function.name, c["arguments"]) for c in calls]
+    else:
+        done = client.chat.completions.create(**kwargs).choices[0]
+        content, finishes = done.message.content, [done.finish_reason]
+        got = [(c.function.name, c.function.arguments) for c in done.message.tool_calls or []]
+    assert content == "" and got, (choice, content)
+    # OpenAI's (and vLLM's) finish reasons: "tool_calls" for required, "stop" for a named function.
+    assert finishes == ["tool_calls" if choice == "required" else "stop"]
+    for name, arguments in got:
+        assert choice == "required" or name == "flip"
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_tool_choice_none_and_auto_leave_a_random_model_s_text_as_content(client: openai.OpenAI) -> None:
+    for choice in ("none", "auto"):
+        done = client.chat.completions.create(model=MODEL, messages=[USER], max_tokens=8, tools=TOOLS,
+                                              tool_choice=choice, seed=3).choices[0]
+        assert done.message.tool_calls is None and done.message.content
+        assert done.finish_reason in ("stop", "length")

@@ -404,6 +404,70 @@ def test_the_stop_string_kept_is_vllms(clients: tuple[Any, Any]) -> None:
     assert_same(vllm, rose)
 
 
+# Tool calling. The template renders the tools (their names and the call's format) for both
+# alike; `rose serve`'s auto parser reads it as Hermes, and vLLM's server is told so.
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\\nCall one of:{% for t in tools %} {{ t.function.name }}"
+                 "{% endfor %}, as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\\n"
+                 "{% endif %}") + TEMPLATE
+FLIP = {"type": "function", "function": {"name": "flip", "parameters": {
+    "type": "object", "properties": {"side": {"enum": ["heads", "tails"]}}, "required": ["side"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture
+def tool_clients(checkpoints: tuple[Path, Path]) -> Iterator[tuple[Any, Any]]:
+    """`clients`, the servers started for tool calls: vLLM's with its auto tool choice and Hermes
+    parser. A difference on purpose: vLLM 0.32 holds a Hermes call forced by `tool_choice` to
+    its `<tool_call>` envelope (xgrammar's structural tags, the arguments free unless the tool
+    is `strict`); ROSE holds the reply to the function's JSON schema, as vLLM does for parsers
+    without structural tags and with VLLM_ENFORCE_STRICT_TOOL_CALLING=0, which vLLM gets here."""
+    serving, rollout = checkpoints
+    path = serving.parent / "tools.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    argv = ["--engine", "vllm", "--model", str(serving), "--rollout-model", str(rollout),
+            "--served-model-name", MODEL, "--device", "cpu", "--no-profile", "--pool-mb", "4",
+            "--chat-template", str(path)]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
+        with vllm_server(serving, 300.0, "--chat-template", str(path), "--enable-auto-tool-choice",
+                         "--tool-call-parser", "hermes") as (vllm_url, _), \
+                serve_process(argv, startup_s=300) as (rose_url, _):
+            yield (openai.OpenAI(base_url=f"{vllm_url}/v1", api_key="-", max_retries=0),
+                   openai.OpenAI(base_url=f"{rose_url}/v1", api_key="-", max_retries=0))
+
+
+def _calls_folded(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream's tool calls: each one's first delta (its id left out: ids are random on both)
+    and its arguments joined, and how many of its deltas carried an id (one)."""
+    calls: list[dict[str, Any]] = []
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            for call in (c.get("delta") or {}).get("tool_calls") or []:
+                if call["index"] == len(calls):
+                    calls.append({"type": call["type"], "name": call["function"]["name"], "arguments": "",
+                                  "ids": 0})
+                into = calls[call["index"]]
+                into["arguments"] += call["function"].get("arguments") or ""
+                into["ids"] += call.get("id") is not None
+    return calls
+
+
+def test_a_streamed_call_of_a_named_tool_is_vllms(tool_clients: tuple[Any, Any]) -> None:
+    named = {"type": "function", "function": {"name": "flip"}}
+    # Sampled, seeded alike: greedy, this model pads the JSON with whitespace to max_tokens. This
+    # seed's call ends at the template's end of turn.
+    request = dict(messages=CHAT, tools=[FLIP], tool_choice=named, max_tokens=64, logprobs=True,
+                   temperature=1.0, seed=23)
+    vllm, rose = _both(tool_clients, True, stream=True, stream_options={"include_usage": True}, **request)
+    calls = _calls_folded(vllm)
+    assert [(c["type"], c["name"], c["ids"]) for c in calls] == [("function", "flip", 1)]
+    assert json.loads(calls[0]["arguments"])["side"] in ("heads", "tails")  # held to the schema
+    assert _calls_folded(rose) == calls
+    assert_same(_folded(vllm), _folded(rose))
+    assert _folded(vllm)["choices"][0]["finish_reason"] == "stop"  # a named call's, as OpenAI's
+    assert_same(*_both(tool_clients, True, **request))  # and whole
+
+
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
         "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,10}$"},
                        "population": {"type": "integer", "minimum": 0}}}
