@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -187,6 +188,12 @@ class ServerState(LeaseState):
     model_name: str = dataclasses.field(kw_only=True)
     chat: ChatOptions = dataclasses.field(kw_only=True)
     arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
+
+    @functools.cached_property
+    def eos_stops(self) -> frozenset[int]:
+        """The end-of-sequence ids a reply names as its stop reason, as vLLM does: the
+        checkpoint's, but the tokenizer's own."""
+        return self.executor.serving_eos - {self.tokenizer.eos_token_id}
 
 
 async def _server_state(request: Request) -> ServerState:

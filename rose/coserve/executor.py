@@ -62,7 +62,7 @@ from rose.coserve.settings import MB, Engine, ExecutorConfig, Policy
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
 from rose.engine.llm_engine import EngineStep, eos_ids
 from rose.engine.sequence import Sequence
-from rose.model import load_model
+from rose.model import ModelConfig, load_model
 from rose.model.decoder import CausalLM
 from rose.model.device import resolve
 
@@ -101,6 +101,7 @@ class CoServingExecutor:
         and the freeze, as in one pool, though on the CPU the pages a cut frees cannot join
         the other engine's cache."""
         self.config = cfg = config or ExecutorConfig()
+        self.serving_eos = frozenset(serving_eos)  # the serving checkpoint's end-of-sequence ids
         engine = _engine_config(cfg)
         if isinstance(serving, CausalLM):
             models = [m for m in (serving, rollout) if m]
@@ -184,7 +185,8 @@ class CoServingExecutor:
             vllm = VllmServing.from_pretrained(
                 serving_path, int(config.pool_bytes * config.serving_pool_share), str(device),
                 str(dtype).removeprefix("torch."), **_vllm_limits(config))
-            executor = cls(vllm, rollout, config, rollout_eos=rollout_eos)
+            executor = cls(vllm, rollout, config, eos_ids(serving_path, ModelConfig.from_dir(serving_path)),
+                           rollout_eos)
         else:
             serving = load_model(serving_path, dtype, device)
             executor = cls(serving, rollout, config, eos_ids(serving_path, serving.config), rollout_eos)
@@ -214,7 +216,8 @@ class CoServingExecutor:
         pool = rollout_pool_bytes(budget.bytes, serving, weights, activations)
         kv = vllm.kv_pages()
         sized = dataclasses.replace(config, pool_mb=(kv.total * kv.page_bytes + pool) / MB)
-        return cls(vllm, rollout, sized, rollout_eos=eos_ids(rollout_path, rollout.config))
+        return cls(vllm, rollout, sized, eos_ids(serving_path, ModelConfig.from_dir(serving_path)),
+                   eos_ids(rollout_path, rollout.config))
 
     def _with_tokenizers(self, serving_path: str | Path, rollout_path: str | Path | None
                          ) -> CoServingExecutor:

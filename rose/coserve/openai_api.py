@@ -71,6 +71,9 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
     special tokens); `arrived` ends the request's arrival once it is queued."""
     executor = state.executor
     rid = f"cmpl-{uuid.uuid4().hex}"
+    # vLLM counts the checkpoint's end-of-sequence ids other than the tokenizer's own as stop
+    # tokens: one of them ending the reply is its stop reason.
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else state.eos_stops)
     skip_special = body.skip_special_tokens
     text = IncrementalDetokenizer(lambda ids: state.tokenizer.decode(ids, skip_special_tokens=skip_special),
                                   body.stop_strings, body.include_stop_str_in_output)
@@ -87,7 +90,7 @@ async def _generate(state: ServerState, prompt_ids: list[int], params: SamplingP
             last = out.token_ids[-1] if out.token_ids else None
             # A stop token's text is left out, as vLLM leaves it, unless asked for (the token and its
             # logprob stay).
-            stop_token = last if out.finish_reason == "stop" and last in params.stop_token_ids else None
+            stop_token = last if out.finish_reason == "stop" and last in stop_ids else None
             hide = stop_token is not None and not body.include_stop_str_in_output
             shown = out.token_ids[:-1] if hide else out.token_ids
             delta = text.push(shown, out.finished, out.num_output_tokens > params.min_tokens)

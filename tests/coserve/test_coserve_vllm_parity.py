@@ -336,6 +336,20 @@ def test_what_vllm_refuses_both_refuse(clients: tuple[Any, Any], request_: dict[
 
 # -- what vLLM's clients send beyond OpenAI's core: the same answer from both -------------------
 
+def test_the_checkpoints_other_end_of_sequence_id_is_the_stop_reason_on_both(
+        clients: tuple[Any, Any], checkpoints: tuple[Path, Path]) -> None:
+    """The checkpoint ends sequences at two ids (generation_config.json); vLLM names the one that
+    is not the tokenizer's end-of-sequence token as the reply's stop reason."""
+    tok = load_tokenizer(checkpoints[0])
+    (other,) = [t for t in tok.stop_token_ids if t != tok.eos_token_id]
+    for chat in (False, True):
+        request: dict[str, Any] = dict(max_tokens=4, logit_bias={str(other): 100.0}, **GREEDY)
+        request.update(messages=CHAT) if chat else request.update(prompt="hello world, the")
+        vllm, rose = _both(clients, chat, **request)
+        assert vllm["choices"][0]["stop_reason"] == other and vllm["usage"]["completion_tokens"] == 1
+        assert_same(vllm, rose)
+
+
 def test_unknown_fields_are_ignored_by_both(clients: tuple[Any, Any]) -> None:
     unknown = {"metadata": {"team": "search"}, "store": False, "service_tier": "auto"}
     plain = _both(clients, False, prompt="hello world, the", max_tokens=6, **GREEDY)
@@ -480,11 +494,7 @@ def test_a_greedy_json_schema_answer_is_vllms(clients: tuple[Any, Any],
     constraint, not necessarily the same."""
     tok = load_tokenizer(checkpoints[0])
     # Greedy, a random model's likeliest token is often whitespace, which JSON allows without end.
-    # The end of text is held back too, so the reply ends at the tokenizer's own end of sequence:
-    # vLLM reports the checkpoint's other end-of-sequence id as a `stop_reason`, which ROSE's
-    # server does not (a difference outside structured output).
-    other_eos = [t for t in tok.stop_token_ids if t != tok.eos_token_id]
-    bias = {str(i): -100 for i in range(tok.vocab_size) if tok.decode([i]).isspace() or i in other_eos}
+    bias = {str(i): -100 for i in range(tok.vocab_size) if tok.decode([i]).isspace()}
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     vllm, rose = _both(clients, True, messages=CHAT, max_tokens=200, response_format=fmt, logit_bias=bias,
                        logprobs=True, **GREEDY)
