@@ -12,7 +12,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -187,6 +187,8 @@ class ServerState(LeaseState):
     tokenizer: Tokenizer = dataclasses.field(kw_only=True)
     model_name: str = dataclasses.field(kw_only=True)
     chat: ChatOptions = dataclasses.field(kw_only=True)
+    # What a request that does not set them samples with (`rose serve --generation-config`).
+    sampling_defaults: Mapping[str, float | int] = dataclasses.field(kw_only=True, default_factory=dict)
     arrivals: Arrivals = dataclasses.field(default_factory=Arrivals)
 
     @functools.cached_property

@@ -22,7 +22,7 @@ import httpx
 import torch
 
 from rose.coserve.executor import CoServingExecutor
-from rose.coserve.serve_config import ServeConfig, load_serve_config
+from rose.coserve.serve_config import ServeConfig, load_serve_config, sampling_defaults
 from rose.coserve.server import build_app
 from rose.coserve.settings import Engine, ExecutorConfig, Policy
 from rose.coserve.turn_stream import MAX_MESSAGE_BYTES
@@ -30,6 +30,7 @@ from rose.model import load_tokenizer
 from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
 from rose.steploop import StepLoop
 
+log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
 
 
@@ -67,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--chat-template", "the chat template (Jinja), as text or a file (default: the model's)")
     flag("--tool-call-parser", "the tool-call format read from chat replies: hermes, llama3_json, "
          "pythonic (auto: the one the chat template writes)")
+    flag("--generation-config", "default sampling: auto (the model's generation_config.json, as vLLM), "
+         "vllm (OpenAI's defaults), or a directory holding a generation_config.json")
     flag("--reasoning-parser", "split the model's reasoning off into `reasoning`: qwen3, deepseek_r1")
     flag("--api-key", "bearer key of the OpenAI API (default: $ROSE_API_KEY; none: open)")
     flag("--lease-key", "bearer key of the lease API, /v1/lease/* (default: $ROSE_LEASE_KEY; none: open, "
@@ -118,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
 
     serve = serve_config(args)
     limits = serve.server_limits()  # bad values fail before models load
+    defaults = sampling_defaults(serve)
+    if defaults:
+        log.info("default sampling from the model's generation_config.json (as vLLM's; "
+                 "--generation-config vllm for none): %s", defaults)
     if serve.cores:
         os.sched_setaffinity(0, _cores(serve.cores))
     if serve.threads:
@@ -132,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))
     app = build_app(StepLoop(executor, name="rose-executor"), executor, load_tokenizer(serve.model),
-                    name, limits, serve.chat_options())
+                    name, limits, serve.chat_options(), defaults)
     with contextlib.ExitStack() as stack:
         if serve.iteration_log:  # line-buffered: a reader sees each iteration as it ends
-            log = stack.enter_context(open(serve.iteration_log, "a", buffering=1))
-            executor.trace = lambda record: log.write(json.dumps(record) + "\n")
+            trace = stack.enter_context(open(serve.iteration_log, "a", buffering=1))
+            executor.trace = lambda record: trace.write(json.dumps(record) + "\n")
         access_log = not serve.disable_uvicorn_access_log
         config = uvicorn.Config(app, host=serve.host, port=serve.port, log_level="warning",
                                 access_log=access_log, limit_concurrency=limits.max_connections,

@@ -225,9 +225,12 @@ async def _respond(state: ServerState, request: Request, kind: str, prompts: lis
     chat = kind == "chatcmpl"
     obj = "chat.completion" if chat else "text_completion"
     samples: list[tuple[list[int], SamplingParams]] = []
+    body = body.with_defaults(state.sampling_defaults)
     for ids in prompts:
-        # By default a request may grow to what the model's context and the KV pool hold.
-        default = max(1, state.executor.serving.max_request_tokens - len(ids))
+        # By default a request may grow to what the model's context and the KV pool hold (and the
+        # model's recommended max_tokens, if it has one).
+        room = max(1, state.executor.serving.max_request_tokens - len(ids))
+        default = min(room, state.sampling_defaults.get("max_tokens", room))
         # End-of-sequence ids are the engine's (from the checkpoint), so that ignore_eos holds.
         params = body.model_copy(update={"max_tokens": max_tokens or body.max_tokens}).sampling(
             default, body.stop_token_ids)

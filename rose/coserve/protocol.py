@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Annotated, Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -306,6 +307,12 @@ class _OpenAIRequest(_Sampling):
             repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p,
             min_tokens=self.min_tokens, logit_bias=_logit_bias(self.logit_bias),
             top_logprobs=self.num_top_logprobs, structured=self.structured)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> Self:
+        """The request with the model's recommended sampling (`rose serve --generation-config`,
+        applied as vLLM applies it) in each field it did not set; `max_tokens` is the caller's."""
+        unset = {k: v for k, v in defaults.items() if k != "max_tokens" and k not in self.model_fields_set}
+        return self.model_copy(update=unset) if unset else self
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """The `n` samples' parameters: a seed gives sample i `seed + i`, as vLLM does, so that

@@ -7,6 +7,7 @@ file (`--config`) and dotted overrides hold the same keys, through the shared lo
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
 from importlib.util import find_spec
@@ -35,6 +36,9 @@ class ServeConfig:
     chat_template: str | None = ChatOptions.chat_template
     tool_call_parser: str = ChatOptions.tool_call_parser
     reasoning_parser: str | None = ChatOptions.reasoning_parser
+    # Default sampling, as vLLM's flag: auto (the serving checkpoint's generation_config.json), vllm
+    # (none: OpenAI's defaults), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
     api_key: str | None = ServerLimits.api_key  # load_serve_config: $ROSE_API_KEY when unset
     lease_key: str | None = ServerLimits.lease_key  # ... $ROSE_LEASE_KEY
     allow_open_lease: bool = ServerLimits.allow_open_lease  # a non-loopback host with no lease key
@@ -108,3 +112,26 @@ def _chat_template(value: str) -> str:
         raise ValueError(f"config: chat_template: not a valid Jinja template (line {e.lineno}: {e.message})"
                          ) from None
     return text
+
+
+# generation_config.json's keys that set a request's default sampling, as vLLM reads them, by the
+# request field each sets.
+_SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(config: ServeConfig) -> dict[str, float | int]:
+    """What a request samples with where it sets nothing, by `generation_config`: the model
+    creator's recommendation (a Qwen3 checkpoint's temperature 0.6, top_p 0.95, top_k 20), as
+    `vllm serve` applies it by default; {} for `vllm`."""
+    if config.generation_config == "vllm":
+        return {}
+    directory = Path(config.model if config.generation_config == "auto" else config.generation_config)
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        if config.generation_config != "auto":
+            raise ValueError(f"config: generation_config: no generation_config.json in {directory}")
+        return {}
+    raw = json.loads(file.read_text())
+    return {field: raw[key] for key, field in _SAMPLING_KEYS.items() if raw.get(key) is not None}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -240,10 +240,12 @@ def _describe_model(app: FastAPI, model_name: str) -> None:
 
 
 def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokenizer: Tokenizer,
-              model_name: str, limits: ServerLimits | None = None, chat: ChatOptions | None = None
-              ) -> FastAPI:
+              model_name: str, limits: ServerLimits | None = None, chat: ChatOptions | None = None,
+              sampling_defaults: Mapping[str, float | int] | None = None) -> FastAPI:
     """The HTTP server of `executor`, whose commands go through `loop` (a `StepLoop` over it,
-    e.g. `StepLoop(executor, name="rose-executor")`); the app's lifespan stops the loop at exit."""
+    e.g. `StepLoop(executor, name="rose-executor")`); the app's lifespan stops the loop at exit.
+    `sampling_defaults`: what a request samples with where it sets nothing (`serve_config.
+    sampling_defaults`)."""
     if loop.target is not executor:
         raise ValueError("the engine loop must drive the executor the app serves")
     limits, chat = limits or ServerLimits(), chat or ChatOptions()
@@ -251,7 +253,8 @@ def build_app(loop: StepLoop[RequestOutput], executor: CoServingExecutor, tokeni
         tokenizer = tokenizer.with_chat_template(chat.chat_template)
     app = FastAPI(title="ROSE co-serving executor", lifespan=_lifespan)
     app.state.server = state = ServerState(loop, executor, limits, executor=executor, tokenizer=tokenizer,
-                                           model_name=model_name, chat=chat)
+                                           model_name=model_name, chat=chat,
+                                           sampling_defaults=dict(sampling_defaults or {}))
     executor.metrics.set_model_name(model_name)
     app.add_middleware(_Guard, limits=limits, arrivals=state.arrivals, drain=state.drain)
     for kind, handler in _HANDLERS.items():

@@ -16,7 +16,7 @@ import pytest
 from servers import running
 
 from rose.coserve.executor import CoServingExecutor
-from rose.coserve.serve_config import load_serve_config
+from rose.coserve.serve_config import load_serve_config, sampling_defaults
 from rose.coserve.server import build_app
 from rose.coserve.settings import ChatOptions, ExecutorConfig
 from rose.model import init_model, load_tokenizer
@@ -33,7 +33,9 @@ TEMPLATE = ("{% if shout %}{{ 'SHOUT\\n' }}{% endif %}{% for m in messages %}"
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     path = init_model("qwen2", "tiny", tmp_path_factory.mktemp("compat") / "serving", seed=1)
     executor = CoServingExecutor.from_pretrained(path, None, ExecutorConfig(pool_mb=8))
-    app = build_app(StepLoop(executor), executor, load_tokenizer(path), MODEL, chat=ChatOptions(TEMPLATE))
+    # As if the checkpoint's generation_config.json recommended top_k 1 and 5 new tokens.
+    app = build_app(StepLoop(executor), executor, load_tokenizer(path), MODEL, chat=ChatOptions(TEMPLATE),
+                    sampling_defaults={"top_k": 1, "max_tokens": 5})
     with running(app) as url:
         yield url, path
 
@@ -163,3 +165,30 @@ def test_chat_template_is_a_file_or_the_template_checked_at_load(tmp_path: Path)
         load_serve_config(flags={"model": "m", "chat_template": str(tmp_path / "missing.jinja")})
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         load_serve_config(flags={"model": "m", "chat_template": "{% for m in messages %}"})
+
+
+def test_the_models_recommended_sampling_fills_what_a_request_leaves_unset(client: openai.OpenAI) -> None:
+    """top_k 1 (the fixture's default) makes a request that sets no top_k greedy at any
+    temperature; one that sets it samples; max_tokens comes from the defaults too."""
+    greedy = client.completions.create(prompt="hello", **GREEDY).choices[0].text
+    hot = dict(model=MODEL, prompt="hello", temperature=1.0, seed=3)
+    unset = client.completions.create(**hot, extra_body={"ignore_eos": True})
+    assert unset.choices[0].text == greedy[:len(unset.choices[0].text)] and unset.usage.completion_tokens == 5
+    drawn = client.completions.create(**hot, max_tokens=5, extra_body={"ignore_eos": True, "top_k": 0})
+    assert drawn.choices[0].text != unset.choices[0].text
+
+
+def test_generation_config_is_the_models_vllms_or_a_directory(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 128, "do_sample": true}')
+    config = load_serve_config(flags={"model": str(model)})
+    assert sampling_defaults(config) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 128}
+    vllms = load_serve_config(flags={"model": str(model), "generation_config": "vllm"})
+    assert sampling_defaults(vllms) == {}
+    elsewhere = load_serve_config(flags={"model": str(tmp_path), "generation_config": str(model)})
+    assert sampling_defaults(elsewhere)["top_k"] == 20
+    assert sampling_defaults(load_serve_config(flags={"model": str(tmp_path)})) == {}  # none: OpenAI's
+    with pytest.raises(ValueError, match=r"no generation_config\.json in"):
+        sampling_defaults(load_serve_config(flags={"model": str(model), "generation_config": str(tmp_path)}))
