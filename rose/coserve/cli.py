@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flag("--port", type=int)
     flag("--device", DEVICE_HELP)
     flag("--dtype", DTYPE_HELP, choices=list(DTYPES))
-    flag("--threads", "torch threads (default: torch's)", type=int)
+    flag("--threads", "torch threads (default: one per core of --cores, else torch's)", type=int)
     flag("--cores", "pin the process to these cores, e.g. '1' or '0-1'")
     flag("--no-profile", "skip the start-up latency profile", action="store_true")
     flag("--iteration-log", "append one JSON line per executor iteration to this file: what admission and "
@@ -127,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
                  "--generation-config vllm for none): %s", defaults)
     if serve.cores:
         os.sched_setaffinity(0, _cores(serve.cores))
-    if serve.threads:
-        torch.set_num_threads(serve.threads)
+    # Pinned here, after torch sized its pool for every core: more threads than cores would
+    # wait on each other at every parallel op.
+    if serve.threads or serve.cores:
+        torch.set_num_threads(serve.threads or len(_cores(serve.cores)))
     # The engine thread's Python holds the GIL between torch ops; at the default 5 ms switch
     # interval a request arriving during a rollout iteration waited tens of ms just to be parsed
     # and queued, beyond the iteration itself (coserve.md, "Admission").

@@ -18,7 +18,8 @@ def _linear(bias: bool = True) -> nn.Linear:
     return nn.Linear(96, 80, bias=bias)
 
 
-@pytest.mark.parametrize("shape", [(0, 96), (1, 96), (8, 96), (2, 5, 96), (3, 1, 96)])
+# Fewer rows than MIN_ROWS (0 to 3 here) are padded with zero rows.
+@pytest.mark.parametrize("shape", [(0, 96), (1, 96), (2, 96), (8, 96), (2, 5, 96), (3, 1, 96)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_products_match_f_linear(shape: tuple[int, ...], bias: bool) -> None:
     lin = _linear(bias)
