@@ -35,6 +35,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "rollout": ("rose.bench.rollout", "rose train's rollouts on the native engine and on vLLM side by side"),
     "transfer": ("rose.bench.transfer", "weight sync after AdamW steps: naive, shard-aware, sparse delta"),
     "soak": ("rose.bench.soak", "rose serve under trace, rollouts and misbehaving clients: 5xx, RSS, leaks"),
+    "serve": ("rose.bench.serve", "rose serve against vllm serve on one core: the same two clients, one run"),
 }
 
 
