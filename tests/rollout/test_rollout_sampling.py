@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from rose.contracts import SamplingParams, Turn, TurnOutput, WorkerKind
+from rose.contracts import SamplingParams, StructuredKind, StructuredOutput, Turn, TurnOutput, WorkerKind
 from rose.coserve.cli import serve_process
 from rose.coserve.lease_client import LeaseClient, TurnRejected
 from rose.coserve.protocol import TURN
@@ -29,7 +30,8 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 SHAPED = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, top_k=200, seed=1234,
                         stop_token_ids=(3, 4), ignore_eos=True, logprobs_at_temperature=True,
                         presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, min_p=0.01,
-                        min_tokens=4, logit_bias=((5, 2.0), (7, -3.0)), top_logprobs=3)
+                        min_tokens=4, logit_bias=((5, 2.0), (7, -3.0)), top_logprobs=3,
+                        structured=StructuredOutput(StructuredKind.REGEX, "[a-z ]+"))
 
 
 def test_every_sampling_field_is_set_away_from_its_default() -> None:
@@ -81,12 +83,15 @@ def _run(worker: EngineWorker | str, turn: Turn) -> TurnOutput:
                                     dataclasses.replace(SHAPED, temperature=0.0, top_logprobs=0)],
                          ids=["shaped", "raw-logprobs", "greedy"])
 def test_a_turn_samples_the_same_on_a_dedicated_worker_and_a_serving_device(
-        dedicated: EngineWorker, serving: str, params: SamplingParams) -> None:
+        dedicated: EngineWorker, serving: str, params: SamplingParams, tiny_qwen3: Path) -> None:
     turn = Turn(f"t:{params.temperature}:{params.logprobs_at_temperature}", "t", PROMPT, params)
     here = _run(dedicated, turn)
     there = _run(serving, turn)
     assert here.finish_reason == there.finish_reason is not None
     assert there.token_ids == here.token_ids and len(here.token_ids) >= params.min_tokens
+    # The structured output held on both (a stop token may end it).
+    text = load_tokenizer(tiny_qwen3).decode([t for t in here.token_ids if t not in params.stop_token_ids])
+    assert re.fullmatch("[a-z ]+", text), text
     # Same numbers, up to a different reduction order (the server process's own thread count).
     assert there.logprobs == pytest.approx(here.logprobs, abs=1e-5)
     assert there.versions == here.versions
