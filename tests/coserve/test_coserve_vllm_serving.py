@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: `make test-vllm`
 
 from vllm_checkpoints import tiny_qwen3_for_vllm
 
-from rose.contracts import SamplingParams, TokenLoad, Turn
+from rose.contracts import SamplingParams, StructuredKind, StructuredOutput, TokenLoad, Turn
 from rose.coserve.cli import serve_process
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
@@ -81,14 +81,15 @@ def test_serving_hands_vllm_every_sampling_field_with_raw_logprobs(executor: CoS
     params = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.8, top_k=5, seed=7, stop_token_ids=(3,),
                             ignore_eos=True, presence_penalty=0.5, frequency_penalty=-0.5,
                             repetition_penalty=1.2, min_p=0.1, min_tokens=2, logit_bias=((4, 2.0),),
-                            top_logprobs=3)
+                            top_logprobs=3, structured=StructuredOutput(StructuredKind.REGEX, "[a-z]+"))
     got = serving.sampling_params(params)
     carried = {"max_tokens": got.max_tokens, "temperature": got.temperature, "top_p": got.top_p,
                "top_k": got.top_k, "seed": got.seed, "stop_token_ids": tuple(got.stop_token_ids),
                "ignore_eos": got.ignore_eos, "presence_penalty": got.presence_penalty,
                "frequency_penalty": got.frequency_penalty, "repetition_penalty": got.repetition_penalty,
                "min_p": got.min_p, "min_tokens": got.min_tokens, "logit_bias": tuple(got.logit_bias.items()),
-               "top_logprobs": got.logprobs}
+               "top_logprobs": got.logprobs,
+               "structured": StructuredOutput(StructuredKind.REGEX, got.structured_outputs.regex)}
     assert carried == {k: getattr(params, k) for k in carried}
     assert set(carried) | {"logprobs_at_temperature"} == {f.name for f in dataclasses.fields(SamplingParams)}
     whole_vocabulary = dataclasses.replace(params, top_k=10**12)
