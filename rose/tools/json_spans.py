@@ -55,20 +55,17 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-# The characters a scan stops at (the rest it jumps over in C: a stream scans its text again
-# at every token).
-_QUOTE_OR_ESCAPE = re.compile(r'["\\]')
+# A whole string, its escapes included, in one match, and the characters a scan stops at: the
+# rest is jumped over in C (a stream scans its text again at every token, and a code argument
+# holds thousands of escapes).
+_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)  # possessive: an open one fails at once
 _STRUCTURE = re.compile(r'["{}\[\]]')
 
 
 def _string_end(text: str, i: int) -> int | None:
     """Past the closing quote of the string opening at `text[i]`, or None while it is open."""
-    i += 1
-    while (m := _QUOTE_OR_ESCAPE.search(text, i)) is not None:
-        if m.group() == '"':
-            return m.end()
-        i = m.end() + 1  # the escaped character
-    return None
+    m = _STRING.match(text, i)
+    return None if m is None else m.end()
 
 
 def _value_end(text: str, i: int) -> tuple[int | None, bool]:
