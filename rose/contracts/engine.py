@@ -18,6 +18,8 @@ from rose.contracts.turn import TurnOutput
 if TYPE_CHECKING:
     import torch
 
+    from rose.contracts.adapter import LoRAConfig
+
 
 class InFlight(enum.Enum):
     """What `load_weights` does to sequences already running (every token keeps the version
@@ -82,9 +84,10 @@ class GenerationEngine(Protocol):
     policy_version: int  # the weights' version: each token it samples carries it (or an older one)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                    priority: int = 0) -> str:
-        """Queue a request (a lower `priority` runs first); bad input (the prompt, the sampling
-        parameters) raises ValueError naming the request, and nothing else changes."""
+                    priority: int = 0, adapter: str | None = None) -> str:
+        """Queue a request (a lower `priority` runs first), on the base model or with the loaded
+        LoRA `adapter` of that name; bad input (the prompt, the sampling parameters, an adapter
+        not loaded) raises ValueError naming the request, and nothing else changes."""
         ...
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -105,6 +108,19 @@ class GenerationEngine(Protocol):
                      in_flight: InFlight = ...) -> None:
         """Take new weights as policy `version`. Each engine has its default `in_flight` and
         refuses those it cannot do (ValueError)."""
+        ...
+
+    def load_adapter(self, name: str, config: LoRAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+        """Load LoRA adapter `name` (tensors under `rose.model.lora`'s names), or give a loaded
+        one new tensors (all, or only those that changed) as `version`: requests running on it
+        go on over their KV, as `InFlight.CONTINUE`; each token of an adapter's request carries
+        the adapter's version. ValueError for an adapter of another base, or an engine that
+        cannot run adapters."""
+        ...
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter; ValueError while a request uses it."""
         ...
 
     def check_health(self) -> None:

@@ -31,6 +31,9 @@ class Turn:
     token_ids: list[int]
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     policy_version: int | None = None  # the oldest version it may run on; None: any
+    # The LoRA adapter it runs with (the engine's loaded adapter of this name; its version is
+    # the one `policy_version` bounds), or None: the model's own weights.
+    adapter: str | None = None
 
 
 @dataclasses.dataclass
