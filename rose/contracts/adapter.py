@@ -47,6 +47,7 @@ class LoRAConfig:
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise ValueError(f"lora: targets must be a non-empty list of module names, "
                              f"got {list(self.targets)!r}")
+        object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))  # a set, as PEFT's
 
     @property
     def scaling(self) -> float:
@@ -113,6 +114,6 @@ class LoRAConfig:
                                   "expected a list of module names")
         try:
             return cls(rank=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0),
-                       targets=tuple(sorted(targets or ())))
+                       targets=tuple(targets or ()))
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None

@@ -117,7 +117,8 @@ class LoRA(nn.Module):
             if not self.enabled:
                 return None
             a, b = self.lora_A[i], self.lora_B[i]
-            x = self.dropout(args[0])
+            # Dropout in the passes that train; a no-grad pass (the old policy's logprobs) is the policy.
+            x = self.dropout(args[0]) if torch.is_grad_enabled() else args[0]
             return out + (x @ a.to(x.dtype).t() @ b.to(x.dtype).t()) * self.config.scaling
 
         return add

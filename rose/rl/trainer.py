@@ -17,6 +17,12 @@ CUDA, fp32 on the CPU (no fast bf16 arithmetic there). Token log-probabilities a
 are computed a chunk of tokens at a time (`rose.rl.logprobs`): the `[B, T, vocab]` fp32
 log-softmax is never built. The KL penalty's reference policy exists only with kl_coef > 0.
 
+LoRA (`TrainerConfig.lora`): the base model is frozen in the compute dtype and an adapter
+(`rose.model.lora`) trains in fp32 beside it, the optimizer's state its alone. The KL penalty's
+reference is the base with the adapter switched off (no second model), `export_weights` yields
+the adapter's tensors alone, and a checkpoint holds the adapter in PEFT's format plus the
+optimizer state, naming its base (`adapter_config.json`'s `base_model_name_or_path`).
+
 Data parallelism: construct one Trainer per rank after `torch.distributed.init_process_group`
 (`process_group_backend`: NCCL on CUDA, one device per rank; gloo on the CPU) and give each rank
 whole GRPO groups (`shard_by_group`). The policy's forward runs under PyTorch's
@@ -41,7 +47,7 @@ import dataclasses
 import json
 import math
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +64,17 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from rose.contracts.adapter import LoRAConfig
 from rose.contracts.sampling import MIN_TEMPERATURE
 from rose.model import CausalLM, load_model, save_model
 from rose.model.checkpoint import fsync_dir, fsync_file
 from rose.model.device import resolve
+from rose.model.lora import attach, is_adapter, load_adapter, save_adapter
 from rose.rl.logprobs import token_logprobs
 from rose.rl.objective import Objective
 from rose.rl.trajectory import TokenSequence, Trajectory
 
+Logprobs = tuple[torch.Tensor, torch.Tensor]  # a forward's token logprobs and entropies
 STATE_FILE = "trainer_state.pt"
 REFERENCE_DIR = "reference"  # the KL penalty's reference policy, beside the weights
 COMPLETE_FILE = "checkpoint_complete.json"  # written last: its presence vouches for the rest
@@ -108,6 +117,7 @@ class TrainerConfig:
     dtype: str | None = None
     logprob_chunk_tokens: int = 1024  # tokens whose fp32 logits exist at once (rose.rl.logprobs)
     sharding: str = "ddp"  # with several ranks: DDP replicas, or FSDP2 shards (SHARDINGS)
+    lora: LoRAConfig | None = None  # train a LoRA adapter on the frozen model, not the model
 
     def __post_init__(self) -> None:
         def number(name: str, value: Any) -> float:
@@ -136,6 +146,9 @@ class TrainerConfig:
             raise ValueError(f"trainer: sharding must be one of {', '.join(SHARDINGS)}, "
                              f"got {self.sharding!r}")
         resolve(self.device, self.dtype, label="trainer: ")
+        if self.lora is not None and self.sharding == "fsdp":
+            raise ValueError("trainer: sharding fsdp with a LoRA adapter is not supported; use ddp (the "
+                             "frozen base is not sharded, and the adapter is small)")
 
 
 def _chunks(items: list[Any], n: int) -> list[list[Any]]:
@@ -198,9 +211,15 @@ class Trainer:
         (default: the whole world); rank 0's weights are broadcast to the others."""
         self.config = config or TrainerConfig()
         self.device, self.compute_dtype = resolve(self.config.device, self.config.dtype)
-        self.model = (load_model(model, torch.float32, self.device) if isinstance(model, (str, Path))
-                      else model.to(self.device))
-        wrong = {str(p.dtype) for p in self.model.parameters() if p.dtype != torch.float32}
+        lora = self.config.lora
+        # A frozen base under an adapter needs no fp32 master copy: it stays in the compute dtype.
+        dtype = torch.float32 if lora is None else self.compute_dtype
+        self.base_path = str(Path(model).resolve()) if isinstance(model, (str, Path)) else ""
+        self.model = (load_model(model, dtype, self.device) if isinstance(model, (str, Path))
+                      else model.to(self.device) if lora is None else model.to(self.device, dtype))
+        self.lora = attach(self.model, lora) if lora is not None else None
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        wrong = {str(p.dtype) for p in trained if p.dtype != torch.float32}
         if wrong:
             raise ValueError(f"trainer: master weights must be float32, got {', '.join(sorted(wrong))}; "
                              "load the model with dtype=torch.float32")
@@ -217,9 +236,10 @@ class Trainer:
             source = dist.get_global_rank(group, 0) if group is not None else 0
             for t in self.model.state_dict().values():
                 dist.broadcast(t, source, group=group)
-        # The reference policy of the KL penalty is the policy as it starts (whole on each rank).
+        # The reference policy of the KL penalty is the policy as it starts (whole on each rank);
+        # under an adapter, the base: the same model with the adapter off.
         self.ref_model = (copy.deepcopy(self.model).eval().requires_grad_(False)
-                          if self.objective.kl_coef > 0 else None)
+                          if self.objective.kl_coef > 0 and self.lora is None else None)
         self.ddp = None
         if self.sharded:
             mesh = DeviceMesh.from_group(group or dist.group.WORLD, self.device.type)
@@ -231,9 +251,14 @@ class Trainer:
             # forward would need every rank to run as many micro-batches as the others.
             self.ddp = DistributedDataParallel(self.policy, process_group=group, broadcast_buffers=False)
         self.forward: torch.nn.Module = self.ddp if self.ddp is not None else self.policy  # with gradients
-        self.params = list(self.model.parameters())  # FSDP's sharded ones, once sharded
-        self.reference = None if self.ref_model is None else TokenLogprobs(
-            self.ref_model, c.temperature, self.compute_dtype, c.logprob_chunk_tokens)
+        # What trains: FSDP's sharded parameters once sharded; the adapter's alone under LoRA.
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.reference: Callable[[torch.Tensor, torch.Tensor], Logprobs] | None = None
+        if self.ref_model is not None:
+            self.reference = TokenLogprobs(self.ref_model, c.temperature, self.compute_dtype,
+                                           c.logprob_chunk_tokens)
+        elif self.lora is not None and self.objective.kl_coef > 0:
+            self.reference = self._base_logprobs
         self.optimizer = torch.optim.AdamW(self.params, lr=self.config.lr, betas=self.config.betas,
                                            weight_decay=self.config.weight_decay)
         # `steps`: optimizer steps taken, which the learning-rate schedule and a resumed run's
@@ -385,6 +410,12 @@ class Trainer:
                        version_lag=float(((self.version - versions) * mask).sum()))
         return out
 
+    def _base_logprobs(self, inputs: torch.Tensor, targets: torch.Tensor) -> Logprobs:
+        """The policy's forward with its adapter off: the KL reference under LoRA."""
+        assert self.lora is not None
+        with self.lora.disabled():
+            return self.policy(inputs, targets)
+
     # -- data parallelism ----------------------------------------------------------------------
 
     def _all_reduce(self, values: Sequence[float]) -> list[float]:
@@ -413,8 +444,10 @@ class Trainer:
     def export_weights(self, dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, tensor)` for every parameter, cast from the fp32 masters (a copy, always):
         what `LLMEngine.load_weights` and the weight transfer engine consume. A tied output
-        head is yielded once, under the embedding's name."""
-        for name, p in self.model.named_parameters():
+        head is yielded once, under the embedding's name. Under LoRA: the adapter's tensors
+        alone (`rose.model.lora`'s names), what `load_adapter` consumes."""
+        named = self.lora.named_tensors() if self.lora is not None else self.model.named_parameters()
+        for name, p in named:
             yield name, _full(p.detach()).to(dtype, copy=True)
 
     def save(self, path: str | Path, assets: Iterable[str | Path] = ()) -> Path:
@@ -436,7 +469,10 @@ class Trainer:
         tmp, old = path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
         shutil.rmtree(tmp, ignore_errors=True)  # left by a process that died saving
         try:
-            save_model(self.model, tmp, state=weights)
+            if self.lora is not None:  # the adapter in PEFT's format, in fp32, naming its base
+                save_adapter(tmp, self.lora.config, dict(self.lora.named_tensors()), self.base_path)
+            else:
+                save_model(self.model, tmp, state=weights)
             if self.ref_model is not None:
                 save_model(self.ref_model, tmp / REFERENCE_DIR)
                 fsync_dir(tmp / REFERENCE_DIR)
@@ -462,11 +498,21 @@ class Trainer:
 
     def load_state(self, path: str | Path) -> None:
         """Resume the optimizer, the version, the steps and the KL reference saved by `save` (the
-        weights come with the model). The reference is never silently replaced by the resumed
-        policy: a checkpoint without one cannot resume a run with a KL penalty."""
+        weights come with the model; under LoRA the adapter comes from `path`). The reference is
+        never silently replaced by the resumed policy: a checkpoint without one cannot resume a
+        run with a KL penalty."""
         file = Path(path) / STATE_FILE
         if not file.is_file():
             raise ValueError(f"{path}: no {STATE_FILE}; expected a directory written by Trainer.save")
+        if (self.lora is not None) != is_adapter(path):
+            raise ValueError(f"{path}: saved {'with' if is_adapter(path) else 'without'} a LoRA adapter; "
+                             f"resume with model.lora {'set as it was' if is_adapter(path) else 'unset'}")
+        if self.lora is not None:
+            config, tensors, _ = load_adapter(path)
+            if config != self.lora.config:
+                raise ValueError(f"{path}: its adapter is {config}; this run's model.lora is "
+                                 f"{self.lora.config}")
+            self.lora.load(tensors)
         if self.ref_model is not None:
             reference = Path(path) / REFERENCE_DIR
             if not (reference / "config.json").is_file():
