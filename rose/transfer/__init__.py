@@ -1,6 +1,7 @@
 """Cross-cluster weight transfer: shard-aware routing, bit-exact sparse deltas, a relay.
 
-    layouts   who holds which slice of each parameter (trainer FSDP/TP/PP, receiver TP/PP)
+    layouts   who holds which slice of each parameter (trainer FSDP/TP/PP, receiver TP/PP);
+              a LoRA adapter's tensors as a model of their own (`adapter_spec`)
     plan      the routing plan: fragments and buckets, sender rank -> receivers (pure)
     codec     bit-exact overwrite deltas with checksums (`encode`, `apply`, `CorruptDelta`)
     versions  sync policy (delta or full), in-flight option, membership and announcement records
@@ -17,6 +18,7 @@ from rose.transfer.layouts import (
     ReceiverSpec,
     Split,
     TrainerSpec,
+    adapter_spec,
     config_spec,
     model_spec,
     receiver_layout,
@@ -45,6 +47,7 @@ __all__ = [
     "SyncPolicy",
     "TrainerSpec",
     "TransferPlan",
+    "adapter_spec",
     "apply",
     "build_plan",
     "config_spec",

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from rose.contracts.adapter import LoRAConfig
 from rose.model import CausalLM, ModelConfig
 
 Box = tuple[tuple[int, int], ...]
@@ -115,10 +116,7 @@ def model_spec(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
     `model.config` (a `ModelConfig`) when there is one.
     """
     config = getattr(model, "config", None)
-    heads = {"q_proj": getattr(config, "num_attention_heads", None),
-             "k_proj": getattr(config, "num_key_value_heads", None),
-             "v_proj": getattr(config, "num_key_value_heads", None),
-             "o_proj": getattr(config, "num_attention_heads", None)}
+    heads = _heads(config)
     modules = dict(model.named_modules())
     layers = [int(m.group(1)) for n, _ in model.named_parameters() if (m := _LAYER.search(n))]
     num_layers = getattr(config, "num_hidden_layers", None) or (max(layers) + 1 if layers else 0)
@@ -146,6 +144,31 @@ def config_spec(config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
     """The spec of a `CausalLM` with `config`, built on the meta device (no memory)."""
     with torch.device("meta"):
         return model_spec(CausalLM(config), dtype, overrides)
+
+
+def adapter_spec(config: ModelConfig, lora: LoRAConfig, dtype: torch.dtype = torch.bfloat16) -> ModelSpec:
+    """The spec of a LoRA adapter's tensors (`lora.shapes(config)`: A is [rank, in], B is [out,
+    rank]) on a model of `config`, split as vLLM splits them: the factor on the side the base
+    linear's TP cuts takes its split (B of a column-parallel linear on its output rows, A of a
+    row-parallel one on its input columns, whole heads either way); the other is replicated."""
+    heads = _heads(config)
+    params = []
+    for name, shape in lora.shapes(config).items():
+        module, _, factor = name.removesuffix(".weight").rpartition(".")
+        base = infer_split(f"{module}.weight")
+        split = base if (base is Split.COLUMN) == (factor == "lora_B") else Split.REPLICATED
+        units = heads.get(module.rpartition(".")[2]) if split is not Split.REPLICATED else None
+        layer = int(name.split(".")[2])  # model.layers.N.<module>: LoRAConfig targets decoder layers only
+        params.append(ParamSpec(name, shape, dtype, split, layer, units))
+    return ModelSpec(tuple(params), config.num_hidden_layers)
+
+
+def _heads(config: ModelConfig | None) -> dict[str, int | None]:
+    """Heads along each attention projection's split dimension (None without a config)."""
+    return {"q_proj": getattr(config, "num_attention_heads", None),
+            "k_proj": getattr(config, "num_key_value_heads", None),
+            "v_proj": getattr(config, "num_key_value_heads", None),
+            "o_proj": getattr(config, "num_attention_heads", None)}
 
 
 # ------------------------------------------------------------------------------------ layouts
