@@ -19,6 +19,7 @@ from rose import logs
 COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("rose.model.cli", "write a random checkpoint, or import a packaged pretrained one"),
     "import-gguf": ("rose.model.gguf_import", "convert a GGUF file (Llama, Qwen2, Qwen3) to HF format"),
+    "export": ("rose.model.export", "a training checkpoint as an HF model or a PEFT adapter (--merge)"),
     "generate": ("rose.engine.cli", "generate text from a checkpoint"),
     "simulate": ("rose.sim.cli", "simulate ROSE and its baselines at cluster scale from real traces"),
     "serve": ("rose.coserve.cli", "serve a model over an OpenAI-compatible API, with rollouts beside it"),

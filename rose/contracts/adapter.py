@@ -37,15 +37,15 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora: rank must be an integer >= 1, got {self.rank!r}")
+            raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not (
                 math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"lora: alpha must be a number > 0, got {self.alpha!r}")
+            raise ValueError(f"alpha must be a number > 0, got {self.alpha!r}")
         dropout = self.dropout
         if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-            raise ValueError(f"lora: dropout must be in [0, 1), got {self.dropout!r}")
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
-            raise ValueError(f"lora: targets must be a non-empty list of module names, "
+            raise ValueError(f"targets must be a non-empty list of module names, "
                              f"got {list(self.targets)!r}")
         object.__setattr__(self, "targets", tuple(sorted(set(self.targets))))  # a set, as PEFT's
 
@@ -61,7 +61,7 @@ class LoRAConfig:
         known = {path.rsplit(".", 1)[-1] for path in _LAYER_LINEARS}
         unknown = [t for t in self.targets if t not in known]
         if unknown:
-            raise ValueError(f"lora: target {unknown[0]!r} names no module of the model; expected some of "
+            raise ValueError(f"targets: {unknown[0]!r} names no module of the model; expected some of "
                              f"{', '.join(sorted(known))}")
         out = {}
         for layer in range(config.num_hidden_layers):
@@ -70,7 +70,7 @@ class LoRAConfig:
                     out[f"model.layers.{layer}.{path}"] = shape(config)
         smallest = min(min(s) for s in out.values())
         if self.rank > smallest:
-            raise ValueError(f"lora: rank {self.rank} is larger than the smallest targeted layer's "
+            raise ValueError(f"rank {self.rank} is larger than the smallest targeted layer's "
                              f"{smallest} features; expected at most {smallest}")
         return out
 

@@ -77,6 +77,15 @@ def is_adapter(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 
 
+def adapter_base(path: str | Path) -> str:
+    """The base model directory a PEFT adapter at `path` names (`base_model_name_or_path`)."""
+    base = json.loads((Path(path) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or ""
+    if not (Path(base) / "config.json").is_file():
+        raise CheckpointError(f"{path}: its base model {base!r} (base_model_name_or_path) is not a "
+                              "checkpoint directory here; expected the model the adapter was trained on")
+    return base
+
+
 def merged(model: nn.Module, config: LoRAConfig, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
     """`model` with the adapter folded into its weights (W + scaling * B @ A, in float32), in place."""
     modules = dict(model.named_modules())

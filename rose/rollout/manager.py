@@ -169,15 +169,17 @@ class TurnFailed(Exception):
 
 class RolloutManager:
     def __init__(self, registry: WorkerRegistry, params: SamplingParams, *, rebalance: bool = True,
-                 tick_s: float = 0.25, seed: int = 0, turn_retries: int = 2) -> None:
+                 tick_s: float = 0.25, seed: int = 0, turn_retries: int = 2,
+                 adapter: str | None = None) -> None:
         """`params`: sampling for every turn (`max_tokens` is a turn's budget; the stop ids end a
         turn early). Each attempt gets its own seed, drawn from `seed` and the turn. A turn
-        refused for what it is is tried again at most `turn_retries` times."""
+        refused for what it is is tried again at most `turn_retries` times. `adapter`: the LoRA
+        adapter every turn runs with (the policy, when it is one), or None."""
         if turn_retries < 0:
             raise ValueError(f"turn_retries must be >= 0, got {turn_retries}")
         self.registry, self.params = registry, params
         self.rebalance, self.tick_s, self.seed = rebalance, tick_s, seed
-        self.turn_retries = turn_retries
+        self.turn_retries, self.adapter = turn_retries, adapter
         self._turns: dict[str, _Turn] = {}
         self._placements: list[Placement] = []
         self._tasks: set[asyncio.Task[None]] = set()  # attempts and rebalance aborts in flight
@@ -312,7 +314,7 @@ class RolloutManager:
         error: Exception | None = None
         try:
             await worker.run_turn(Turn(turn_id, req.trajectory_id, t.prompt + t.out.token_ids, params,
-                                       req.policy_version), got)
+                                       req.policy_version, self.adapter), got)
             if got.finish_reason is None:  # a stream cut short: not a finished turn
                 raise ConnectionError(f"{wid} ended turn {turn_id!r} without a finish reason")
             outcome = "done" if got.finish_reason != "abort" else "moved" if t.move_to else "abort"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import socket
 import threading
@@ -30,6 +31,7 @@ import uvicorn
 
 from rose import logs
 from rose.contracts import WeightUpdate
+from rose.contracts.adapter import LoRAConfig
 from rose.coserve.executor import CoServingExecutor
 from rose.coserve.lease_client import LeaseClient
 from rose.coserve.loadgen import RequestResult, build_trace, replay, spike
@@ -40,14 +42,24 @@ from rose.engine import LLMEngine, RequestOutput
 from rose.engine.async_engine import AsyncLLMEngine
 from rose.engine.vllm_engine import VllmEngine
 from rose.model import CausalLM, ModelConfig, load_tokenizer
+from rose.model.lora import adapter_base, is_adapter
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
 from rose.runtime.checkpoints import Checkpoint, open_checkpoint, probe_dir
-from rose.runtime.config import ServingDeviceConfig
+from rose.runtime.config import POLICY_ADAPTER, ServingDeviceConfig
 from rose.runtime.devices import pin
 from rose.steploop import StepLoop
 from rose.traces import load_trace
-from rose.transfer import RayRelay, Receiver, ReceiverSpec, Sender, codec, model_spec
+from rose.transfer import (
+    ModelSpec,
+    RayRelay,
+    Receiver,
+    ReceiverSpec,
+    Sender,
+    adapter_spec,
+    codec,
+    model_spec,
+)
 
 # What a checkpoint directory needs beside the weights for a run to start from it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -74,6 +86,20 @@ def on_loop(loop: StepLoop[Any], load: WeightUpdate,
         loop.submit(lambda: load(given, version)).result()
 
     return apply
+
+
+def policy_spec(model: torch.nn.Module, lora: LoRAConfig | None) -> ModelSpec:
+    """What a rollout replica of `model` receives at each sync: the policy's weights, or under
+    LoRA its adapter alone."""
+    return model_spec(model) if lora is None else adapter_spec(model.config, lora)
+
+
+def policy_load(target: Any, lora: LoRAConfig | None) -> WeightUpdate:
+    """What applies a sync: `target.load_weights`, or under LoRA `target.load_adapter` of the
+    adapter the turns name. `target`: an engine, an executor or a lease client (each takes both)."""
+    if lora is None:
+        return target.load_weights
+    return functools.partial(target.load_adapter, POLICY_ADAPTER, lora)
 
 
 class Role:
@@ -123,7 +149,7 @@ class TrainerActor(Role):
               config: dict[str, Any], relay: str, group: str, resume: bool = False, rank: int = 0,
               world: int = 1, master: str | None = None) -> tuple[int, int]:
         """Join the ranks' process group (every rank's `start` runs at once), load the policy; the
-        version and the steps it starts from."""
+        version and the steps it starts from. A LoRA checkpoint (an adapter) starts from its base."""
         model_path = open_checkpoint(checkpoint)
         if world > 1:
             device = torch.device(config["device"])
@@ -132,15 +158,15 @@ class TrainerActor(Role):
             torch.distributed.init_process_group(process_group_backend(device), init_method=master, rank=rank,
                                                  world_size=world)
         self.model_path = Path(model_path)
-        self.trainer = Trainer(model_path, Objective.named(objective, **objective_options),
-                               TrainerConfig(**config))
+        base = adapter_base(model_path) if is_adapter(model_path) else model_path
+        self.trainer = Trainer(base, Objective.named(objective, **objective_options), TrainerConfig(**config))
         if resume:
             self.trainer.load_state(model_path)
         log.info("policy %s on %s at version %d", model_path, config["device"], self.trainer.version)
         # The bf16 weights the rollout replicas get: the sender keeps views of these tensors.
         self.weights = dict(self.trainer.export_weights())
-        self.sender = (Sender(RayRelay(relay), model_spec(self.trainer.model), self.weights, group=group)
-                       if rank == 0 else None)
+        spec = policy_spec(self.trainer.model, self.trainer.config.lora)
+        self.sender = Sender(RayRelay(relay), spec, self.weights, group=group) if rank == 0 else None
         return self.trainer.version, self.trainer.steps
 
     def probe_dir(self, path: str) -> str | BaseException:
@@ -185,10 +211,10 @@ class _Replica(Role):
     method included: what blocks (waiting for a sync, the relay's calls) runs in a thread, so
     `ready` (the run's liveness probe) and a dedicated worker's turn streams answer meanwhile."""
 
-    def _join(self, relay: str, group: str, worker_id: str, model: torch.nn.Module,
+    def _join(self, relay: str, group: str, worker_id: str, spec: ModelSpec,
               loop: StepLoop[RequestOutput], load: WeightUpdate, whole: bool = False) -> None:
         """`whole`: `load` takes every weight at each sync (the vLLM backend's)."""
-        self.receiver = Receiver(RayRelay(relay), model_spec(model), ReceiverSpec(worker_id), group=group)
+        self.receiver = Receiver(RayRelay(relay), spec, ReceiverSpec(worker_id), group=group)
         self.receiver.on_apply = on_loop(loop, load, self.receiver.tensors if whole else None)
         self.receiver.join()
 
@@ -238,19 +264,20 @@ class DedicatedWorkerActor(_HttpReplica):
 
     def __init__(self, worker_id: str, cores: list[int], local: bool, policy: Checkpoint,
                  engine: dict[str, Any], relay: str, group: str, limits: ServerLimits, max_turns: int,
-                 backend: str = "native") -> None:
+                 backend: str = "native", lora: LoRAConfig | None = None) -> None:
         self._start_as(worker_id, cores, local)
         path = open_checkpoint(policy)
         if backend == "vllm":  # the relay's names and shapes are the HF checkpoint's, not vLLM's fused ones
-            self.engine = AsyncLLMEngine(VllmEngine.from_pretrained(path, **engine))
+            self.engine = AsyncLLMEngine(VllmEngine.from_pretrained(
+                path, **engine, max_lora_rank=None if lora is None else lora.rank))
             spec_model = meta_model(path)
         else:
             self.engine = AsyncLLMEngine(LLMEngine.from_pretrained(path, **engine))
             spec_model = self.engine.engine.model
         app = build_lease_app(self.engine, EngineHost(self.engine.engine, max_turns), limits)
         self.server = self._serve(app, limits)
-        self._join(relay, group, worker_id, spec_model, self.engine, self.engine.engine.load_weights,
-                   whole=backend == "vllm")
+        self._join(relay, group, worker_id, policy_spec(spec_model, lora), self.engine,
+                   policy_load(self.engine.engine, lora), whole=backend == "vllm")
         log.info("rollout engine (%s) on %s, cores %s, at %s", backend, engine.get("device"), cores, self.url)
 
     async def pause(self) -> None:
@@ -271,7 +298,8 @@ class ServingDeviceActor(_HttpReplica):
 
     def __init__(self, worker_id: str, cores: list[int], local: bool, serving: Checkpoint, policy: Checkpoint,
                  config: ExecutorConfig, device: str, replay_spec: ServingDeviceConfig, relay: str,
-                 group: str, limits: ServerLimits, engine: Engine = Engine.NATIVE) -> None:
+                 group: str, limits: ServerLimits, engine: Engine = Engine.NATIVE,
+                 lora: LoRAConfig | None = None) -> None:
         self._start_as(worker_id, cores, local)
         serving_path, rollout_path = open_checkpoint(serving), open_checkpoint(policy)
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config, device,
@@ -288,7 +316,8 @@ class ServingDeviceActor(_HttpReplica):
             maxlen=POOL_SAMPLES_KEPT)  # (wall clock, `ExecutorMetrics.pool_sample`)
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
-        self._join(relay, group, worker_id, executor.rollout.model, loop, executor.load_weights)
+        self._join(relay, group, worker_id, policy_spec(executor.rollout.model, lora), loop,
+                   policy_load(executor, lora))
 
     def start_replay(self) -> None:
         self._replay = threading.Thread(target=lambda: asyncio.run(self._replay_windows()), daemon=True)
@@ -348,10 +377,10 @@ class EndpointActor(_HttpReplica):
     directly (`LeaseClient`). Killing the actor leaves the server as it was."""
 
     def __init__(self, worker_id: str, url: str, key: str | None, policy: Checkpoint, relay: str,
-                 group: str) -> None:
+                 group: str, lora: LoRAConfig | None = None) -> None:
         self._start_as(worker_id)
-        self.url, self.key = url, key
-        self.receiver = Receiver(RayRelay(relay), model_spec(meta_model(open_checkpoint(policy))),
+        self.url, self.key, self.lora = url, key, lora
+        self.receiver = Receiver(RayRelay(relay), policy_spec(meta_model(open_checkpoint(policy)), lora),
                                  ReceiverSpec(worker_id), self._push, group=group)
         self.receiver.join()
         log.info("attached to %s", url)
@@ -360,7 +389,7 @@ class EndpointActor(_HttpReplica):
         async def post() -> None:
             client = LeaseClient(self.url, key=self.key)
             try:
-                await client.load_weights(named, version)
+                await policy_load(client, self.lora)(named, version)
             finally:
                 await client.close()
 

@@ -62,6 +62,14 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
         _check(model.path is None or (Path(model.path) / "config.json").is_file(),
                f"{key}.path {model.path} is not an HF-format checkpoint (expected a directory with "
                "config.json, safetensors and tokenizer files, e.g. from `rose init-model`)")
+    _check(s.model.lora is None, "serving.model.lora: the serving model serves as it is; model.lora is "
+                                 "the policy's adapter")
+    if m.lora is not None:
+        try:
+            m.lora.modules(_context("model", m))
+        except ValueError as exc:
+            raise ValueError(f"config: model.lora.{exc}") from None
+        _check(t.sharding != "fsdp", "train.sharding=fsdp with model.lora is not supported; use ddp")
     _check_env(config)
     load_rollout_function(config.rollout.function)
     load_agent(config.rollout.agent)

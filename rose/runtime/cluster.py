@@ -22,6 +22,7 @@ from pathlib import Path
 from rose.coserve.loadgen import RequestResult
 from rose.coserve.settings import ServerLimits
 from rose.model import load_tokenizer
+from rose.model.lora import adapter_base, is_adapter
 from rose.rollout.manager import RolloutReport, settle_heap
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.routing import compile_kernels
@@ -109,8 +110,11 @@ class Cluster:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         policy = str(self.resume or c.model.checkpoint(self.out_dir / "initial"))
         self.tokenizer = load_tokenizer(policy)
-        r.policy = for_actors(policy, self.placement.local)
-        starts = self.loop.run_until_complete(self.trainers.launch(r.policy))
+        # The rollout engines load the model; a LoRA checkpoint is an adapter of its base.
+        model = adapter_base(policy) if is_adapter(policy) else policy
+        r.policy = for_actors(model, self.placement.local)
+        trainer_start = r.policy if model == policy else for_actors(policy, self.placement.local)
+        starts = self.loop.run_until_complete(self.trainers.launch(trainer_start))
         if c.rollout.shards > 1:  # before any replica registers: each is routed to by every shard
             self.shards = r.shards = ControlShards(c, r.policy, self.placement, self.restarts)
             self.shards.start()

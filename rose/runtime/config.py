@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rose.config import load
+from rose.contracts.adapter import LoRAConfig
 from rose.coserve.settings import Engine, ExecutorConfig
 
 BACKENDS = ("native", "vllm")  # rollout.backend: the dedicated workers' engines
@@ -40,6 +41,10 @@ class ModelSource:
     # A packaged pretrained model (rose.model.pretrained, e.g. smollm2-135m-instruct), imported
     # into the run's directory when it starts: `rose init-model --preset` without the extra step.
     pretrained: str | None = None
+    # The policy only: train a LoRA adapter on this model, frozen (rose.model.lora; rank, alpha,
+    # dropout, targets by module name, the attention and MLP projections by default). Rollout
+    # engines run the base with the adapter, and each weight sync carries the adapter alone.
+    lora: LoRAConfig | None = None
 
     @property
     def is_pretrained(self) -> bool:
@@ -338,7 +343,16 @@ def trainer_options(config: Config) -> dict[str, Any]:
             "micro_batch_size": t.micro_batch_size, "mini_batches": t.mini_batches,
             "min_lr_ratio": t.min_lr_ratio, "lr_decay_steps": t.steps if t.lr_schedule == "cosine" else 0,
             "temperature": config.rollout.temperature, "max_grad_norm": t.max_grad_norm,
-            "weight_decay": t.weight_decay, "sharding": t.sharding}
+            "weight_decay": t.weight_decay, "sharding": t.sharding, "lora": config.model.lora}
+
+
+# The adapter's name on every rollout engine of a LoRA run (model.lora): the turns name it.
+POLICY_ADAPTER = "policy"
+
+
+def policy_adapter(config: Config) -> str | None:
+    """The adapter the run's turns name, or None when the policy is the whole model."""
+    return POLICY_ADAPTER if config.model.lora is not None else None
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -353,12 +367,13 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 def resume_checkpoint(resume: str | Path | None) -> Path | None:
     """The checkpoint to resume from: `resume` itself or its newest complete `step-*` directory."""
+    from rose.model.lora import is_adapter
     from rose.rl.trainer import COMPLETE_FILE, is_complete
 
     if resume is None:
         return None
     path = Path(resume)
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or is_adapter(path):
         if not is_complete(path):
             raise ValueError(f"--resume {resume}: not a complete checkpoint (no {COMPLETE_FILE}: a save "
                              "that did not finish); give the run's out_dir to take its newest complete one")

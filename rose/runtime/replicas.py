@@ -94,7 +94,7 @@ class Replicas:
         actor = ray.remote(DedicatedWorkerActor).options(**options)
         self.dedicated[wid] = actor.remote(wid, cores, self.placement.local, self.policy, engine, self.relay,
                                            self.group, self._dedicated_limits, r.dedicated_concurrency,
-                                           r.backend)
+                                           r.backend, self.config.model.lora)
         return self.dedicated[wid]
 
     def start_serving(self, wid: str, cores: list[int]) -> Any:
@@ -107,7 +107,7 @@ class Replicas:
         self.cores[wid] = cores
         self.serving[wid] = ray.remote(ServingDeviceActor).options(**options).remote(
             wid, cores, self.placement.local, self.serving_model, self.policy, executor, device, s,
-            self.relay, self.group, self.server_limits, s.engine)
+            self.relay, self.group, self.server_limits, s.engine, self.config.model.lora)
         return self.serving[wid]
 
     def _options(self, role: str, cores: list[int], device: str) -> dict[str, Any]:
@@ -128,7 +128,8 @@ class Replicas:
 
         self.endpoint_urls[wid] = url
         self.endpoints[wid] = ray.remote(EndpointActor).options(num_cpus=0).remote(
-            wid, url, self.config.serving.endpoint_key, self.policy, self.relay, self.group)
+            wid, url, self.config.serving.endpoint_key, self.policy, self.relay, self.group,
+            self.config.model.lora)
         return self.endpoints[wid]
 
     async def forget(self, wid: str, why: str) -> None:

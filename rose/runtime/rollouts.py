@@ -24,7 +24,7 @@ from rose.rollout.agent import load_agent
 from rose.rollout.manager import RolloutManager, RolloutReport
 from rose.rollout.registry import WorkerRegistry
 from rose.rollout.stream import RolloutStream
-from rose.runtime.config import Config, extra_groups, sampling_rounds
+from rose.runtime.config import Config, extra_groups, policy_adapter, sampling_rounds
 from rose.tools.sandbox import TOOLS
 
 
@@ -67,9 +67,11 @@ def env_kwargs(config: Config, split: str) -> dict[str, Any]:
     return {**config.env.options, "split": split} if config.eval.every else dict(config.env.options)
 
 
-def _params(ctx: RolloutContext, temperature: float) -> SamplingParams:
-    return SamplingParams(max_tokens=ctx.config.rollout.max_tokens, temperature=temperature,
-                          stop_token_ids=tuple(ctx.tokenizer.stop_token_ids), logprobs_at_temperature=True)
+def _manager(ctx: RolloutContext, temperature: float, seed: int) -> RolloutManager:
+    """A manager of the run's turns: its sampling at `temperature`, on the policy's adapter if any."""
+    params = SamplingParams(max_tokens=ctx.config.rollout.max_tokens, temperature=temperature,
+                            stop_token_ids=tuple(ctx.tokenizer.stop_token_ids), logprobs_at_temperature=True)
+    return RolloutManager(ctx.registry, params, seed=seed, adapter=policy_adapter(ctx.config))
 
 
 def episodes(ctx: RolloutContext, sampling_round: int = 0) -> list[Episode]:
@@ -106,7 +108,7 @@ async def multi_turn_rollout(ctx: RolloutContext) -> RolloutReport:
     informative groups join the batch up to that count (by default with `train.objective` dapo:
     `sampling_rounds`)."""
     r, seed = ctx.config.rollout, ctx.config.train.seed * 7919 + ctx.step
-    manager, agent = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=seed), load_agent(r.agent)
+    manager, agent = _manager(ctx, r.temperature, seed), load_agent(r.agent)
     report = await manager.run(episodes(ctx), ctx.version, prefix=ctx.prefix(f"s{ctx.step}-"),
                                timeout_s=r.timeout_s, agent=agent)
     for sampling_round in range(1, sampling_rounds(ctx.config)):
@@ -131,7 +133,7 @@ def stream_rollouts(ctx: RolloutContext, version: Callable[[], int], first_step:
     each step's batch, from its `skip`-th group on of a stream first started at `first_step`
     (a shard started again plays again the groups its predecessor had in play)."""
     c, r = ctx.config, ctx.config.rollout
-    manager = RolloutManager(ctx.registry, _params(ctx, r.temperature), seed=c.train.seed * 7919 + ctx.step)
+    manager = _manager(ctx, r.temperature, c.train.seed * 7919 + ctx.step)
     keep = (lambda trajectories: bool(informative(trajectories))) if c.train.objective == "dapo" \
         else (lambda trajectories: True)
     # A resumed run goes on with the seeds after its steps'.
@@ -159,6 +161,6 @@ async def heldout_rollout(ctx: RolloutContext) -> RolloutReport:
     if not held_out:  # a shard past the episodes' count
         return RolloutReport([], [], 0.0)
     temperature = c.rollout.temperature if c.eval.temperature is None else c.eval.temperature
-    manager = RolloutManager(ctx.registry, _params(ctx, temperature), seed=c.train.seed)
+    manager = _manager(ctx, temperature, c.train.seed)
     return await manager.run(held_out, ctx.version, prefix=ctx.prefix(f"e{ctx.step}-"),
                              timeout_s=c.rollout.timeout_s, agent=load_agent(c.rollout.agent))

@@ -9,8 +9,10 @@ import pytest
 import torch
 from rl_batches import random_batch
 
+from rose.cli import main
 from rose.contracts.adapter import LoRAConfig
 from rose.model import load_model
+from rose.model.export import export
 from rose.model.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 from rose.rl import Objective, Trainer, TrainerConfig
 from rose.rl.trainer import STATE_FILE
@@ -104,7 +106,7 @@ def test_a_lora_run_resumes_as_it_would_have_gone_on(tiny_qwen3: Path, tmp_path:
 
 @pytest.mark.parametrize(("lora", "message"), [
     (dict(rank=0), r"rank must be an integer >= 1, got 0"),
-    (dict(targets=("q_proj", "qkv")), r"target 'qkv' names no module of the model"),
+    (dict(targets=("q_proj", "qkv")), r"targets: 'qkv' names no module of the model"),
     (dict(rank=100_000), r"rank 100000 is larger than the smallest targeted layer's \d+ features"),
 ])
 def test_bad_adapter_settings_are_refused_before_anything_runs(tiny_qwen3: Path, lora: dict,
@@ -116,3 +118,22 @@ def test_bad_adapter_settings_are_refused_before_anything_runs(tiny_qwen3: Path,
 def test_fsdp_with_an_adapter_is_refused() -> None:
     with pytest.raises(ValueError, match=r"sharding fsdp with a LoRA adapter is not supported"):
         TrainerConfig(lora=LORA, sharding="fsdp")
+
+
+def test_export_merge_folds_the_adapter_into_an_hf_checkpoint(tiny_qwen3: Path, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    trainer = _trainer(tiny_qwen3)
+    trainer.step(random_batch())
+    path = trainer.save(tmp_path / "ckpt", assets=[tiny_qwen3 / "tokenizer.json"])
+    assert main(["export", str(path), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ids = random_batch()[2].flatten()[0].token_ids[None]
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, trainer.model(ids), rtol=0, atol=1e-4)
+    assert main(["export", str(path), "--out", str(tmp_path / "adapter")]) == 0
+    assert load_adapter(tmp_path / "adapter")[0] == LORA
+    full = Trainer(tiny_qwen3).save(tmp_path / "full")
+    with pytest.raises(ValueError, match=r"--merge: .* holds the whole model .*no adapter to merge"):
+        export(full, tmp_path / "out", merge=True)

@@ -106,6 +106,11 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["devices.dedicated=[[0],[999]]"], r"devices\.dedicated uses core\(s\) \[999\], but this machine"),
     (["devices.trainer=[]"], r"devices\.trainer: a device needs at least one core"),
     (["rollout.backend=sglang"], r"rollout\.backend must be one of native, vllm, got 'sglang'"),
+    (["model.lora.rank=0"], r"model\.lora\.rank must be an integer >= 1, got 0"),
+    (["model.lora.rank=100000"], r"model\.lora\.rank 100000 is larger than the smallest targeted layer's"),
+    (["model.lora.targets=[q_proj,qkv]"], r"model\.lora\.targets: 'qkv' names no module of the model"),
+    (["serving.model.lora.rank=8"], r"serving\.model\.lora: the serving model serves as it is"),
+    (["model.lora.rank=8", "train.sharding=fsdp"], r"train\.sharding=fsdp with model\.lora is not supported"),
 ])
 def test_bad_config_is_one_clear_error(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
