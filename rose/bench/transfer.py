@@ -16,11 +16,18 @@ and verified them. Codec throughput is measured single-threaded on the same real
 With `--device cuda` the trainer, the senders' weights and baselines and the receivers' mirrors
 live on the GPU, so the codec runs there (torch ops) and payloads cross to the relay through
 pinned host memory.
+
+With `--lora`, a LoRA adapter of the same model (rank `--lora-rank`, on every attention and MLP
+projection) is synced alone through the same senders' layout, receivers, link and relay, in a
+group of its own: its first (full) sync beside the model's, and its sync after an update that
+changes every element beside the model's delta sync after a step. The summary's `lora_8b`
+gives the same comparison computed for Llama-3.1-8B's shape from its layout (no weights made).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -32,13 +39,17 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from rose.contracts.adapter import LoRAConfig
 from rose.model import ModelConfig, preset_config, random_model
 from rose.reporting import write_report
 from rose.runtime.devices import init_ray
 from rose.transfer import codec
 from rose.transfer.layouts import (
+    ModelSpec,
     ReceiverSpec,
     TrainerSpec,
+    adapter_spec,
+    config_spec,
     full_box,
     local_slices,
     model_spec,
@@ -56,6 +67,9 @@ from rose.transfer.versions import SyncPolicy
 HALF_B = dict(model_type="qwen3", vocab_size=151936, hidden_size=896, intermediate_size=4864,
               num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
               tie_word_embeddings=True)
+# Llama-3.1-8B's shape (8.03 B parameters, untied embeddings), for the computed `lora_8b` figures.
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 REPLICAS = (("tp2a", 2), ("tp2b", 2), ("tp1", 1))
 MODES = ("naive", "shard_full", "rose")
 T = TypeVar("T")
@@ -75,6 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the weights live and the codec runs (default cuda when available, else cpu)")
+    p.add_argument("--lora", action="store_true",
+                   help="also sync a LoRA adapter alone, beside the full model (first sync and an update)")
+    p.add_argument("--lora-rank", type=int, default=16,
+                   help="the adapter's rank (default 16: LoRAConfig's, the adapter `rose train` makes)")
 
 
 class SyntheticTrainer:
@@ -109,6 +127,27 @@ class SyntheticTrainer:
         return loss.item()
 
 
+class SyntheticAdapter:
+    """A LoRA adapter mid-training (fp32 master, bf16 policy, no factor zero) whose `step`
+    changes every element, as an optimizer step on every A and B does: the adapter's worst case
+    for a delta."""
+
+    def __init__(self, config: ModelConfig, lora: LoRAConfig, seed: int, device: torch.device) -> None:
+        self.lora, self.spec = lora, adapter_spec(config, lora)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.master = {n: (torch.randn(shape, generator=self.gen) * 0.02).to(device)
+                       for n, shape in lora.shapes(config).items()}
+        self.policy = {n: t.to(torch.bfloat16) for n, t in self.master.items()}
+
+    def step(self) -> None:
+        # Adam's first step moves every element by the same size in the gradient's sign; here
+        # 2^-6 of it, past bf16's spacing (2^-8 to 2^-7 of a value), so every element's bits change.
+        for n, m in self.master.items():
+            signs = 2.0 * torch.randint(0, 2, m.shape, generator=self.gen) - 1
+            m.mul_(1 + 2.0**-6 * signs.to(m.device))
+            self.policy[n].copy_(m)
+
+
 def run(args: argparse.Namespace) -> int:
     load_start = os.getloadavg()
     torch.set_num_threads(2)
@@ -119,22 +158,21 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     trainer = SyntheticTrainer(config, args.seed, *((1, 64) if preset == "0.5b" else (4, 128)), device=device)
     spec = model_spec(trainer.model)
-    tspec = TrainerSpec(fsdp=2)
-    tlayout = trainer_layout(spec, tspec)
+    adapter = None
+    if args.lora:
+        adapter = SyntheticAdapter(config, LoRAConfig(rank=args.lora_rank), args.seed, device)
     relay, ray = _relay(args.relay, args.quick)
     link = Link(args.gbps)
+    parties = functools.partial(_parties, relay=relay, link=link, bucket_bytes=bucket_bytes,
+                                zstd_level=args.zstd_level, device=device)
+    lora: dict | None = None
     try:
-        senders = [Sender(relay, spec, shard(trainer.policy, tlayout.rank_boxes(r)), trainer=tspec, rank=r,
-                          group="bench", policy=SyncPolicy(full_every=0), link=link, keep_syncs=1,
-                          bucket_bytes=bucket_bytes, zstd_level=args.zstd_level) for r in range(tspec.world)]
-        receivers = [Receiver(relay, spec, ReceiverSpec(name, tp, 1, r), group="bench", device=device)
-                     for name, tp in REPLICAS for r in range(tp)]
-        for r in receivers:
-            r.join()
+        senders, receivers = parties(spec, trainer.policy, "bench")
         pool = ThreadPoolExecutor(max_workers=len(senders) + len(receivers))
         version = 0
         torch.set_num_threads(1)  # the syncs run numpy in many threads; torch's pool would only spin
-        _sync(pool, senders, receivers, version, full=True)  # receivers start with the weights
+        # Receivers start with the weights: the first (full) sync.
+        (first_s, _, _), first_bytes = _on_link(link, _sync, pool, senders, receivers, version, full=True)
         rows = []
         for step in range(1, steps + 1):
             torch.set_num_threads(2)
@@ -165,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"step {step}: changed {row['changed'] / row['compared']:.4f}, " + ", ".join(
                 f"{m} {row[m]['seconds']:.3f} s / {row[m]['bytes'] / 1e6:.1f} MB" for m in MODES), flush=True)
         bit_exact = _bit_exact(trainer.policy, receivers)
+        if adapter is not None:
+            a_senders, a_receivers = parties(adapter.spec, adapter.policy, "bench-lora")
+            lora = _adapter_syncs(pool, link, adapter, a_senders, a_receivers)
+            senders += a_senders
         pool.shutdown()
         for s in senders:
             s.close()
@@ -172,16 +214,98 @@ def run(args: argparse.Namespace) -> int:
         if ray is not None:
             ray.shutdown()
     summary = _summary(rows, link, codec_rates, bit_exact)
+    if adapter is not None and lora is not None:
+        # The model's step is its delta sync ("rose", the median over the steps).
+        summary["lora"] = {"rank": adapter.lora.rank, "model_bytes_bf16": spec.nbytes,
+                           "sync_s_first_model": first_s, "bytes_first_model": first_bytes,
+                           "sync_s_step_model": summary["sync_s_rose"],
+                           "bytes_step_model": summary["bytes_rose"], **lora}
+        summary["lora_8b"] = _eight_b(adapter.lora, link, summary["delta_bytes_ratio"],
+                                      codec_rates["encode_gb_per_s"], lora["encode_gb_per_s_adapter"])
     write_report(args.json, summary, steps=rows, config={
         "model_params": sum(p.numel for p in spec.params), "model_bytes_bf16": spec.nbytes,
         "trainer": "fsdp=2", "receivers": [f"{n} tp={tp}" for n, tp in REPLICAS], "gbps": args.gbps,
         "bucket_bytes": bucket_bytes, "relay": args.relay, "zstd_level": args.zstd_level,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "optimizer": "AdamW lr=1e-6, fp32 master, bf16 policy", "torch": torch.__version__,
+        "lora": None if adapter is None else {
+            "rank": adapter.lora.rank, "targets": list(adapter.lora.targets),
+            "update": "every element times 1 +- 2^-6 (random sign)"},
         "cpus": os.cpu_count(), "machine": platform.machine(),
         # The machine may be shared: its load says how much of it this run had.
         "load_average_start": load_start, "load_average_end": os.getloadavg()})
     return 0
+
+
+def _parties(spec: ModelSpec, policy: dict[str, torch.Tensor], group: str, *, relay: Relay, link: Link,
+             bucket_bytes: int, zstd_level: int | None, device: torch.device
+             ) -> tuple[list[Sender], list[Receiver]]:
+    """The 2 FSDP trainer ranks' senders of `policy` and the replicas' receivers (joined), in `group`."""
+    tspec = TrainerSpec(fsdp=2)
+    tlayout = trainer_layout(spec, tspec)
+    senders = [Sender(relay, spec, shard(policy, tlayout.rank_boxes(r)), trainer=tspec, rank=r, group=group,
+                      policy=SyncPolicy(full_every=0), link=link, keep_syncs=1, bucket_bytes=bucket_bytes,
+                      zstd_level=zstd_level) for r in range(tspec.world)]
+    receivers = [Receiver(relay, spec, ReceiverSpec(name, tp, 1, r), group=group, device=device)
+                 for name, tp in REPLICAS for r in range(tp)]
+    for r in receivers:
+        r.join()
+    return senders, receivers
+
+
+def _on_link(link: Link, fn: Callable[..., T], *args: object, **kwargs: object) -> tuple[T, int]:
+    """`fn`'s result and the bytes it put on the link."""
+    before = link.bytes_sent
+    out = fn(*args, **kwargs)
+    return out, link.bytes_sent - before
+
+
+def _adapter_syncs(pool: ThreadPoolExecutor, link: Link, adapter: SyntheticAdapter, senders: list[Sender],
+                   receivers: list[Receiver]) -> dict:
+    """The adapter alone: its first (full) sync, then its sync after an update of every element."""
+    (first_s, _, _), first_bytes = _on_link(link, _sync, pool, senders, receivers, 0, full=True)
+    exact = _bit_exact(adapter.policy, receivers)
+    adapter.step()
+    rates = _codec_rates(senders)
+    (step_s, reports, _), step_bytes = _on_link(link, _sync, pool, senders, receivers, 1, full=False)
+    print(f"adapter rank {adapter.lora.rank}: first sync {first_s:.3f} s / {first_bytes / 1e6:.2f} MB, "
+          f"update {step_s:.3f} s / {step_bytes / 1e6:.2f} MB", flush=True)
+    return {
+        "adapter_params": sum(p.numel for p in adapter.spec.params),
+        "adapter_bytes_bf16": adapter.spec.nbytes,
+        "sync_s_first_adapter": first_s, "bytes_first_adapter": first_bytes,
+        "sync_s_step_adapter": step_s, "bytes_step_adapter": step_bytes,
+        "step_changed_fraction_adapter": sum(r.changed for r in reports) / sum(r.compared for r in reports),
+        # A delta sync, but where every element changed the codec sends each tensor as a full copy
+        # (smaller than a bitmap and every value): then the update costs the first sync's bytes.
+        "step_sent_adapter": "full" if step_bytes >= first_bytes else "delta",
+        "encode_gb_per_s_adapter": rates["encode_gb_per_s"],
+        "bit_exact": exact and _bit_exact(adapter.policy, receivers),
+    }
+
+
+def _eight_b(lora: LoRAConfig, link: Link, delta_bytes_ratio: float, model_gb_per_s: float,
+             adapter_gb_per_s: float) -> dict:
+    """The full model against the adapter on Llama-3.1-8B's shape, computed from its layout (bf16,
+    each slice crossing the link once, headers left out) and this run's rates: the link's rate
+    and the single-threaded encode rates measured on the model's delta and on the adapter's update."""
+    config = ModelConfig(**LLAMA_8B)
+    model, adapter = config_spec(config), adapter_spec(config, lora)
+    step_model = delta_bytes_ratio * model.nbytes  # as this run's steps changed the model
+    return {
+        "shape": "Llama-3.1-8B", "rank": lora.rank,
+        "model_params": sum(p.numel for p in model.params),
+        "adapter_params": sum(p.numel for p in adapter.params),
+        "model_bytes_bf16": model.nbytes, "adapter_bytes_bf16": adapter.nbytes,
+        "bytes_ratio": adapter.nbytes / model.nbytes,
+        "link_s_first_model": link.seconds(model.nbytes),
+        "link_s_first_adapter": link.seconds(adapter.nbytes),
+        "bytes_step_model": step_model, "bytes_step_adapter": adapter.nbytes,
+        "link_s_step_model": link.seconds(step_model), "link_s_step_adapter": link.seconds(adapter.nbytes),
+        # One thread encoding it all: what the trainer's ranks share between them.
+        "encode_s_step_model": model.nbytes / model_gb_per_s / 1e9,
+        "encode_s_step_adapter": adapter.nbytes / adapter_gb_per_s / 1e9,
+    }
 
 
 def _relay(kind: str, quick: bool) -> tuple[Relay, object | None]:
