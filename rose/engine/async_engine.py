@@ -10,6 +10,7 @@ from typing import Generic, TypeVar
 import torch
 
 from rose.contracts import GenerationEngine, InFlight, RequestOutput, SamplingParams
+from rose.contracts.adapter import LoRAConfig
 from rose.steploop import LoopDeadError, StepLoop
 
 E = TypeVar("E", bound=GenerationEngine)
@@ -21,12 +22,13 @@ class AsyncLLMEngine(StepLoop[RequestOutput], Generic[E]):
         self.engine = engine
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 priority: int = 0, gather_s: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (see `StepLoop.stream`)."""
+                 priority: int = 0, gather_s: float = 0.0, adapter: str | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (see `StepLoop.stream`), with the loaded LoRA `adapter` if given."""
         rid = request_id or self.new_id("async")
 
         def add() -> None:
-            self.engine.add_request(prompt_token_ids, params, rid, priority)
+            self.engine.add_request(prompt_token_ids, params, rid, priority, adapter)
 
         return self.stream(rid, add, gather_s)
 
@@ -49,3 +51,11 @@ class AsyncLLMEngine(StepLoop[RequestOutput], Generic[E]):
         load = self.engine.load_weights
         await self.call(lambda: load(named_tensors, version) if in_flight is None
                         else load(named_tensors, version, in_flight))
+
+    async def load_adapter(self, name: str, config: LoRAConfig,
+                           named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """`GenerationEngine.load_adapter` between two iterations."""
+        await self.call(lambda: self.engine.load_adapter(name, config, named_tensors, version))
+
+    async def remove_adapter(self, name: str) -> None:
+        await self.call(lambda: self.engine.remove_adapter(name))

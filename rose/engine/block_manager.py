@@ -1,7 +1,9 @@
 """One model's block tables over the shared `KVPool`: allocation, prefix cache, copy-on-write.
 
 A full block is named by a hash chained over every token up to its end, so equal hashes mean
-equal prefixes and the KV can be shared (turn N+1 of a trajectory reuses turn N's blocks).
+equal prefixes and the KV can be shared (turn N+1 of a trajectory reuses turn N's blocks). The
+chain of a sequence with a LoRA adapter starts from the adapter's seed, so its KV is shared only
+with sequences of the same adapter load.
 Pages whose last user finished stay mapped, evictable in LRU order, until the pool needs them.
 """
 
@@ -67,7 +69,9 @@ class BlockManager:
         """
         assert not seq.block_table, "match_prefix on a sequence that holds blocks"
         seq.block_hashes = []
-        bs, parent = self.block_size, 0
+        # Its KV is computed from now on, under the adapter as loaded now.
+        seq.hash_seed = 0 if seq.adapter is None else seq.adapter.hash_seed
+        bs, parent = self.block_size, seq.hash_seed
         for i in range((len(seq.token_ids) - 1) // bs):
             h = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             page = self._page_of.get(h)
@@ -110,7 +114,7 @@ class BlockManager:
         """Publish the blocks that the last step filled, so later sequences can share them."""
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else 0
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_seed
             h = block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs])
             seq.block_hashes.append(h)
             page = seq.block_table[i]
@@ -133,6 +137,7 @@ class BlockManager:
             self._take(page)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.hash_seed = parent.hash_seed
         child.num_computed_tokens = parent.num_computed_tokens
 
     def reset_prefix_cache(self) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rose.contracts import InFlight, RequestOutput, SamplingParams, TokenLoad
+from rose.contracts.adapter import LoRAConfig
 from rose.engine.block_manager import BlockManager
 from rose.engine.kv_pool import KVPool, KVSpec
 from rose.engine.model_runner import IterationInterrupted, ModelRunner
@@ -88,6 +89,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.config.scheduler)
         self.runner = ModelRunner(model, self.pool, spec, self.config.attention_backend,
                                   self.config.cuda_graphs, self.config.max_num_seqs)
+        self.adapters = self.runner.adapters  # the loaded LoRA adapters
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size
@@ -130,12 +132,16 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a request; bad input raises ValueError naming the request, nothing else changes."""
+                    request_id: str | None = None, priority: int = 0, adapter: str | None = None) -> str:
+        """Queue a request, on the base model or with the loaded LoRA `adapter`; bad input raises
+        ValueError naming the request, nothing else changes."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         where = f"request {request_id!r}"
         if request_id in self._seqs:
             raise ValueError(f"{where}: a request with this id is already running")
+        lora = None if adapter is None else self.adapters.get(adapter)
+        if adapter is not None and lora is None:
+            raise ValueError(f"{where}: adapter {adapter!r} is not loaded; loaded: {self.adapters.names()}")
         if not prompt_token_ids:
             raise ValueError(f"{where}: the prompt is empty; expected at least one token id")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -155,7 +161,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seeds, device="cpu"))
         seq = Sequence(request_id, prompt_token_ids, params, priority,
-                       torch.Generator(device=self.device).manual_seed(seed), constraint)
+                       torch.Generator(device=self.device).manual_seed(seed), constraint, lora)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -279,7 +285,7 @@ class LLMEngine:
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
                 if seq.kv_version is None:
-                    seq.kv_version = self.policy_version
+                    seq.kv_version = self.policy_version if seq.adapter is None else seq.adapter.version
         now = time.monotonic()
         for i, token, logprob, top in zip(good, drawn.tokens, drawn.logprobs, drawn.top, strict=True):
             seq = sampling[i]
@@ -305,11 +311,14 @@ class LLMEngine:
             return "length"
         return None
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Offline generation: one finished output per prompt (all its tokens), in order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Offline generation: one finished output per prompt (all its tokens), in order; with
+        `adapter` (one for all, or one per prompt) the LoRA adapter each runs with."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        ids = [self.add_request(p, sp, adapter=a)
+               for p, sp, a in zip(prompts, params_list, adapters, strict=True)]
         merged: dict[str, RequestOutput] = {}
         while not all(i in merged and merged[i].finished for i in ids):
             for out in self.step():
@@ -354,6 +363,25 @@ class LLMEngine:
         self._staged_weights = None
         self.blocks.reset_prefix_cache()
         self.policy_version = version
+
+    def load_adapter(self, name: str, config: LoRAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+        """Load LoRA adapter `name` (every tensor, under `rose.model.lora`'s names), or replace a
+        loaded one's tensors (only those that changed, unless `config` changed) as `version`;
+        any dtype and device (copied to the model's; the caller keeps its own). Call between
+        iterations. Its running requests go on over their KV (as InFlight.CONTINUE: their tokens
+        keep the version their KV was computed under); new ones run on `version`, and share no KV
+        with the old. ValueError, with nothing changed, for an adapter of another base."""
+        self.adapters.load(name, config, named_tensors, version)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter; ValueError while a request (queued or running) uses it."""
+        adapter = self.adapters.get(name)
+        for seq in self._seqs.values():
+            if adapter is not None and seq.adapter is adapter:
+                raise ValueError(f"adapter {name!r}: request {seq.request_id!r} uses it; expected no "
+                                 "request on it (remove it once they finish)")
+        self.adapters.remove(name)
 
     def reset_prefix_cache(self) -> None:
         """Drop the pages only the prefix cache holds."""

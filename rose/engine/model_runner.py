@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,7 @@ from rose.engine import fused_forward
 from rose.engine.attention import PagedAttention
 from rose.engine.cpu_linear import pack_linears
 from rose.engine.kv_pool import KVPool, KVSpec
+from rose.engine.lora import AdapterSlots
 from rose.engine.scheduler import Batch
 from rose.engine.sequence import Sequence
 from rose.model.decoder import CausalLM
@@ -25,6 +27,7 @@ class ModelRunner:
         """`cuda_graphs`: decode-only iterations through `DecodeGraphs` (with the triton backend
         only; captured on CUDA, eager elsewhere)."""
         self.model = model
+        self.adapters = AdapterSlots(model)
         self.attention = PagedAttention(pool, spec, model.config.num_attention_heads, attention_backend)
         # CPU float32: the fused forward (fused_forward.py); elsewhere the model's own, its
         # linears on oneDNN where they are CPU float32 (cpu_linear.py).
@@ -46,9 +49,11 @@ class ModelRunner:
             ) -> tuple[list[Sequence], torch.Tensor]:
         """Compute the batch's tokens; return the sequences that reached their last token (and
         so sample next) with their logits `[S, vocab]` in float32. Raises IterationInterrupted
-        when `interrupt()` turns true before a layer."""
+        when `interrupt()` turns true before a layer. Rows of sequences with a LoRA adapter
+        gain its products (rose/engine/lora.py); the CUDA graphs replay the base model alone."""
+        with_adapters = bool(self.adapters.adapters) and any(s.adapter is not None for s in batch.seqs)
         if (self.graphs is not None and interrupt is None and len(batch.seqs) <= self.graphs.max_seqs
-                and all(n == 1 for n in batch.num_tokens)):
+                and not with_adapters and all(n == 1 for n in batch.num_tokens)):
             hidden = self.graphs.run(batch.seqs)
             # A one-token step samples unless it is a one-token chunk of a longer prompt.
             rows = [i for i, s in enumerate(batch.seqs) if s.num_computed_tokens + 1 == len(s.token_ids)]
@@ -75,9 +80,12 @@ class ModelRunner:
 
         device = self.attention.device
         ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+        lora = self.adapters.rows([s.adapter for s, _ in work], [n for _, n in work]) if with_adapters \
+            else None
         if self.fused is not None:
-            hidden = self.fused(ids_t, positions_t, between_layers)
+            hidden = self.fused(ids_t, positions_t, between_layers, lora)
         else:
-            hidden = self.model.model(ids_t[None], positions_t[None], self.attention, between_layers)[0]
+            with lora.hooked(self.adapters.linears) if lora is not None else contextlib.nullcontext():
+                hidden = self.model.model(ids_t[None], positions_t[None], self.attention, between_layers)[0]
         logits = self.lm_head(hidden[last_rows]) if sampling else hidden.new_empty(0, 0)
         return sampling, logits.float()

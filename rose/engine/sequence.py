@@ -12,6 +12,7 @@ import torch
 from rose.contracts import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
+    from rose.engine.lora import Adapter
     from rose.engine.structured_output import Constraint
 
 _arrivals = itertools.count()
@@ -28,7 +29,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, generator: torch.Generator | None = None,
-                 constraint: Constraint | None = None) -> None:
+                 constraint: Constraint | None = None, adapter: Adapter | None = None) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -42,15 +43,18 @@ class Sequence:
         # Its structured output's grammar, advanced by each token it draws (never by the tokens a
         # preempted sequence computes again: they are not drawn again).
         self.constraint = constraint
+        self.adapter = adapter  # the LoRA adapter it runs with; None: the base model
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash of each full block, chained from the first
+        self.hash_seed = 0  # the chain's start: the base model's 0, or its adapter's (`match_prefix`)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (last admission)
         self.num_preemptions = 0
-        # The policy version its oldest KV was computed under (None: no KV yet): every token it
-        # samples attends to that KV, so it carries that version (InFlight.CONTINUE swaps the
-        # weights under running sequences; their later tokens are not the new version's alone).
+        # The policy version (with an adapter: the adapter's) its oldest KV was computed under
+        # (None: no KV yet): every token it samples attends to that KV, so it carries that
+        # version (InFlight.CONTINUE swaps the weights under running sequences; their later
+        # tokens are not the new version's alone).
         self.kv_version: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the engine failed or dropped it
