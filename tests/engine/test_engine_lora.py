@@ -115,6 +115,27 @@ def test_mixed_batch_each_row_matches_its_oracle(ckpt: Path, adapters: dict[str,
         assert_matches_hf(oracles[name], prompt, out.token_ids, out.logprobs)
 
 
+def test_cuda_graphs_replay_only_iterations_without_adapter_rows(ckpt: Path, adapters: dict[str, Path],
+                                                                 oracles: dict) -> None:
+    """With the Triton backend (its interpreter here) and CUDA graphs (eager off CUDA): an
+    iteration with an adapter row runs the model's own forward with the products, one without
+    replays the base model's graph."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the Triton kernel runs compiled, in the gpu tests")
+    engine = LLMEngine.from_pretrained(ckpt, attention_backend="triton", cuda_graphs=True)
+    _load(engine, "a", adapters["a"], version=1)
+    replayed: list[list[str | None]] = []
+    graphs, run = engine.runner.graphs, engine.runner.graphs.run
+    graphs.run = lambda seqs: replayed.append([s.adapter for s in seqs]) or run(seqs)  # type: ignore[method-assign]
+    prompts = _prompts([9, 5], seed=6)
+    short, long = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), GREEDY
+    outs = engine.generate(prompts, [short, long], adapter=["a", None])
+    assert_matches_hf(oracles["a"], prompts[0], outs[0].token_ids, outs[0].logprobs)
+    assert_matches_hf(oracles[None], prompts[1], outs[1].token_ids, outs[1].logprobs)
+    assert replayed and all(row == [None] for row in replayed)  # after the adapter's request ended
+
+
 def test_prefix_cache_is_kept_apart_per_adapter_and_version(ckpt: Path, adapters: dict[str, Path],
                                                              oracles: dict) -> None:
     engine = LLMEngine.from_pretrained(ckpt)  # blocks of 16 tokens: a 40-token prompt caches 32
