@@ -28,6 +28,7 @@ from rose.coserve.settings import Engine, ExecutorConfig, Policy
 from rose.coserve.turn_stream import MAX_MESSAGE_BYTES
 from rose.model import load_tokenizer
 from rose.model.device import DEVICE_HELP, DTYPE_HELP, DTYPES
+from rose.model.lora import load_adapter
 from rose.steploop import StepLoop
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     flag("--model", "serving model checkpoint (HF format); required, here or in --config")
     flag("--rollout-model", "rollout model checkpoint; leases are refused without one")
+    flag("--rollout-adapter", "a PEFT LoRA adapter directory of the rollout model, loaded at start as "
+         "version 0; turns that name it (Turn.adapter) run with it")
+    flag("--rollout-adapter-name", "the name turns give --rollout-adapter by (default: its directory's name)")
     flag("--engine", "what serves the serving model (vllm: vLLM's engine, which needs --rollout-model)",
          choices=[engine.value for engine in Engine])
     flag("--served-model-name", "model name clients use (default: the directory name)")
@@ -137,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, serve.executor,
                                                  serve.device, serve.dtype, serve.engine)
+    if serve.rollout_adapter:
+        config, tensors, _ = load_adapter(serve.rollout_adapter)
+        executor.load_adapter(serve.adapter_name(), config, tensors.items(), 0)
     if not serve.no_profile:
         executor.profile()
     name = serve.served_model_name or os.path.basename(os.path.normpath(serve.model))

@@ -25,13 +25,14 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from rose.contracts import Capacity, Turn
+from rose.contracts.adapter import LoRAConfig
 from rose.coserve.admission import (
     Admission,
     BurstController,
@@ -89,6 +90,21 @@ class StaleVersion(ValueError):
     """New rollout weights whose version is below the rollout model's: versions only move forward."""
 
 
+def check_version(turn: Turn, base_version: int, adapters: Mapping[str, int], host: str) -> None:
+    """ValueError unless `turn` may run here: its adapter loaded (`adapters`: name -> version),
+    and the version it runs on (its adapter's, else the model's `base_version`) no older than it
+    asks. A later version is fine: an asynchronous run's trajectory goes on with newer weights."""
+    version = base_version
+    if turn.adapter is not None:
+        if turn.adapter not in adapters:
+            raise ValueError(f"turn {turn.turn_id!r}: adapter {turn.adapter!r} is not loaded on this {host}; "
+                             f"expected one of: {', '.join(sorted(adapters)) or 'none loaded'}")
+        version = adapters[turn.adapter]
+    if turn.policy_version is not None and turn.policy_version > version:
+        raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
+                         f"this {host} has {version}")
+
+
 class CoServingExecutor:
     def __init__(self, serving: CausalLM | ServingEngine, rollout: CausalLM | None,
                  config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
@@ -137,6 +153,8 @@ class CoServingExecutor:
         self.metrics = ExecutorMetrics((SERVING, ROLLOUT))
         self.slo = SLOBudgets.of(cfg)
         self._turns: dict[str, Turn] = {}
+        # The rollout engine's loaded LoRA adapters and their versions (every load comes through here).
+        self.adapters: dict[str, int] = {}
         # Per serving request: the rollout work it waited for.
         self._waited: dict[str, RolloutWait] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
@@ -253,11 +271,8 @@ class CoServingExecutor:
         if len(self._turns) >= self.config.max_rollout_turns:
             raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.config.max_rollout_turns} lease slots "
                                 f"of this executor hold running turns")
-        if turn.policy_version is not None and turn.policy_version > rollout.policy_version:
-            # A later version is fine: an asynchronous run's trajectory goes on with newer weights.
-            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
-                             f"this executor has {rollout.policy_version}")
-        rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1)
+        check_version(turn, rollout.policy_version, self.adapters, "executor")
+        rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1, adapter=turn.adapter)
         self._turns[turn.turn_id] = turn
         return turn.turn_id
 
@@ -296,7 +311,9 @@ class CoServingExecutor:
                                 limit=room, share=self.guard.share)
         slack = iteration_limit(now, state, self.slo, self.tail, chunk, self.guard.share)
         slack -= self.tail.time(SERVING, state.load(chunk))
-        return Capacity(free, slack * 1e3, self.burst.state.name.lower(), rollout.policy_version,
+        # The newest policy version a turn runs on here: a LoRA run's policy is its adapter.
+        version = max([rollout.policy_version, *self.adapters.values()])
+        return Capacity(free, slack * 1e3, self.burst.state.name.lower(), version,
                         self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
 
     def new_rl_step(self) -> None:
@@ -322,6 +339,19 @@ class CoServingExecutor:
             raise StaleVersion(f"version {version}: the rollout model already has version "
                                f"{rollout.policy_version}; weight versions only move forward")
         rollout.load_weights(named_tensors, version, in_flight)
+
+    def load_adapter(self, name: str, config: LoRAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+        """Load the rollout model's LoRA adapter `name`, or give it new tensors (all, or those that
+        changed) as `version` (between two iterations); its turns running go on over their KV. Its
+        versions move forward as the weights' do (StaleVersion); the serving model has none."""
+        rollout = self._rollout()
+        loaded = self.adapters.get(name)
+        if loaded is not None and version < loaded:
+            raise StaleVersion(f"version {version}: adapter {name!r} already has version {loaded}; "
+                               f"adapter versions only move forward")
+        rollout.load_adapter(name, config, named_tensors, version)
+        self.adapters[name] = version
 
     def has_unfinished(self) -> bool:
         return self.serving.has_unfinished() or bool(self.rollout and self.rollout.has_unfinished())

@@ -2,7 +2,8 @@
 many turns both ways, the driver's transport: `rose.coserve.turn_stream`), `POST /v1/lease/turns`
 (one turn, its tokens as an SSE stream: the simplest client's), `POST /v1/lease/turns/{id}/abort`,
 `GET /v1/lease/capacity`, `POST /v1/lease/heartbeat`, `POST /v1/lease/new_rl_step`,
-`POST /v1/lease/weights` (a safetensors body). A turn is the contract's `Turn` as it is, in
+`POST /v1/lease/weights` (a safetensors body: the rollout model's weights, or with `adapter=NAME`
+and its LoRA settings in the query, its LoRA adapter's). A turn is the contract's `Turn` as it is, in
 either transport."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
@@ -19,15 +20,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from rose.contracts import TURN_CHUNK_S, InFlight, RequestOutput, Turn, TurnOutput
+from rose.contracts.adapter import LoRAConfig
 from rose.coserve.api_errors import APIError, busy
 from rose.coserve.api_state import Leased, LeaseState, Served, sse
 from rose.coserve.executor import ROLLOUT, StaleVersion, TurnSlotsFull
-from rose.coserve.protocol import INT64_MAX, TURN_OUTPUT, TurnError, check_turn
+from rose.coserve.protocol import INT64_MAX, MAX_ID_CHARS, TURN_OUTPUT, TurnError, check_turn
 from rose.coserve.turn_stream import STREAM_PATH, serve_turns
 
 LEASE_PREFIX = "/v1/lease/"
 WEIGHTS_PATH = "/v1/lease/weights"
 # The weights endpoint reads its body raw: the schema says so, for clients and fuzzers.
+MAX_TARGETS = 64  # an adapter push's target module names
 _BINARY_BODY = {"requestBody": {"required": True, "content": {
     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
 
@@ -106,9 +109,41 @@ async def new_rl_step(state: Served) -> dict[str, str]:
     return {"state": state.executor.burst.state.name.lower()}
 
 
+def _adapter(name: str | None, rank: int | None, alpha: float | None, targets: list[str] | None,
+             in_flight: InFlight) -> tuple[str, LoRAConfig] | None:
+    """The pushed adapter's name and settings (None: the push is the model's weights); APIError
+    400 naming what is missing or wrong."""
+    settings = {"rank": rank, "alpha": alpha, "targets": targets}
+    given = [key for key, value in settings.items() if value is not None]
+    if name is None:
+        if given:
+            raise APIError(400, f"{given[0]}: an adapter's setting, given with no adapter; expected "
+                                "adapter=NAME with it, or none of rank, alpha, targets", given[0])
+        return None
+    missing = [key for key in settings if key not in given]
+    if missing:
+        raise APIError(400, f"{missing[0]}: an adapter push names its LoRA rank, alpha and targets; "
+                            f"{missing[0]} is missing", missing[0])
+    if in_flight is not InFlight.CONTINUE:
+        raise APIError(400, f"in_flight: an adapter's new version always continues its running turns over "
+                            f"their KV; expected continue, got {in_flight.value}", "in_flight")
+    try:
+        return name, LoRAConfig(rank=rank, alpha=alpha, targets=tuple(targets or ()))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+
+
 @control_router.post(WEIGHTS_PATH, openapi_extra=_BINARY_BODY)
 async def weights(request: Request, state: Served, version: int = Query(ge=0, le=INT64_MAX),
-                  in_flight: InFlight = InFlight.CONTINUE) -> dict[str, Any]:
+                  in_flight: InFlight = InFlight.CONTINUE,
+                  adapter: Annotated[str | None, Query(min_length=1, max_length=MAX_ID_CHARS)] = None,
+                  rank: int | None = None, alpha: float | None = None,
+                  targets: Annotated[list[str] | None, Query(max_length=MAX_TARGETS)] = None
+                  ) -> dict[str, Any]:
+    """The rollout model's new weights; or, with `adapter` and its LoRA settings (`rank`, `alpha`,
+    `targets`: PEFT's `r`, `lora_alpha`, `target_modules`), its adapter of that name: loaded, or
+    given a new version of all its tensors or of those that changed."""
+    pushed = _adapter(adapter, rank, alpha, targets, in_flight)
     body = await request.body()
     try:  # off the event loop: a whole model's body takes a while to read
         tensors = await asyncio.to_thread(load_safetensors, body)
@@ -116,10 +151,14 @@ async def weights(request: Request, state: Served, version: int = Query(ge=0, le
         raise APIError(400, f"expected a safetensors body: {exc}") from None
     # Applied on the engine thread; each tensor taken is progress for /health.
     pieces = state.loop.progressing(tensors.items())
+    executor = state.executor
     try:
-        await state.loop.call(lambda: state.executor.load_weights(pieces, version, in_flight))
+        if pushed is None:
+            await state.loop.call(lambda: executor.load_weights(pieces, version, in_flight))
+        else:
+            await state.loop.call(lambda: executor.load_adapter(*pushed, pieces, version))
     except StaleVersion as exc:
         raise APIError(409, str(exc), "version", code="stale_version") from None
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
-    return {"policy_version": version, "tensors": len(tensors)}
+    return {"policy_version": version, "tensors": len(tensors)} | ({"adapter": adapter} if pushed else {})

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save
 
 from rose.contracts import Heartbeat, InFlight, Turn, TurnOutput, WorkerKind
+from rose.contracts.adapter import LoRAConfig
 from rose.coserve.protocol import TURN, TURN_OUTPUT
 
 
@@ -132,6 +133,16 @@ class LeaseClient:
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                            in_flight: InFlight = InFlight.CONTINUE) -> dict[str, Any]:
+        return await self._push(named_tensors, {"version": version, "in_flight": in_flight.value})
+
+    async def load_adapter(self, name: str, config: LoRAConfig,
+                           named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        """Load the rollout model's LoRA adapter `name`, or give it `version` of its tensors (all,
+        or those that changed); turns naming it run with it (`Turn.adapter`)."""
+        return await self._push(named_tensors, {"version": version, "adapter": name, "rank": config.rank,
+                                                "alpha": config.alpha, "targets": list(config.targets)})
+
+    async def _push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], params: dict[str, Any]
+                    ) -> dict[str, Any]:
         body = save({n: t.detach().contiguous() for n, t in named_tensors})
-        return await self._post("/v1/lease/weights", content=body,
-                                params={"version": version, "in_flight": in_flight.value})
+        return await self._post("/v1/lease/weights", content=body, params=params)

@@ -567,7 +567,7 @@ class DetokenizeRequest(_Body):
 # A leased turn on the wire is the contract's `Turn` as it is, its `SamplingParams` whole (a field
 # added to either travels with it): pydantic builds both from the JSON, and `check_turn` bounds it.
 TURN: TypeAdapter[Turn] = TypeAdapter(Turn)
-MAX_ID_CHARS = 256  # a turn's id and its trajectory's
+MAX_ID_CHARS = 256  # a turn's id, its trajectory's, an adapter's name
 
 
 class TurnError(ValueError):
@@ -589,6 +589,8 @@ def check_turn(turn: Turn) -> Turn:
          f"one token id or more, each in [0, {INT32_MAX}]"),
         ("policy_version", turn.policy_version is None or 0 <= turn.policy_version <= INT64_MAX,
          f"null or in [0, {INT64_MAX}]"),
+        ("adapter", turn.adapter is None or 1 <= len(turn.adapter) <= MAX_ID_CHARS,
+         f"null or a name of 1 to {MAX_ID_CHARS} characters"),
         ("params.max_tokens", p.max_tokens <= INT32_MAX, f"at most {INT32_MAX}"),
         ("params.min_tokens", p.min_tokens <= INT32_MAX, f"at most {INT32_MAX}"),
         ("params.top_k", p.top_k <= INT32_MAX, f"at most {INT32_MAX}"),

@@ -22,6 +22,8 @@ from rose.coserve.settings import MB, ChatOptions, Engine, ExecutorConfig, Serve
 class ServeConfig:
     model: str | None = None  # serving checkpoint (HF format); required
     rollout_model: str | None = None  # leases are refused without one
+    rollout_adapter: str | None = None  # a PEFT adapter directory the rollout model loads at start
+    rollout_adapter_name: str | None = None  # the name turns run it by; None: the directory's name
     engine: Engine = Engine.NATIVE  # what serves the serving model
     served_model_name: str | None = None  # None: the model directory's name
     host: str = "127.0.0.1"
@@ -49,6 +51,10 @@ class ServeConfig:
     max_waiting: int = ServerLimits.max_waiting_per_model
     queue_timeout_s: float = ServerLimits.queue_timeout_s
     limit_concurrency: int = ServerLimits.max_connections
+
+    def adapter_name(self) -> str:
+        """The name turns run `rollout_adapter` by (`Turn.adapter`)."""
+        return self.rollout_adapter_name or Path(self.rollout_adapter or "").resolve().name
 
     def chat_options(self) -> ChatOptions:
         return ChatOptions(chat_template=self.chat_template, tool_call_parser=self.tool_call_parser,
@@ -84,6 +90,8 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
         config.chat_options()  # an unknown parser's name
     except ValueError as exc:
         raise ValueError(f"config: {exc}") from None
+    if config.rollout_adapter is not None:
+        _check_rollout_adapter(config)
     if config.chat_template is not None:
         config = dataclasses.replace(config, chat_template=_chat_template(config.chat_template))
     if config.engine is Engine.VLLM:
@@ -94,6 +102,21 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
             raise ValueError("config: engine: vllm serves beside a rollout model, which it needs "
                              "(--rollout-model)")
     return config
+
+
+def _check_rollout_adapter(config: ServeConfig) -> None:
+    """`--rollout-adapter` names a PEFT adapter directory, for a rollout model (its shapes are
+    checked against the model once both load)."""
+    from rose.model.lora import CONFIG_FILE, WEIGHTS_FILE
+
+    if config.rollout_model is None:
+        raise ValueError("config: rollout_adapter: an adapter of the rollout model, which it needs "
+                         "(--rollout-model)")
+    path = Path(config.rollout_adapter or "")
+    missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"config: rollout_adapter: {path} has no {missing[0]}; expected a PEFT adapter "
+                         "directory")
 
 
 def _chat_template(value: str) -> str:

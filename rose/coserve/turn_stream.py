@@ -103,10 +103,12 @@ class EngineHost:
         if len(self._turns) >= self.max_turns and self._running() >= self.max_turns:
             raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.max_turns} turn slots hold running turns")
         version = self.engine.policy_version
-        if turn.policy_version is not None and turn.policy_version > version:
+        # The model's version bounds a turn on it. A turn on an adapter is not bounded here: the
+        # engine contract exposes no adapter's version (the engine refuses one it has not loaded).
+        if turn.adapter is None and turn.policy_version is not None and turn.policy_version > version:
             raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
                              f"this worker has {version}")
-        self.engine.add_request(turn.token_ids, turn.params, turn.turn_id)
+        self.engine.add_request(turn.token_ids, turn.params, turn.turn_id, adapter=turn.adapter)
         self._turns.add(turn.turn_id)
         return turn.turn_id
 
