@@ -20,29 +20,40 @@ What is kept from ROSE's contract, and how:
 - a policy version per token: the version of the weights that sampled it (loads run between
   iterations; running requests are recomputed under the new weights: `load_weights`);
 - abort: the request's last output (no new tokens), so the caller keeps what it streamed;
-- prefix caching on, dropped at each weight load (its KV is stale).
+- prefix caching on, dropped at each weight load (its KV is stale);
+- LoRA adapters (`max_lora_rank`): vLLM's own, loaded from a PEFT directory the engine writes
+  (`rose.model.lora.save_adapter`) at each version; a request's tokens carry its adapter's
+  version (`load_adapter`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
+import shutil
 import sys
+import tempfile
 import time
+import typing
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
 import torch
 
 from rose.contracts import InFlight, RequestOutput, SamplingParams, StructuredKind, StructuredOutput
+from rose.contracts.adapter import LoRAConfig
 from rose.engine.kv_pool import KVSpec
 from rose.engine.structured_output import choice_list
 from rose.model import CausalLM, ModelConfig
+from rose.model.lora import check_tensors, save_adapter
 
 if TYPE_CHECKING:
     import vllm
+    from vllm.lora.request import LoRARequest
 
 # Tokens per KV block: the least vLLM's CPU attention takes (its default is 128; on CUDA its
 # attention takes multiples of 16). The prefix cache shares whole blocks, and a multi-turn prompt
@@ -68,6 +79,39 @@ def engine_args(model: str | Path, dtype: str = "float32", kv_cache_bytes: int |
     if kv_cache_bytes is not None:
         args["kv_cache_memory_bytes"] = kv_cache_bytes
     return args
+
+
+# vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`) pick each token's adapter weights by indexing the
+# slots with its slot number, -1 for a token of a base request: Python's last slot. So one slot
+# more than `max_loras` is kept free, its weights zero (vLLM fills the first free slot, and the
+# engine loads at most `max_loras` adapters): a base token adds nothing. Measured without it: a base
+# request batched with an adapter's, while another adapter sat in the last slot, was off by 0.3 to 4
+# in logprob from HF's.
+SPARE_SLOT = 1
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def lora_args(max_lora_rank: int | None, max_loras: int) -> dict[str, Any]:
+    """vLLM's LoRA engine arguments: none without `max_lora_rank` (no adapter runs then); else
+    adapters up to that rank (vLLM's least size that holds it: its kernels take a few), `max_loras`
+    of them loaded at once, all of which one batch can run (and `SPARE_SLOT`). vLLM's
+    `max_cpu_loras` is the same: it never evicts an adapter to reload it later from a directory
+    the engine has replaced."""
+    if max_lora_rank is None:
+        return {}
+    from vllm.config.lora import MaxLoRARanks
+
+    sizes = typing.get_args(MaxLoRARanks)
+    if not _count(max_lora_rank) or max_lora_rank > sizes[-1]:
+        raise ValueError(f"max_lora_rank must be an integer from 1 to {sizes[-1]}, got {max_lora_rank!r}")
+    if not _count(max_loras):
+        raise ValueError(f"max_loras must be an integer >= 1, got {max_loras!r}")
+    rank = min(size for size in sizes if size >= max_lora_rank)
+    slots = max_loras + SPARE_SLOT
+    return dict(enable_lora=True, max_lora_rank=rank, max_loras=slots, max_cpu_loras=slots)
 
 
 def max_model_len(config: ModelConfig, dtype: str, kv_cache_bytes: int | None) -> int:
@@ -208,6 +252,21 @@ class _Request:
     num_cached_tokens: int = 0  # prompt tokens vLLM's prefix cache served
     first_token_time: float | None = None
     last_token_time: float | None = None
+    adapter: str | None = None
+    # Its adapter's version when it was added, which every token it samples carries: its KV (and
+    # the prefix cache it may hit, keyed by that version's directory) is at least that version's.
+    adapter_version: int | None = None
+
+
+@dataclasses.dataclass
+class _Adapter:
+    """A loaded adapter: its settings, a CPU copy of its tensors (a partial replace merges into
+    it), its version, and the `LoRARequest` its new requests carry (a directory per version)."""
+
+    config: LoRAConfig
+    tensors: dict[str, torch.Tensor]
+    version: int
+    request: LoRARequest
 
 
 class VllmEngine:
@@ -225,18 +284,25 @@ class VllmEngine:
         self.llm, self.vocab_size, self.tied = llm, config.vocab_size, config.tie_word_embeddings
         with torch.device("meta"):  # the checkpoint's weight names (a tied lm_head once)
             self.weight_names = {name for name, _ in CausalLM(config).named_parameters()}
+        self.model_config = config
         self.policy_version = 0
         self._requests: dict[str, _Request] = {}
         self._failed: str | None = None  # why the engine can no longer run
+        self._adapters: dict[str, _Adapter] = {}
+        self._adapter_ids = itertools.count(1)  # vLLM's int id of each adapter loaded (0 is the base)
+        self._adapter_dirs = itertools.count()
+        self._files: tempfile.TemporaryDirectory[str] | None = None  # the adapters' directories
 
     @classmethod
     def from_pretrained(cls, path: str | Path, kv_cache_bytes: int | None = None, device: str = "cpu",
                         dtype: str = "float32", seed: int = 0, memory_share: float | None = None,
+                        max_lora_rank: int | None = None, max_loras: int = 1,
                         **engine_overrides: Any) -> VllmEngine:
         """The checkpoint at `path` in vLLM: on the CPU on this process's cores (its CPU backend
         binds one OpenMP thread to each); on cuda within `memory_share` of the GPU's memory
-        (`engine_args`). `engine_overrides`: more of vLLM's `EngineArgs` (its scheduler, batch
-        limits)."""
+        (`engine_args`). With `max_lora_rank`, it runs LoRA adapters up to that rank, `max_loras`
+        of them loaded at once (`lora_args`, `load_adapter`). `engine_overrides`: more of vLLM's
+        `EngineArgs` (its scheduler, batch limits)."""
         config = ModelConfig.from_dir(path)
         check_model(config, device, cls.devices)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -248,7 +314,8 @@ class VllmEngine:
         args = vllm.EngineArgs(**engine_args(path, dtype, kv_cache_bytes, seed, device, memory_share),
                                enable_prefix_caching=True, block_size=BLOCK_SIZE,
                                logprobs_mode=cls.logprobs_mode,
-                               max_model_len=max_model_len(config, dtype, kv_cache_bytes), **engine_overrides)
+                               max_model_len=max_model_len(config, dtype, kv_cache_bytes),
+                               **lora_args(max_lora_rank, max_loras), **engine_overrides)
         with _hidden("llvmlite.binding.ffi"):
             llm = vllm.LLMEngine.from_engine_args(args)
         engine = cls(llm, config)
@@ -272,23 +339,42 @@ class VllmEngine:
         return to_vllm(params, self.vocab_size)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str, priority: int = 0) -> str:
-        """Queue a request; bad input (vLLM's checks of the prompt, `sampling_params`' of the
-        sampling) raises ValueError naming it."""
+                    request_id: str, priority: int = 0, adapter: str | None = None) -> str:
+        """Queue a request, on the base model or with the loaded LoRA `adapter` of that name; bad
+        input (vLLM's checks of the prompt, `sampling_params`' of the sampling, an adapter not
+        loaded) raises ValueError naming it."""
         import vllm
 
         self.check_health()
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: a request with this id is already running")
+        loaded = None if adapter is None else self._adapter(adapter, f"request {request_id!r}")
         try:
             engine_id = self.llm.add_request(
                 request_id, vllm.TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                self.sampling_params(params), priority=priority)
+                self.sampling_params(params), priority=priority,
+                lora_request=None if loaded is None else loaded.request)
         except (ValueError, vllm.exceptions.VLLMClientError) as exc:  # the request's fault, not the engine's
             raise ValueError(f"request {request_id!r}: {exc}") from None
         self._requests[request_id] = _Request(len(prompt_token_ids), params.top_logprobs, time.monotonic(),
-                                              engine_id)
+                                              engine_id, adapter=adapter,
+                                              adapter_version=None if loaded is None else loaded.version)
         return request_id
+
+    def _adapter(self, name: str, where: str) -> _Adapter:
+        """The loaded adapter `name`; ValueError (after `where`) if the engine runs none or not it."""
+        self._check_lora(where)
+        if name not in self._adapters:
+            raise ValueError(f"{where}: adapter {name!r} is not loaded; loaded: "
+                             f"{', '.join(map(repr, self._adapters)) or 'none'}")
+        return self._adapters[name]
+
+    def _check_lora(self, where: str) -> Any:
+        """vLLM's LoRA settings; ValueError (after `where`) if the engine was started without."""
+        if self.llm.vllm_config.lora_config is None:
+            raise ValueError(f"{where}: this vLLM engine was started without LoRA support; "
+                             "start it with max_lora_rank (VllmEngine.from_pretrained) to run adapters")
+        return self.llm.vllm_config.lora_config
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request; its last output (no new tokens; None if unknown or finished)."""
@@ -342,7 +428,8 @@ class VllmEngine:
             state.num_output_tokens += len(tokens)
             state.first_token_time = state.first_token_time or now
             state.last_token_time = now
-        return RequestOutput(request_id, tokens, logprobs, [self.policy_version] * len(tokens),
+        version = self.policy_version if state.adapter_version is None else state.adapter_version
+        return RequestOutput(request_id, tokens, logprobs, [version] * len(tokens),
                              state.num_prompt_tokens, state.num_output_tokens, finish_reason is not None,
                              finish_reason, state.num_cached_tokens, state.arrival_time,
                              state.first_token_time, state.last_token_time, top_logprobs=top)
@@ -376,8 +463,80 @@ class VllmEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
         if self.tied:
             self.llm.collective_rpc(_repack_lm_head)
+        for adapter in self._adapters.values():  # the reload dropped them from the worker
+            self._add_lora(adapter.request)
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self.policy_version = version
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, config: LoRAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None:
+        """Load LoRA adapter `name` (tensors under `rose.model.lora`'s names), or give a loaded
+        one new tensors as `version`: all of them, or only those that changed (merged into the
+        CPU copy kept of the others; a new `config` takes them all). Call between iterations.
+
+        vLLM loads an adapter from a PEFT directory, so each version is written into a new one
+        under the engine's temporary directory (the last one's removed) and loaded in place, under
+        the adapter's int id (`LoRARequest.load_inplace`). Requests running on it go on over their
+        KV (`InFlight.CONTINUE`), their tokens carrying the version they were added under; new
+        requests carry the new directory, which also keys vLLM's prefix cache: they never hit
+        the old version's blocks.
+
+        ValueError for an engine without LoRA support, an adapter of another base
+        (`check_tensors`), a rank above the engine's, or an adapter past `max_loras`."""
+        where = f"load_adapter {name!r}"
+        settings = self._check_lora(where)
+        self.check_health()
+        current = self._adapters.get(name)
+        held = settings.max_loras - SPARE_SLOT
+        if current is None and len(self._adapters) >= held:
+            raise ValueError(f"{where}: the engine holds max_loras={held} adapters "
+                             f"({', '.join(map(repr, self._adapters))}); remove one, or start it with more")
+        if config.rank > settings.max_lora_rank:
+            raise ValueError(f"{where}: rank {config.rank} is above the engine's max_lora_rank "
+                             f"{settings.max_lora_rank}; start it with max_lora_rank >= {config.rank}")
+        kept = current.tensors if current is not None and current.config == config else {}
+        tensors = {**kept, **{n: t.detach().to("cpu", copy=True) for n, t in named_tensors}}
+        check_tensors(config, self.model_config, tensors, where)
+        from vllm.lora.request import LoRARequest
+
+        path = self._adapter_dir(config, tensors)
+        lora_id = next(self._adapter_ids) if current is None else current.request.lora_int_id
+        request = LoRARequest(name, lora_id, str(path))
+        try:
+            self._add_lora(request)
+        except BaseException:
+            shutil.rmtree(path)
+            raise
+        if current is not None:
+            shutil.rmtree(current.request.lora_path)
+        self._adapters[name] = _Adapter(config, tensors, version, request)
+
+    def _adapter_dir(self, config: LoRAConfig, tensors: dict[str, torch.Tensor]) -> Path:
+        """A new PEFT directory of the adapter, under the engine's temporary directory (removed
+        with the engine, or at exit)."""
+        if self._files is None:
+            self._files = tempfile.TemporaryDirectory(prefix="rose-vllm-adapters-")
+        path = Path(self._files.name) / str(next(self._adapter_dirs))
+        return save_adapter(path, config, tensors, self.llm.vllm_config.model_config.model)
+
+    def _add_lora(self, request: LoRARequest) -> None:
+        """Load `request`'s directory into vLLM's worker, replacing what its int id held (the
+        requests themselves carry no `load_inplace`: vLLM would reload it at every iteration)."""
+        self.llm.add_lora(msgspec.structs.replace(request, load_inplace=True))
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter and remove its directory; ValueError while a request uses it."""
+        where = f"remove_adapter {name!r}"
+        adapter = self._adapter(name, where)
+        users = [rid for rid, state in self._requests.items() if state.adapter == name]
+        if users:
+            raise ValueError(f"{where}: {len(users)} request(s) use it, first {users[0]!r}; "
+                             "expected none (abort them, or let them finish)")
+        self.llm.remove_lora(adapter.request.lora_int_id)
+        shutil.rmtree(adapter.request.lora_path)
+        del self._adapters[name]
 
     def reset_prefix_cache(self) -> None:
         """Drop the blocks only vLLM's prefix cache holds."""
