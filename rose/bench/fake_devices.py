@@ -44,12 +44,18 @@ class PacedEngine:
         self._next = 0.0
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                    priority: int = 0) -> str:
+                    priority: int = 0, adapter: str | None = None) -> str:
+        if adapter is not None:
+            raise ValueError(f"request {request_id!r}: adapter {adapter!r} is not loaded (a fake engine "
+                             "has none)")
         params.validate()
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
         self._requests[request_id] = [params.max_tokens, 0, len(prompt_token_ids)]
         return request_id
+
+    def adapter_versions(self) -> dict[str, int]:
+        return {}
 
     def _output(self, request_id: str, state: list[int], tokens: list[int], made: float,
                 reason: str | None) -> RequestOutput:

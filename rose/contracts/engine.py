@@ -123,6 +123,10 @@ class GenerationEngine(Protocol):
         """Unload an adapter; ValueError while a request uses it."""
         ...
 
+    def adapter_versions(self) -> dict[str, int]:
+        """Each loaded adapter's version, by name."""
+        ...
+
     def check_health(self) -> None:
         """Raise if the engine can no longer run (its worker is then replaced)."""
         ...

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rose.contracts import Capacity, Turn
+from rose.contracts import Capacity, GenerationEngine, Turn
 from rose.contracts.adapter import LoRAConfig
 from rose.coserve.admission import (
     Admission,
@@ -88,6 +88,12 @@ class TurnSlotsFull(RuntimeError):
 
 class StaleVersion(ValueError):
     """New rollout weights whose version is below the rollout model's: versions only move forward."""
+
+
+def newest_version(engine: GenerationEngine) -> int:
+    """The newest weights a turn can run on here, the model's or an adapter's: what a worker
+    reports, and routes by (in a LoRA run the model stays at version 0, its adapter moves)."""
+    return max([engine.policy_version, *engine.adapter_versions().values()])
 
 
 def check_version(turn: Turn, base_version: int, adapters: Mapping[str, int], host: str) -> None:
@@ -153,8 +159,6 @@ class CoServingExecutor:
         self.metrics = ExecutorMetrics((SERVING, ROLLOUT))
         self.slo = SLOBudgets.of(cfg)
         self._turns: dict[str, Turn] = {}
-        # The rollout engine's loaded LoRA adapters and their versions (every load comes through here).
-        self.adapters: dict[str, int] = {}
         # Per serving request: the rollout work it waited for.
         self._waited: dict[str, RolloutWait] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
@@ -271,7 +275,7 @@ class CoServingExecutor:
         if len(self._turns) >= self.config.max_rollout_turns:
             raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.config.max_rollout_turns} lease slots "
                                 f"of this executor hold running turns")
-        check_version(turn, rollout.policy_version, self.adapters, "executor")
+        check_version(turn, rollout.policy_version, rollout.adapter_versions(), "executor")
         rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1, adapter=turn.adapter)
         self._turns[turn.turn_id] = turn
         return turn.turn_id
@@ -312,7 +316,7 @@ class CoServingExecutor:
         slack = iteration_limit(now, state, self.slo, self.tail, chunk, self.guard.share)
         slack -= self.tail.time(SERVING, state.load(chunk))
         # The newest policy version a turn runs on here: a LoRA run's policy is its adapter.
-        version = max([rollout.policy_version, *self.adapters.values()])
+        version = newest_version(rollout)
         return Capacity(free, slack * 1e3, self.burst.state.name.lower(), version,
                         self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
 
@@ -346,12 +350,11 @@ class CoServingExecutor:
         changed) as `version` (between two iterations); its turns running go on over their KV. Its
         versions move forward as the weights' do (StaleVersion); the serving model has none."""
         rollout = self._rollout()
-        loaded = self.adapters.get(name)
+        loaded = rollout.adapter_versions().get(name)
         if loaded is not None and version < loaded:
             raise StaleVersion(f"version {version}: adapter {name!r} already has version {loaded}; "
                                f"adapter versions only move forward")
         rollout.load_adapter(name, config, named_tensors, version)
-        self.adapters[name] = version
 
     def has_unfinished(self) -> bool:
         return self.serving.has_unfinished() or bool(self.rollout and self.rollout.has_unfinished())

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rose.contracts import Capacity, GenerationEngine, RequestOutput, Turn, TurnHost
-from rose.coserve.executor import TurnSlotsFull
+from rose.coserve.executor import TurnSlotsFull, check_version, newest_version
 from rose.coserve.protocol import TURN, check_turn
 from rose.steploop import Sink, StepLoop
 
@@ -102,12 +102,7 @@ class EngineHost:
     def submit_turn(self, turn: Turn) -> str:
         if len(self._turns) >= self.max_turns and self._running() >= self.max_turns:
             raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.max_turns} turn slots hold running turns")
-        version = self.engine.policy_version
-        # The model's version bounds a turn on it. A turn on an adapter is not bounded here: the
-        # engine contract exposes no adapter's version (the engine refuses one it has not loaded).
-        if turn.adapter is None and turn.policy_version is not None and turn.policy_version > version:
-            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
-                             f"this worker has {version}")
+        check_version(turn, self.engine.policy_version, self.engine.adapter_versions(), "worker")
         self.engine.add_request(turn.token_ids, turn.params, turn.turn_id, adapter=turn.adapter)
         self._turns.add(turn.turn_id)
         return turn.turn_id
@@ -120,8 +115,8 @@ class EngineHost:
 
     def capacity(self) -> Capacity:
         running = self._running()
-        return Capacity(self.max_turns - running, float("inf"), "dedicated", self.engine.policy_version, 0, 0,
-                        running)
+        return Capacity(self.max_turns - running, float("inf"), "dedicated", newest_version(self.engine),
+                        0, 0, running)
 
 
 async def serve_turns(ws: WebSocket, loop: StepLoop[RequestOutput], host: TurnHost) -> None:

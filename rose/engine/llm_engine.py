@@ -383,6 +383,9 @@ class LLMEngine:
                                  "request on it (remove it once they finish)")
         self.adapters.remove(name)
 
+    def adapter_versions(self) -> dict[str, int]:
+        return {name: adapter.version for name, adapter in self.adapters.adapters.items()}
+
     def reset_prefix_cache(self) -> None:
         """Drop the pages only the prefix cache holds."""
         self.blocks.reset_prefix_cache()

@@ -538,6 +538,9 @@ class VllmEngine:
         shutil.rmtree(adapter.request.lora_path)
         del self._adapters[name]
 
+    def adapter_versions(self) -> dict[str, int]:
+        return {name: adapter.version for name, adapter in self._adapters.items()}
+
     def reset_prefix_cache(self) -> None:
         """Drop the blocks only vLLM's prefix cache holds."""
         self.llm.reset_prefix_cache()

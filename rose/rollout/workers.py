@@ -16,6 +16,7 @@ import enum
 from collections.abc import AsyncIterator
 
 from rose.contracts import TURN_CHUNK_S, Heartbeat, Turn, TurnOutput, WorkerKind
+from rose.coserve.executor import check_version, newest_version
 from rose.coserve.lease_client import ExecutorBusy, TurnRejected
 from rose.engine.async_engine import AsyncLLMEngine
 
@@ -51,12 +52,10 @@ class EngineWorker:
 
     async def stream(self, turn: Turn) -> AsyncIterator[TurnOutput]:
         """The turn's new tokens, a chunk per `TURN_CHUNK_S`; the last has a finish reason."""
-        version = self.engine.engine.policy_version
-        if turn.policy_version is not None and turn.policy_version > version:
-            raise ValueError(f"turn {turn.turn_id!r}: expects policy version {turn.policy_version} or later, "
-                             f"this worker has {version}")
+        engine = self.engine.engine
+        check_version(turn, engine.policy_version, engine.adapter_versions(), "worker")
         async for out in self.engine.generate(turn.token_ids, turn.params, request_id=turn.turn_id,
-                                              gather_s=TURN_CHUNK_S):
+                                              gather_s=TURN_CHUNK_S, adapter=turn.adapter):
             yield out.turn_output()
 
     async def run_turn(self, turn: Turn, output: TurnOutput) -> TurnOutput:
@@ -68,7 +67,7 @@ class EngineWorker:
         """Answered through the engine's thread: a dead or stuck loop raises LoopDeadError
         (no heartbeat, so the worker is replaced) instead of reporting a healthy worker."""
         await self.engine.ping(self.ping_timeout_s)
-        return Heartbeat(self.engine.engine.policy_version)
+        return Heartbeat(newest_version(self.engine.engine))
 
     async def abort(self, turn_id: str) -> None:
         await self.engine.abort(turn_id)
