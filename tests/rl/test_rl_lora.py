@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_parity import assert_matches_hf
 from rl_batches import random_batch
 
 from rose.cli import main
 from rose.contracts.adapter import LoRAConfig
+from rose.engine import LLMEngine, SamplingParams
 from rose.model import load_model
 from rose.model.export import export
 from rose.model.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter
@@ -83,6 +85,14 @@ def test_the_checkpoint_is_a_peft_adapter_peft_loads_on_the_hf_model(tiny_qwen3:
     trainer.model.eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, trainer.model(ids), rtol=0, atol=1e-4)
+    # The rollout engine on the same adapter, as a run's replicas load it, samples peft's logprobs.
+    engine = LLMEngine.from_pretrained(tiny_qwen3, dtype="float32", device="cpu")
+    engine.load_adapter("policy", config, tensors.items(), version=1)
+    prompt = ids[0, :8].tolist()
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                            adapter="policy")
+    assert out.versions == [1] * 10
+    assert_matches_hf(model, prompt, out.token_ids, out.logprobs)
 
 
 def test_a_lora_run_resumes_as_it_would_have_gone_on(tiny_qwen3: Path, tmp_path: Path) -> None:
