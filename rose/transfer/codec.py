@@ -148,6 +148,10 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, *, zstd_level: int | Non
         idx, vals = _in_place(base, k, lambda a: k.changed(a, b, True))
     else:
         idx, vals = k.changed(k.flat(_array(base, k)), b, False)
+    # Each change costs its value and at least a bitmap bit: a change this dense (an adapter's
+    # step changes every element) is smaller whole, known before a body is built.
+    if len(idx) * (8 * b.nbytes // max(b.shape[0], 1) + 1) >= 8 * b.nbytes:
+        return dataclasses.replace(encode_full(new, kernels=k), changed=len(idx))
     result_hash = k.hash(b)
     body, n_escapes = _delta_body(idx, vals, b.shape[0], k)
     if body.nbytes >= b.nbytes:  # dense change: the raw tensor is smaller
