@@ -65,11 +65,7 @@ def load_adapter(path: str | Path) -> tuple[LoRAConfig, dict[str, torch.Tensor],
         raise CheckpointError(f"{path}: expected a PEFT adapter ({CONFIG_FILE} and {WEIGHTS_FILE})")
     raw = json.loads(config_file.read_text())
     config = LoRAConfig.from_peft(raw, str(config_file))
-    tensors = {}
-    for key, tensor in load_file(str(weights_file)).items():
-        name = key.removeprefix(PEFT_PREFIX)
-        # PEFT writes the adapter's name into the key only for a non-default one in some versions.
-        tensors[name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")] = tensor
+    tensors = {key.removeprefix(PEFT_PREFIX): t for key, t in load_file(str(weights_file)).items()}
     return config, tensors, str(raw.get("base_model_name_or_path") or "")
 
 

@@ -27,7 +27,7 @@ from rose.coserve.server import build_app, build_lease_app
 from rose.coserve.settings import ExecutorConfig, ServerLimits
 from rose.coserve.turn_stream import EngineHost
 from rose.engine import LLMEngine, RequestOutput, SamplingParams
-from rose.model import ModelConfig, init_model, load_tokenizer
+from rose.model import ModelConfig, load_tokenizer
 from rose.model.lora import save_adapter
 from rose.steploop import StepLoop
 
@@ -72,10 +72,9 @@ def same(got: TurnOutput, want: RequestOutput) -> bool:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("lora-serve")
-    return (init_model("qwen2", "tiny", root / "serving", seed=1),
-            init_model("qwen3", "tiny", root / "rollout", seed=2))
+def checkpoints(tiny_qwen2: Path, tiny_qwen3: Path) -> tuple[Path, Path]:
+    """The serving model and the rollout model, the adapters' base."""
+    return tiny_qwen2, tiny_qwen3
 
 
 @pytest.fixture(scope="module")
