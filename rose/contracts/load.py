@@ -18,3 +18,8 @@ class TokenLoad:
         """Both loads in one forward pass (one model serving two kinds of request)."""
         return TokenLoad(self.prefill_tokens + other.prefill_tokens, self.decode_seqs + other.decode_seqs,
                          self.context_tokens + other.context_tokens)
+
+    def __sub__(self, other: TokenLoad) -> TokenLoad:
+        """The load left when `other`, a part of this one, is taken out."""
+        return TokenLoad(self.prefill_tokens - other.prefill_tokens, self.decode_seqs - other.decode_seqs,
+                         self.context_tokens - other.context_tokens)

@@ -2,14 +2,18 @@
 
 Two engines draw KV pages from one pool, each with its own block tables; or, where vLLM serves
 (`rose.coserve.vllm_serving`), its KV cache is its own and the rollout pool is the rest, both
-counted as the device's KV by the burst state machine. Every iteration:
+counted as the device's KV by the burst state machine. In adapter mode the rollout policy is a
+LoRA adapter of the serving model: its turns are guest requests of the serving engine
+(`rose.engine.scheduler`), one forward and one pool for both, their pages under the rollout
+budget. Every iteration:
 1. memory: the burst state machine (`admission.BurstController`) sets the rollout page budget
    from serving's usage, and on a burst aborts the rollout turns that no longer fit (they are
    handed back with their partial tokens; the scheduler reroutes them);
 2. compute: dual-SLO admission (`admission.admission_step`) decides how many rollout tokens may
    join, predicted with the fitted iteration-time model read at a quantile of its error, under
    each serving request's SLOs and inflation budgets, scaled by the feedback guard;
-3. serving's batch runs first, then the rollout model's with the admitted tokens;
+3. serving's batch runs first, then the rollout model's with the admitted tokens (in adapter
+   mode both in one forward, the rollout rows with the adapter);
 4. the measured times refit the latency model, feed the guard, and are charged to the serving
    requests that waited for the rollout part.
 
@@ -31,12 +35,13 @@ from typing import Any
 
 import torch
 
-from rose.contracts import Capacity, GenerationEngine, Turn
+from rose.contracts import Capacity, GenerationEngine, TokenLoad, Turn
 from rose.contracts.adapter import LoRAConfig
 from rose.coserve.admission import (
     Admission,
     BurstController,
     BurstState,
+    LatencyModel,
     RolloutDemand,
     RolloutWait,
     ServingState,
@@ -56,11 +61,12 @@ from rose.coserve.device_memory import (
     iteration_activations,
     rollout_pool_bytes,
 )
-from rose.coserve.latency import FittedLatencyModel, TailLatency, profile
+from rose.coserve.latency import FittedLatencyModel, OneForward, TailLatency, profile
 from rose.coserve.metrics import ExecutorMetrics
 from rose.coserve.serving_engine import NativeServing, ServingEngine
 from rose.coserve.settings import MB, Engine, ExecutorConfig, Policy
 from rose.engine import EngineConfig, InFlight, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
+from rose.engine.block_manager import BlockManager
 from rose.engine.llm_engine import EngineStep, eos_ids
 from rose.engine.sequence import Sequence
 from rose.model import ModelConfig, load_model
@@ -114,17 +120,22 @@ def check_version(turn: Turn, base_version: int, adapters: Mapping[str, int], ho
 class CoServingExecutor:
     def __init__(self, serving: CausalLM | ServingEngine, rollout: CausalLM | None,
                  config: ExecutorConfig | None = None, serving_eos: Iterable[int] = (),
-                 rollout_eos: Iterable[int] = ()) -> None:
+                 rollout_eos: Iterable[int] = (), adapter_mode: bool = False) -> None:
         """Both models on one device. `serving` is a model the native engine serves from the KV
         pool both share, made here; or an engine with a KV cache of its own (vLLM's,
         `rose.coserve.vllm_serving`), beside which the rollout model's pool is what is left of
         `config.pool_bytes`. The burst state machine counts both as the device's KV, in the
         pool's pages: serving's use of its own cache moves the rollout budget, triggers the cut
         and the freeze, as in one pool, though on the CPU the pages a cut frees cannot join
-        the other engine's cache."""
+        the other engine's cache. `adapter_mode`: no rollout model; turns run on the serving
+        model with the adapters `load_adapter` loads (the module's docstring)."""
         self.config = cfg = config or ExecutorConfig()
         self.serving_eos = frozenset(serving_eos)  # the serving checkpoint's end-of-sequence ids
+        self.adapter_mode = adapter_mode
         engine = _engine_config(cfg)
+        if adapter_mode and (rollout is not None or not isinstance(serving, CausalLM)):
+            raise ValueError("adapter mode runs rollout turns on the native serving engine's model: give "
+                             "no rollout model (and the native engine)")
         if isinstance(serving, CausalLM):
             models = [m for m in (serving, rollout) if m]
             own_bytes = 0
@@ -144,10 +155,16 @@ class CoServingExecutor:
                              f"{weights[1].device}; a co-serving executor runs both on one device")
         specs = [KVSpec.of(m.config, w.dtype) for m, w in zip(models, weights, strict=True)]
         self.pool = KVPool.for_specs(cfg.pool_bytes - own_bytes, *specs, device=weights[0].device)
-        self.serving: ServingEngine = (NativeServing(serving, engine, serving_eos, self.pool, SERVING)
-                                       if isinstance(serving, CausalLM) else serving)
+        self.serving: ServingEngine = (
+            NativeServing(serving, engine, serving_eos, self.pool, SERVING, ROLLOUT if adapter_mode else None)
+            if isinstance(serving, CausalLM) else serving)
         self.rollout: LLMEngine | None = (LLMEngine(rollout, engine, rollout_eos, self.pool, ROLLOUT)
                                           if rollout else None)
+        # The engine that runs the turns: the rollout model's, or serving's own in adapter mode.
+        self.turns: LLMEngine | None = self.rollout
+        if adapter_mode:
+            assert isinstance(self.serving, NativeServing)
+            self.turns = self.serving
         self.serving_page_bytes = self.serving.kv_pages().page_bytes
         # The serving engine's own cache in the pool's pages (0: it draws from the pool).
         self.own_pages = own_bytes // self.pool.page_bytes
@@ -163,6 +180,7 @@ class CoServingExecutor:
         self._waited: dict[str, RolloutWait] = {}
         self._limit_s = math.inf  # the ceiling the current iteration was admitted under
         self._admitted: tuple[RolloutDemand, Admission] | None = None  # this iteration's, for the trace
+        self._rolled: EngineStep | None = None  # this iteration's rollout part, if any ran
         # Called with one record per iteration when set (`rose serve --iteration-log`): what
         # admission and the burst state machine saw and decided, what each engine ran.
         self.trace: Callable[[dict[str, Any]], None] | None = None
@@ -187,13 +205,22 @@ class CoServingExecutor:
     @classmethod
     def from_pretrained(cls, serving_path: str | Path, rollout_path: str | Path | None = None,
                         config: ExecutorConfig | None = None, device: str | None = None,
-                        dtype: str | None = None, engine: Engine = Engine.NATIVE) -> CoServingExecutor:
+                        dtype: str | None = None, engine: Engine = Engine.NATIVE,
+                        adapter_mode: bool = False) -> CoServingExecutor:
         """Both checkpoints loaded on `device`, in `dtype` (None: `rose.model.device`'s defaults:
         CUDA if there is one, in bfloat16; else the CPU, in float32). `engine`: what serves the
         serving model (vLLM needs a rollout model; its memory: on the CPU its KV cache is
-        `config.serving_pool_share` of the pool, on a GPU `_vllm_on_gpu`)."""
+        `config.serving_pool_share` of the pool, on a GPU `_vllm_on_gpu`). `adapter_mode`: no
+        rollout checkpoint; turns ride the serving model with its adapters (`__init__`)."""
         config = config or ExecutorConfig()
         device, dtype = resolve(device, dtype)
+        if adapter_mode:
+            if rollout_path is not None or engine is not Engine.NATIVE:
+                raise ValueError("adapter mode: rollouts ride the native engine's serving model; expected no "
+                                 "rollout model and the native engine")
+            serving = load_model(serving_path, dtype, device)
+            executor = cls(serving, None, config, eos_ids(serving_path, serving.config), adapter_mode=True)
+            return executor._with_tokenizers(serving_path, None)
         gpu_vllm = engine is Engine.VLLM and device.type == "cuda"
         check_memory_settings(config, gpu_vllm)
         if gpu_vllm:
@@ -250,8 +277,13 @@ class CoServingExecutor:
             self.rollout.use_checkpoint_tokenizer(rollout_path)
         return self
 
+    @property
+    def predict(self) -> LatencyModel:
+        """What admission predicts an iteration with: two forwards, or one over both kinds of rows."""
+        return OneForward(self.tail, SERVING) if self.adapter_mode else self.tail
+
     def profile(self) -> None:
-        """Fit the latency model on both engines (a few seconds, at start-up)."""
+        """Fit the latency model on both engines, or the one (a few seconds, at start-up)."""
         profile(self.serving, SERVING, self.latency)
         if self.rollout:
             profile(self.rollout, ROLLOUT, self.latency)
@@ -270,24 +302,25 @@ class CoServingExecutor:
 
     def submit_turn(self, turn: Turn) -> str:
         """Queue a rollout turn; its outputs come from `step()` under `turn.turn_id`."""
-        rollout = self._rollout()
+        rollout = self._turn_engine()
         self._check_free(turn.turn_id)
         if len(self._turns) >= self.config.max_rollout_turns:
             raise TurnSlotsFull(f"turn {turn.turn_id!r}: all {self.config.max_rollout_turns} lease slots "
                                 f"of this executor hold running turns")
         check_version(turn, rollout.policy_version, rollout.adapter_versions(), "executor")
-        rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1, adapter=turn.adapter)
+        rollout.add_request(turn.token_ids, turn.params, turn.turn_id, priority=1, adapter=turn.adapter,
+                            guest=self.adapter_mode)
         self._turns[turn.turn_id] = turn
         return turn.turn_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        if request_id in self._turns:
+            self._turns.pop(request_id)
+            self.metrics.turns_finished.labels("abort").inc()
+            return self._turn_engine().abort(request_id)
         out = self.serving.abort(request_id)
         if out is not None:
             self.metrics.serving_finished(out)
-        elif self.rollout:
-            out = self.rollout.abort(request_id)
-            if self._turns.pop(request_id, None) is not None:
-                self.metrics.turns_finished.labels("abort").inc()
         return out
 
     def abort_turn(self, turn_id: str) -> RequestOutput | None:
@@ -301,19 +334,19 @@ class CoServingExecutor:
         decode beside the running ones within the serving SLOs (`rollout_capacity`), at most
         the free lease slots and what the free rollout pages hold (`memory_room`: none in a
         burst)."""
-        rollout = self._rollout()
+        rollout = self._turn_engine()
         running = len(self._turns)
         now = time.monotonic()
         state = self._serving_state()
         chunk = self.config.chunk_tokens
-        contexts = [s.num_computed_tokens + 1 for s in rollout.scheduler.running]
+        contexts = [s.num_computed_tokens + 1 for s in self._turn_queues()[0]]
         typical = sum(contexts) // len(contexts) if contexts else self.config.typical_rollout_context
         turn_pages = rollout.blocks.pages_for(typical)
         room = min(self.config.max_rollout_turns - running,
                    memory_room(self.burst.state, self.pool.headroom(ROLLOUT), turn_pages))
-        free = rollout_capacity(now, state, RolloutDemand(contexts), self.tail, self.slo, typical, chunk,
+        free = rollout_capacity(now, state, RolloutDemand(contexts), self.predict, self.slo, typical, chunk,
                                 limit=room, share=self.guard.share)
-        slack = iteration_limit(now, state, self.slo, self.tail, chunk, self.guard.share)
+        slack = iteration_limit(now, state, self.slo, self.predict, chunk, self.guard.share)
         slack -= self.tail.time(SERVING, state.load(chunk))
         # The newest policy version a turn runs on here: a LoRA run's policy is its adapter.
         version = newest_version(rollout)
@@ -338,7 +371,10 @@ class CoServingExecutor:
         """New rollout weights (between two iterations, like every call here: no other load passes
         the version check meanwhile). The same version again is a re-sync (a full copy after a
         failed delta, a restart); an older one raises StaleVersion."""
-        rollout = self._rollout()
+        if self.adapter_mode:
+            raise ValueError("rollouts here ride the serving model, whose weights are serving's: their "
+                             "policy is an adapter (push it as one: POST /v1/lease/weights?adapter=NAME)")
+        rollout = self._turn_engine()
         if version < rollout.policy_version:
             raise StaleVersion(f"version {version}: the rollout model already has version "
                                f"{rollout.policy_version}; weight versions only move forward")
@@ -349,7 +385,7 @@ class CoServingExecutor:
         """Load the rollout model's LoRA adapter `name`, or give it new tensors (all, or those that
         changed) as `version` (between two iterations); its turns running go on over their KV. Its
         versions move forward as the weights' do (StaleVersion); the serving model has none."""
-        rollout = self._rollout()
+        rollout = self._turn_engine()
         loaded = rollout.adapter_versions().get(name)
         if loaded is not None and version < loaded:
             raise StaleVersion(f"version {version}: adapter {name!r} already has version {loaded}; "
@@ -357,91 +393,129 @@ class CoServingExecutor:
         rollout.load_adapter(name, config, named_tensors, version)
 
     def has_unfinished(self) -> bool:
-        return self.serving.has_unfinished() or bool(self.rollout and self.rollout.has_unfinished())
+        return self.serving.has_unfinished() or bool(self.turns and self.turns.has_unfinished())
 
     # -- one iteration ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         started = (time.time(), time.monotonic())
         # What admission, the memory step and the trace read; a device that only serves needs none.
-        state = self._serving_state() if self.rollout or self.trace else ServingState()
-        outputs = self._control_memory(state) if self.rollout else []
+        state = self._serving_state() if self.turns or self.trace else ServingState()
+        outputs = self._control_memory(state) if self.turns else []
         cut = len(outputs)
-        self._limit_s, self._admitted = math.inf, None
-        budget = self._rollout_token_budget(time.monotonic(), state) if self.rollout else 0
-        outputs += self._record(SERVING, self.serving.step(), self.serving.last_step)
-        self._iterations += 1
-        serving_s = self.serving.last_step.seconds
-        if self.rollout and self.config.policy is Policy.PRIORITY:  # what serving's part left
-            load = self.serving.last_step.load
-            budget = priority_tokens(load.prefill_tokens + load.decode_seqs,
-                                     self.rollout.config.max_num_batched_tokens)
-        rolled = False
-        if self.rollout and self.rollout.has_unfinished():
+        self._limit_s, self._admitted, self._rolled = math.inf, None, None
+        budget = self._rollout_token_budget(time.monotonic(), state) if self.turns else 0
+        if self._turns:
             self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
-            if rolled := budget != 0:
-                interrupt = self.serving_arrived if self.config.policy is Policy.ROSE else None
-                outputs += self._record(ROLLOUT, self.rollout.step(budget, interrupt), self.rollout.last_step)
-                self._charge_rollout_time(self.rollout.last_step.seconds)
-                if self.config.policy is Policy.ROSE and not self.rollout.last_step.interrupted:
-                    self._observe_slack(serving_s + self.rollout.last_step.seconds)
+        if self.adapter_mode:
+            outputs += self._one_forward(budget, started[1])
+        else:
+            ran, budget = self._two_forwards(budget)
+            outputs += ran
+        self._iterations += 1
         self._export_pool()
         if self.trace is not None:
-            self.trace(self._iteration_record(started, state.waiting, cut, budget, rolled))
+            self.trace(self._iteration_record(started, state.waiting, cut, budget))
+        return outputs
+
+    def _two_forwards(self, budget: int | None) -> tuple[list[RequestOutput], int | None]:
+        """Serving's batch, then the rollout model's with `budget` tokens (under `priority`, what
+        serving's part left); the outputs, and the rollout budget it ran with."""
+        outputs = self.serving.step()
+        serving = self.serving.last_step
+        self._measure(SERVING, serving)
+        outputs = self._account(SERVING, outputs)
+        if self.rollout and self.config.policy is Policy.PRIORITY:  # what serving's part left
+            budget = priority_tokens(serving.load.prefill_tokens + serving.load.decode_seqs,
+                                     self.rollout.config.max_num_batched_tokens)
+        if self.rollout and self.rollout.has_unfinished() and budget != 0:
+            interrupt = self.serving_arrived if self.config.policy is Policy.ROSE else None
+            ran = self.rollout.step(budget, interrupt)
+            step = self._rolled = self.rollout.last_step
+            self._measure(ROLLOUT, step)
+            outputs += self._account(ROLLOUT, ran)
+            self._charge_rollout_time(step.seconds, time.monotonic())
+            if self.config.policy is Policy.ROSE and not step.interrupted:
+                self._observe_slack(serving.seconds + step.seconds)
+        return outputs, budget
+
+    def _one_forward(self, budget: int | None, started: float) -> list[RequestOutput]:
+        """Adapter mode: serving's batch and at most `budget` rollout tokens, in one forward. No
+        serving arrival interrupts it (serving's own rows are in it): admission's arrival
+        reserve keeps room for a request that waits for it."""
+        engine = self._turn_engine()
+        ran = engine.step(guest_budget=budget)
+        step = engine.last_step
+        self._measure(SERVING, step)  # one forward: the latency model's one term
+        turns = [out for out in ran if out.request_id in self._turns]
+        outputs = self._account(SERVING, [out for out in ran if out.request_id not in self._turns])
+        outputs += self._account(ROLLOUT, turns)
+        if step.guests != TokenLoad():
+            self._rolled = EngineStep(step.guests)  # its seconds are the forward's, serving's
+            seconds = OneForward(self.tail, SERVING).rollout_seconds(step.load - step.guests, step.guests,
+                                                                     step.seconds)
+            self._charge_rollout_time(seconds, started)
+            if self.config.policy is Policy.ROSE:
+                self._observe_slack(step.seconds)
         return outputs
 
     def _iteration_record(self, started: tuple[float, float], waiting: Iterable[tuple[float, int]], cut: int,
-                          budget: int | None, rolled: bool) -> dict[str, Any]:
+                          budget: int | None) -> dict[str, Any]:
         """One iteration as the trace holds it: its start (Unix time), the serving requests waiting
         for their first token then (age in seconds, prompt tokens left), the burst state and pages
-        after the memory step, admission's demand and decision, what each engine ran."""
-        def ran(step: EngineStep) -> dict[str, Any]:
-            return {"prefill": step.load.prefill_tokens, "decodes": step.load.decode_seqs,
-                    "context": step.load.context_tokens, "s": round(step.seconds, 5),
-                    "interrupted": step.interrupted}
+        after the memory step, admission's demand and decision, what each engine ran (in adapter
+        mode each kind of row's part of the one forward, whose seconds are serving's)."""
+        def ran(load: TokenLoad, seconds: float, interrupted: bool = False) -> dict[str, Any]:
+            return {"prefill": load.prefill_tokens, "decodes": load.decode_seqs,
+                    "context": load.context_tokens, "s": round(seconds, 5), "interrupted": interrupted}
 
+        serving = self.serving.last_step
         record: dict[str, Any] = {
             "t": round(started[0], 4), "i": self._iterations, "state": self.burst.state.name.lower(),
             "waiting": [[round(started[1] - arrival, 4), tokens] for arrival, tokens in waiting],
             "pages": {"serving": self._pages(self.serving.kv_pages().active),
-                      "rollout": self._rollout().blocks.num_active_pages if self.rollout else 0,
+                      "rollout": self._turn_blocks().num_active_pages if self.turns else 0,
                       "budget": self.pool.budget(ROLLOUT), "free": self.pool.num_free},
             "cut": cut, "budget": budget, "share": round(self.guard.share, 3),
-            "serving": ran(self.serving.last_step)}
+            "serving": ran(serving.load - serving.guests, serving.seconds)}
         if self._admitted is not None:
             demand, a = self._admitted
             record["admission"] = {
                 "ready_decodes": len(demand.decode_context), "prefill_wanted": demand.prefill_tokens,
                 "decodes": a.decode_seqs, "prefill": a.prefill_tokens,
                 "predicted_s": round(a.iteration_s, 5), "limit_s": round(a.limit_s, 5)}
-        if rolled:
-            record["rollout"] = ran(self._rollout().last_step)
+        if self._rolled is not None:
+            record["rollout"] = ran(self._rolled.load, self._rolled.seconds, self._rolled.interrupted)
         return record
 
-    def _charge_rollout_time(self, seconds: float) -> None:
-        """Charge the rollout part of this iteration to each serving request in flight. It ran
-        after serving's part, so a first token of this iteration came before it."""
+    def _charge_rollout_time(self, seconds: float, since: float) -> None:
+        """Charge the rollout part of this iteration to each serving request in flight; a first
+        token sampled by `since` (monotonic) came before it (two forwards: serving's part ran
+        first; one forward: every token of it came after)."""
         now = time.monotonic()
         live = self.serving.in_flight(self._waited)
         for rid in self._waited.keys() - live.keys():
             del self._waited[rid]
         for rid, r in live.items():
-            self._waited.setdefault(rid, RolloutWait()).charge(seconds, now - r.arrival_s,
-                                                               r.first_token_s is not None)
+            first = r.first_token_s is not None and r.first_token_s <= since
+            self._waited.setdefault(rid, RolloutWait()).charge(seconds, now - r.arrival_s, first)
 
     def _observe_slack(self, measured_s: float) -> None:
         overruns = self.guard.overruns
         self.metrics.rollout_share.set(self.guard.observe(measured_s, self._limit_s))
         self.metrics.admission_overruns.inc(self.guard.overruns - overruns)
 
-    def _record(self, name: str, outputs: list[RequestOutput], step: EngineStep) -> list[RequestOutput]:
-        """Account one engine's part of the iteration: its time, its tokens, what finished."""
+    def _measure(self, name: str, step: EngineStep) -> None:
+        """One engine's part of the iteration: its time, which refits the latency model."""
         if step.interrupted:
             self.metrics.rollout_interrupted.inc()
         self.latency.observe(name, step.load, step.seconds)
         if step.seconds:
             self.metrics.iterations.labels(name).inc()
             self.metrics.busy.labels(name).inc(step.seconds)
+
+    def _account(self, name: str, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Each request's part of the iteration (`name`'s): its tokens, and what finished."""
         for out in outputs:
             if name == ROLLOUT:
                 self.metrics.rollout_tokens.inc(len(out.token_ids))
@@ -522,8 +596,8 @@ class CoServingExecutor:
         budget = priority_pages(self.pool.num_pages, used, next_pages)
         self.pool.set_budget(ROLLOUT, budget)
         self.metrics.rollout_budget.set(budget)
-        rollout = self._rollout()
-        for seq in sorted(rollout.scheduler.running, key=lambda s: s.sort_key, reverse=True):
+        rollout = self._turn_engine()
+        for seq in sorted(self._turn_queues()[0], key=lambda s: s.sort_key, reverse=True):
             if self.pool.used(ROLLOUT) <= budget:
                 break
             rollout.scheduler.preempt(seq)
@@ -532,7 +606,7 @@ class CoServingExecutor:
     def _check_reclaim(self) -> None:
         """Whether the pages of the last emergency cut are serving's yet: rollouts hold no more
         than its budget (what they release only their prefix cache keeps, reclaimed on demand)."""
-        if self._reclaim is None or self._rollout().blocks.num_active_pages > self._reclaim[2]:
+        if self._reclaim is None or self._turn_blocks().num_active_pages > self._reclaim[2]:
             return
         start, iterations, _ = self._reclaim
         self.metrics.reclaim_seconds.observe(time.monotonic() - start)
@@ -547,15 +621,15 @@ class CoServingExecutor:
             return None
         if policy is Policy.STATIC:
             return self.config.static_rollout_tokens
-        sched = self.rollout.scheduler
-        ready = sorted((s for s in sched.running if s.num_uncomputed == 1), key=lambda s: s.sort_key)
+        running, waiting = self._turn_queues()
+        ready = sorted((s for s in running if s.num_uncomputed == 1), key=lambda s: s.sort_key)
         # Everything else still has prompt to prefill (a waiting one-token prompt too).
         demand = RolloutDemand(
             decode_context=[s.num_computed_tokens + 1 for s in ready],
-            prefill_tokens=sum(s.num_uncomputed for s in sched.waiting)
-            + sum(s.num_uncomputed for s in sched.running if s.num_uncomputed > 1))
+            prefill_tokens=sum(s.num_uncomputed for s in waiting)
+            + sum(s.num_uncomputed for s in running if s.num_uncomputed > 1))
         cfg = self.config
-        decision = admission_step(now, state, demand, self.tail, self.slo, cfg.chunk_tokens,
+        decision = admission_step(now, state, demand, self.predict, self.slo, cfg.chunk_tokens,
                                   self.guard.share, cfg.arrival_reserve_tokens, cfg.idle_min_rollout_tokens)
         self._limit_s, self._admitted = decision.limit_s, (demand, decision)
         self.metrics.latency_error.set(self.latency.error)
@@ -566,8 +640,20 @@ class CoServingExecutor:
         return serving_state(self.serving.in_flight(self._waited).values())
 
     def _rollout_seqs(self) -> list[Sequence]:
-        sched = self._rollout().scheduler
-        return sched.running + sched.waiting
+        running, waiting = self._turn_queues()
+        return running + waiting
+
+    def _turn_queues(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The turns running and waiting (in adapter mode, the serving engine's guests)."""
+        sched = self._turn_engine().scheduler
+        if not self.adapter_mode:
+            return sched.running, sched.waiting
+        return [s for s in sched.running if s.guest], [s for s in sched.waiting if s.guest]
+
+    def _turn_blocks(self) -> BlockManager:
+        """The block tables of the turns' pages."""
+        engine = self._turn_engine()
+        return engine.guest_blocks if engine.guest_blocks is not None else engine.blocks
 
     def _export_pool(self) -> None:
         """The gauges of the batch and the pool, after each iteration."""
@@ -584,24 +670,25 @@ class CoServingExecutor:
         # Serving's pages, its prefix cache's included: the pool's count, or its own cache's.
         serving = self._pages(kv.active + cached) if self.own_pages else self.pool.used(SERVING)
         free = self.pool.num_free + max(0, self.own_pages - serving)
-        m.set_kv_usage((kv.active, kv.total), (self.rollout.blocks.num_active_pages, self.pool.num_pages)
-                       if self.rollout is not None else None)
+        m.set_kv_usage((kv.active, kv.total), (self._turn_blocks().num_active_pages, self.pool.num_pages)
+                       if self.turns is not None else None)
         m.turns_running.set(len(self._turns))
         m.pool_pages.labels(SERVING).set(serving)
         m.pool_pages.labels(ROLLOUT).set(self.pool.used(ROLLOUT))
         m.cached_pages.labels(SERVING).set(self._pages(cached))
-        if self.rollout is not None:
-            m.cached_pages.labels(ROLLOUT).set(self.rollout.blocks.num_cached_pages)
+        if self.turns is not None:
+            m.cached_pages.labels(ROLLOUT).set(self._turn_blocks().num_cached_pages)
         m.pool_pages.labels("free").set(free)
 
     def _pages(self, serving_pages: int) -> int:
         """The serving engine's pages in the pool's (the same where it draws from the pool)."""
         return -(-serving_pages * self.serving_page_bytes // self.pool.page_bytes)
 
-    def _rollout(self) -> LLMEngine:
-        if self.rollout is None:
-            raise ValueError("this executor has no rollout model (start it with --rollout-model)")
-        return self.rollout
+    def _turn_engine(self) -> LLMEngine:
+        if self.turns is None:
+            raise ValueError("this executor has no rollout model (start it with --rollout-model, or "
+                             "--rollout-adapter for rollouts on the serving model)")
+        return self.turns
 
     def _check_free(self, request_id: str) -> None:
         engines = [self.serving, *([self.rollout] if self.rollout else [])]

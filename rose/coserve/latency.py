@@ -161,6 +161,25 @@ class TailLatency:
         return self.time("serving", serving) + self.time("rollout", rollout)
 
 
+@dataclasses.dataclass(frozen=True)
+class OneForward:
+    """Serving and rollout rows in one forward pass (one model serving both kinds of request: vLLM's
+    engine in `rose.coserve.vllm_admission`, the executor's adapter mode): the iteration's time is
+    `model`'s at their summed load, where two models take the sum of two times."""
+
+    tail: TailLatency
+    model: str
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
+        return self.tail.time(self.model, serving + rollout)
+
+    def rollout_seconds(self, serving: TokenLoad, rollout: TokenLoad, seconds: float) -> float:
+        """The rollout rows' part of a forward measured at `seconds`: their share of the mean fit's
+        prediction for it (what the serving requests in flight waited for them)."""
+        total = self.tail.fitted.time(self.model, serving + rollout)
+        return seconds * (1.0 - self.tail.fitted.time(self.model, serving) / total) if total > 0 else 0.0
+
+
 def profile_batches(vocab_size: int, max_len: int, prompt_lens: tuple[int, ...] = (16, 64, 256, 512),
                     batch_sizes: tuple[int, ...] = (1, 4, 16, 32), context_lens: tuple[int, ...] = (32, 256),
                     decode_steps: int = 4) -> Iterator[tuple[list[list[int]], SamplingParams]]:

@@ -65,7 +65,9 @@ class ServingEngine(GenerationEngine, Protocol):
 
 
 class NativeServing(LLMEngine):
-    """ROSE's engine as a `ServingEngine`: its scheduler's sequences and its block manager."""
+    """ROSE's engine as a `ServingEngine`: its scheduler's sequences and its block manager. Its
+    guest requests (the executor's adapter mode: rollout turns on the serving model) are not
+    serving's: what it reports here leaves them out."""
 
     chat_top_logprobs_sampled_first = False
 
@@ -74,10 +76,11 @@ class NativeServing(LLMEngine):
         return {s.request_id: ServingRequest(s.arrival_time, s.num_uncomputed, len(s.token_ids),
                                              s.first_token_time, s.last_token_time, s.num_output_tokens,
                                              waited.get(s.request_id, no_wait))
-                for s in sorted(sched.running + sched.waiting, key=lambda s: s.arrival)}
+                for s in sorted(sched.running + sched.waiting, key=lambda s: s.arrival) if not s.guest}
 
     def queue_lengths(self) -> tuple[int, int]:
-        return len(self.scheduler.running), len(self.scheduler.waiting)
+        sched = self.scheduler
+        return sum(not s.guest for s in sched.running), sum(not s.guest for s in sched.waiting)
 
     def kv_pages(self) -> KVPages:
         return KVPages(self.blocks.num_active_pages, self.blocks.max_pages, self.pool.page_bytes)

@@ -43,23 +43,12 @@ from rose.coserve.admission import (
     admission_step,
     serving_state,
 )
-from rose.coserve.latency import FittedLatencyModel, TailLatency, profile_batches
+from rose.coserve.latency import FittedLatencyModel, OneForward, TailLatency, profile_batches
 from rose.coserve.settings import ExecutorConfig
 from rose.engine.vllm_engine import VllmEngine
 
 SERVING_PRIORITY, ROLLOUT_PRIORITY = 0, 1
 MODEL = "engine"  # one model: the latency model has one term
-
-
-@dataclasses.dataclass(frozen=True)
-class OneForward:
-    """Serving and rollout tokens in one forward pass: the iteration's time is the model's at
-    their summed load (the native executor's two models take the sum of two times instead)."""
-
-    tail: TailLatency
-
-    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
-        return self.tail.time(MODEL, serving + rollout)
 
 
 @dataclasses.dataclass
@@ -163,8 +152,9 @@ class DualSLOScheduler(Scheduler):
         if not demand.decode_context and not demand.prefill_tokens:
             return [], [], math.inf
         cfg = self.settings
-        decision = admission_step(now, state, demand, OneForward(self.tail), self.slo, cfg.chunk_tokens,
-                                  self.guard.share, cfg.arrival_reserve_tokens, cfg.idle_min_rollout_tokens)
+        decision = admission_step(now, state, demand, OneForward(self.tail, MODEL), self.slo,
+                                  cfg.chunk_tokens, self.guard.share, cfg.arrival_reserve_tokens,
+                                  cfg.idle_min_rollout_tokens)
         d, p = decision.decode_seqs, decision.prefill_tokens
         if serving_waiting:
             # vLLM schedules its waiting queue after the running list: a running rollout prefill
@@ -204,10 +194,7 @@ class DualSLOScheduler(Scheduler):
         """Charge the rollout part of a shared iteration (its predicted share of the measured
         time) to each serving request in flight. Tokens come at the end of the one forward, so a
         first token of this iteration waited for it (its account is updated after this)."""
-        total = self.latency.time(MODEL, it.serving + it.rollout)
-        if total <= 0:
-            return
-        rollout_s = seconds * (1.0 - self.latency.time(MODEL, it.serving) / total)
+        rollout_s = OneForward(self.tail, MODEL).rollout_seconds(it.serving, it.rollout, seconds)
         for acct in self._served.values():
             acct.wait.charge(rollout_s, now - acct.arrival, acct.first is not None)
 

@@ -34,6 +34,7 @@ class EngineStep:
     load: TokenLoad = dataclasses.field(default_factory=TokenLoad)
     seconds: float = 0.0
     interrupted: bool = False  # given up part way: the seconds were spent, no token came of them
+    guests: TokenLoad = dataclasses.field(default_factory=TokenLoad)  # the guest sequences' part of `load`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,20 @@ class EngineConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.chunk_size)
 
 
+def _load(batch: Batch, guests: bool) -> TokenLoad:
+    """The iteration's load of the guest sequences in `batch`, or of the others."""
+    prefill = decodes = context = 0
+    for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+        if seq.guest is not guests:
+            continue
+        if n == 1:
+            decodes += 1
+            context += seq.num_computed_tokens + 1
+        else:
+            prefill += n
+    return TokenLoad(prefill, decodes, context)
+
+
 def eos_ids(path: str | Path, config: ModelConfig) -> list[int]:
     """A checkpoint's end-of-sequence ids: generation_config.json's, else config.json's."""
     eos: int | list[int] | None = config.eos_token_id
@@ -71,10 +86,11 @@ class LLMEngine:
 
     def __init__(self, model: CausalLM, config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] = (), pool: KVPool | None = None,
-                 name: str = "model") -> None:
+                 name: str = "model", guest: str | None = None) -> None:
         """The engine runs where `model` is, its KV in the model's dtype. `pool`: a KV pool on
         that device shared with other engines (one is made from the config if None); `name` owns
-        this engine's pages in it."""
+        this engine's pages in it. `guest`: the owner of the guest requests' pages, if the engine
+        takes guests (`add_request(guest=True)`, `rose.engine.scheduler`)."""
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.name = name
@@ -86,7 +102,8 @@ class LLMEngine:
             raise ValueError(f"engine {name!r}: its model is on {self.device}, the KV pool on "
                              f"{self.pool.device}")
         self.blocks = BlockManager(self.pool, spec, name)
-        self.scheduler = Scheduler(self.blocks, self.config.scheduler)
+        self.guest_blocks = None if guest is None else BlockManager(self.pool, spec, guest)
+        self.scheduler = Scheduler(self.blocks, self.config.scheduler, self.guest_blocks)
         self.runner = ModelRunner(model, self.pool, spec, self.config.attention_backend,
                                   self.config.cuda_graphs, self.config.max_num_seqs)
         self.adapters = self.runner.adapters  # the loaded LoRA adapters
@@ -132,13 +149,16 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, priority: int = 0, adapter: str | None = None) -> str:
-        """Queue a request, on the base model or with the loaded LoRA `adapter`; bad input raises
-        ValueError naming the request, nothing else changes."""
+                    request_id: str | None = None, priority: int = 0, adapter: str | None = None,
+                    guest: bool = False) -> str:
+        """Queue a request, on the base model or with the loaded LoRA `adapter`, as a guest if
+        `guest`; bad input raises ValueError naming the request, nothing else changes."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         where = f"request {request_id!r}"
         if request_id in self._seqs:
             raise ValueError(f"{where}: a request with this id is already running")
+        if guest and self.guest_blocks is None:
+            raise ValueError(f"{where}: engine {self.name!r} takes no guest requests")
         lora = None if adapter is None else self.adapters.get(adapter)
         if adapter is not None and lora is None:
             raise ValueError(f"{where}: adapter {adapter!r} is not loaded; loaded: {self.adapters.names()}")
@@ -161,7 +181,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seeds, device="cpu"))
         seq = Sequence(request_id, prompt_token_ids, params, priority,
-                       torch.Generator(device=self.device).manual_seed(seed), constraint, lora)
+                       torch.Generator(device=self.device).manual_seed(seed), constraint, lora, guest)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -223,29 +243,25 @@ class LLMEngine:
 
     # -- one iteration -------------------------------------------------------------------------
 
-    def step(self, token_budget: int | None = None,
-             interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
-        """Run one iteration (at most `token_budget` tokens if given); return the requests that
-        produced a token or finished. A request whose computation raises, or whose logits hold
-        NaN, finishes with finish_reason 'error'; the others go on. When `interrupt()` turns
+    def step(self, token_budget: int | None = None, interrupt: Callable[[], bool] | None = None,
+             guest_budget: int | None = None) -> list[RequestOutput]:
+        """Run one iteration (at most `token_budget` tokens if given, of them at most
+        `guest_budget` guest tokens); return the requests that produced a token or finished. A
+        request whose computation raises, or whose logits hold NaN, finishes with finish_reason
+        'error'; the others go on. When `interrupt()` turns
         true between two layers the iteration is given up: no sequence advances, and the next
         step computes the same tokens again."""
         start = time.perf_counter()
         if not self.scheduler.running:
             self._apply_staged_weights()  # FINISH_OLD, when preemption emptied the running set
         # While new weights wait (FINISH_OLD), nothing new starts under the old ones.
-        batch = self.scheduler.schedule(token_budget, admit=self._staged_weights is None)
+        batch = self.scheduler.schedule(token_budget, self._staged_weights is None, guest_budget)
         self.num_preemptions += len(batch.preempted)
-        outputs = [self._finish(seq, "abort", f"its {len(seq.token_ids)} tokens need "
-                                f"{self.blocks.pages_for(len(seq.token_ids))} KV pages; {self.name!r} "
-                                f"may now hold {self.blocks.max_pages}")
-                   for seq in batch.unfit]
+        outputs = [self._unfit(seq) for seq in batch.unfit]
         if not batch.seqs:
             self.last_step = EngineStep()
             return outputs
-        decodes = [s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if n == 1]
-        prefill = sum(batch.num_tokens) - len(decodes)
-        context = sum(s.num_computed_tokens + 1 for s in decodes)
+        load, guests = _load(batch, False), _load(batch, True) if self.guest_blocks else TokenLoad()
         try:
             outputs += self._execute(batch, interrupt)
         except IterationInterrupted:
@@ -259,8 +275,14 @@ class LLMEngine:
                 outputs += self._execute_or_fail(Batch([seq], [n], []))
         if not self.scheduler.running:
             self._apply_staged_weights()  # FINISH_OLD: the old weights' last sequence is done
-        self.last_step = EngineStep(TokenLoad(prefill, len(decodes), context), time.perf_counter() - start)
+        self.last_step = EngineStep(load + guests, time.perf_counter() - start, guests=guests)
         return outputs
+
+    def _unfit(self, seq: Sequence) -> RequestOutput:
+        blocks = self.scheduler.blocks_of(seq)
+        return self._finish(seq, "abort", f"its {len(seq.token_ids)} tokens need "
+                            f"{blocks.pages_for(len(seq.token_ids))} KV pages; {blocks.owner!r} may now "
+                            f"hold {blocks.max_pages}")
 
     def _execute_or_fail(self, batch: Batch) -> list[RequestOutput]:
         try:
@@ -283,7 +305,7 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.status is not Status.FINISHED:  # a failed one's KV is not worth sharing
                 seq.num_computed_tokens += n
-                self.blocks.commit(seq)
+                self.scheduler.blocks_of(seq).commit(seq)
                 if seq.kv_version is None:
                     seq.kv_version = self.policy_version if seq.adapter is None else seq.adapter.version
         now = time.monotonic()
@@ -361,7 +383,7 @@ class LLMEngine:
             for param, tensor in staged:
                 param.copy_(tensor)
         self._staged_weights = None
-        self.blocks.reset_prefix_cache()
+        self.reset_prefix_cache()
         self.policy_version = version
 
     def load_adapter(self, name: str, config: LoRAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -389,6 +411,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         """Drop the pages only the prefix cache holds."""
         self.blocks.reset_prefix_cache()
+        if self.guest_blocks is not None:
+            self.guest_blocks.reset_prefix_cache()
 
     def check_health(self) -> None:
         """Nothing to check: an iteration that fails fails only its own requests (`step`)."""

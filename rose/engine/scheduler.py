@@ -6,6 +6,12 @@ pages allow. When pages run out the lowest-priority, latest-arrived running sequ
 by recomputation: its pages are freed and it waits again with every token it has. A waiting
 sequence that needs more pages than its owner may hold at all (its budget shrank after it was
 admitted) is dropped from the queue and returned as `unfit` rather than blocking the queue.
+
+An engine may also carry guest sequences (`Sequence.guest`: a co-serving device's rollout turns
+riding the serving model). They are scheduled after the engine's own, running and waiting, in
+what those leave of the iteration's tokens, at most `guest_budget` of them; they draw pages from
+a block manager of their own in the same pool (its budget for that owner caps them), have their
+own `max_num_seqs`, and never preempt the engine's own sequences.
 """
 
 from __future__ import annotations
@@ -41,11 +47,19 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, blocks: BlockManager, config: SchedulerConfig | None = None,
+                 guest_blocks: BlockManager | None = None) -> None:
         self.blocks = blocks
+        self.guest_blocks = guest_blocks  # the guest sequences' pages (None: no guests)
         self.config = config or SchedulerConfig()
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
+
+    def blocks_of(self, seq: Sequence) -> BlockManager:
+        if not seq.guest:
+            return self.blocks
+        assert self.guest_blocks is not None, "a guest sequence on a scheduler without guests"
+        return self.guest_blocks
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -57,43 +71,57 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
+        self.blocks_of(seq).free(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self.blocks_of(seq).free(seq)
         seq.kv_version = None  # recomputed from scratch when it runs again
         seq.num_preemptions += 1
         self.add(seq)
 
-    def schedule(self, token_budget: int | None = None, admit: bool = True) -> Batch:
+    def schedule(self, token_budget: int | None = None, admit: bool = True,
+                 guest_budget: int | None = None) -> Batch:
         """This iteration's batch; `token_budget` lowers the configured one (the co-serving
-        executor grants rollouts only what the serving SLOs leave); `admit=False` runs only
-        what is already running."""
+        executor grants a rollout engine only what the serving SLOs leave), `guest_budget` caps
+        the guests' share of what the engine's own requests leave (the same grant, where
+        rollouts are guests of the serving engine); `admit=False` runs only what is already
+        running."""
         budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             budget = min(budget, token_budget)
+        batch = Batch([], [], [])
         chosen: dict[Sequence, int] = {}
-        preempted: list[Sequence] = []
+        left = self._fill(False, budget, admit, chosen, batch)
+        if self.guest_blocks is not None:
+            self._fill(True, left if guest_budget is None else min(left, guest_budget), admit, chosen, batch)
+        batch.seqs, batch.num_tokens = list(chosen), list(chosen.values())
+        return batch
+
+    def _fill(self, guest: bool, budget: int, admit: bool, chosen: dict[Sequence, int], batch: Batch) -> int:
+        """Choose the tokens of one class (guests or not) within `budget`; the tokens left."""
 
         def make_room(seq: Sequence, n: int, may_preempt: Callable[[Sequence], bool]) -> bool:
             """Preempt the latest running sequences that `may_preempt` allows until `seq` gets
             its pages (the candidates are only sorted when pages actually run out)."""
             nonlocal budget
             victims = None
-            while not self.blocks.ensure_slots(seq, n):
+            while not self.blocks_of(seq).ensure_slots(seq, n):
                 if victims is None:
-                    victims = sorted(filter(may_preempt, self.running), key=lambda s: s.sort_key)
+                    # A guest never displaces the engine's own sequences.
+                    victims = sorted((s for s in self.running if may_preempt(s) and (s.guest or not guest)),
+                                     key=lambda s: s.sort_key)
                 if not victims:
                     return False
                 victim = victims.pop()
                 budget += chosen.pop(victim, 0)
                 self.preempt(victim)
-                preempted.append(victim)
+                batch.preempted.append(victim)
             return True
 
         # Decodes before prefill chunks: a decode holds pages already and finishing it frees them.
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
+        for seq in sorted((s for s in self.running if s.guest is guest),
+                          key=lambda s: (s.num_uncomputed > 1, s.sort_key)):
             if seq.status is not Status.RUNNING:
                 continue  # preempted for an earlier one in this loop
             n = min(seq.num_uncomputed, self.config.chunk_size, budget)
@@ -104,24 +132,28 @@ class Scheduler:
                 budget -= n
             else:
                 self.preempt(seq)
-                preempted.append(seq)
+                batch.preempted.append(seq)
 
-        unfit: list[Sequence] = []
-        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if self.blocks.pages_for(len(seq.token_ids)) > self.blocks.max_pages:
-                unfit.append(self.waiting.pop(0))  # could only wait forever and block the rest
+        running = sum(1 for s in self.running if s.guest is guest)
+        blocks = self.guest_blocks if guest else self.blocks
+        assert blocks is not None
+        for seq in [s for s in self.waiting if s.guest is guest] if admit else []:
+            if budget <= 0 or running >= self.config.max_num_seqs:
+                break
+            if blocks.pages_for(len(seq.token_ids)) > blocks.max_pages:
+                self.waiting.remove(seq)
+                batch.unfit.append(seq)  # could only wait forever and block the rest
                 continue
-            self.blocks.match_prefix(seq)
+            blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, self.config.chunk_size, budget)
             # A waiting sequence may only displace running ones of a lower priority class.
             if not make_room(seq, n, lambda s, prio=seq.priority: s.priority > prio):
-                self.blocks.free(seq)
+                blocks.free(seq)
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            running += 1
             chosen[seq] = n
             budget -= n
-
-        return Batch(list(chosen), list(chosen.values()), preempted, unfit)
+        return budget

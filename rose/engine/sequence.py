@@ -29,7 +29,8 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, generator: torch.Generator | None = None,
-                 constraint: Constraint | None = None, adapter: Adapter | None = None) -> None:
+                 constraint: Constraint | None = None, adapter: Adapter | None = None,
+                 guest: bool = False) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -44,6 +45,7 @@ class Sequence:
         # preempted sequence computes again: they are not drawn again).
         self.constraint = constraint
         self.adapter = adapter  # the LoRA adapter it runs with; None: the base model
+        self.guest = guest  # a co-serving executor's rollout turn on the serving engine (`Scheduler`)
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash of each full block, chained from the first

@@ -1,0 +1,159 @@
+"""Adapter mode: the rollout policy is a LoRA adapter of the serving model, its turns guest
+requests of the serving engine. One forward runs both kinds of row, one pool holds both kinds of
+page; each kind's tokens are what it would produce alone; admission's budget caps the rollout
+rows, the burst cut hands turns back and its pages go to serving; the engine's scheduler never
+lets a guest displace serving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rose.contracts import TokenLoad, Turn
+from rose.contracts.adapter import LoRAConfig
+from rose.coserve.executor import CoServingExecutor
+from rose.coserve.settings import MB, ExecutorConfig, Policy
+from rose.engine import EngineConfig, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
+from rose.model import preset_config, random_model
+from rose.model.decoder import CausalLM
+
+LORA = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+def _model() -> CausalLM:
+    return random_model(preset_config("qwen2", "tiny"), seed=1)
+
+
+def _adapter(model: CausalLM, seed: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = LORA.shapes(model.config)
+    return {name: torch.randn(shape, generator=gen) * 0.3 for name, shape in shapes.items()}
+
+
+def _executor(model: CausalLM, pages: int = 64, **config: object) -> CoServingExecutor:
+    spec = KVSpec.of(model.config)
+    ex = CoServingExecutor(model, None, ExecutorConfig(pool_mb=pages * spec.block_bytes / MB, **config),
+                           adapter_mode=True)
+    ex.load_adapter("policy", LORA, _adapter(model).items(), 1)
+    return ex
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _merge(merged: dict[str, RequestOutput], outputs: list[RequestOutput]) -> dict[str, RequestOutput]:
+    for out in outputs:
+        if out.request_id in merged:
+            merged[out.request_id].merge(out)
+        else:
+            merged[out.request_id] = out
+    return merged
+
+
+def _drain(ex: CoServingExecutor, merged: dict[str, RequestOutput] | None = None) -> dict[str, RequestOutput]:
+    merged = {} if merged is None else merged
+    while ex.has_unfinished():
+        _merge(merged, ex.step())
+    return merged
+
+
+def test_one_forward_runs_both_kinds_of_row_each_as_it_would_alone() -> None:
+    model = _model()
+    ex = _executor(model, policy=Policy.NAIVE)
+    assert ex.rollout is None and ex.turns is ex.serving
+    ex.add_serving(_ids(12, 1), GREEDY, "s")
+    ex.submit_turn(Turn("t", "traj", _ids(9, 2), GREEDY, None, "policy"))
+    got = _merge({}, ex.step())  # both prompts, one forward
+    step = ex.serving.last_step
+    assert step.guests == TokenLoad(9) and step.load == TokenLoad(21)
+    _merge(got, ex.step())
+    assert ex.serving.last_step.load.decode_seqs == 2 and ex.serving.last_step.guests.decode_seqs == 1
+    _drain(ex, got)
+    alone = LLMEngine(_model(), EngineConfig(kv_cache_bytes=1 << 22))
+    alone.load_adapter("policy", LORA, _adapter(model).items(), 1)
+    want = alone.generate([_ids(12, 1), _ids(9, 2)], GREEDY, adapter=[None, "policy"])
+    assert got["s"].token_ids == want[0].token_ids  # serving: the base model's tokens
+    assert got["t"].token_ids == want[1].token_ids and got["t"].logprobs == pytest.approx(want[1].logprobs,
+                                                                                           abs=1e-5)
+    assert set(got["t"].versions) == {1}  # the adapter's version
+    assert ex.served == 1 and ex.metrics.turns_finished.labels("length")._value.get() == 1
+
+
+def test_admission_caps_the_rollout_rows_and_a_held_turn_waits() -> None:
+    model = _model()
+    ex = _executor(model, policy=Policy.STATIC, static_rollout_tokens=4)
+    ex.add_serving(_ids(30, 1), LONG, "s")
+    ex.submit_turn(Turn("t", "traj", _ids(20, 2), LONG, None, "policy"))
+    ex.step()
+    step = ex.serving.last_step
+    assert step.load - step.guests == TokenLoad(30) and step.guests == TokenLoad(4)  # serving whole
+    ex = _executor(model)  # rose: a serving request with no SLO room leaves rollouts nothing
+    ex.add_serving(_ids(30, 1), LONG, "s")
+    ex.submit_turn(Turn("t", "traj", _ids(20, 2), LONG, None, "policy"))
+    ex.latency.observe("serving", TokenLoad(16), 100.0)  # any rollout row would break the TTFT SLO
+    for load in (TokenLoad(64), TokenLoad(0, 4, 100)):
+        ex.latency.observe("serving", load, 100.0)
+    ex.latency.fit()
+    ex.step()
+    assert ex.serving.last_step.guests == TokenLoad() and ex.serving.last_step.load.prefill_tokens == 30
+
+
+def test_the_cut_hands_turns_back_and_their_pages_go_to_serving() -> None:
+    model = _model()
+    ex = _executor(model, pages=64)
+    for i in range(3):
+        ex.submit_turn(Turn(f"t{i}", f"traj{i}", _ids(150, i), LONG, None, "policy"))
+    for _ in range(3):
+        ex.step()  # serving idle: the turns prefill, within the rollout budget
+    held = ex.pool.used("rollout")
+    assert held > 0 and ex.pool.used("serving") == 0
+    # A prompt that needs most of the pool: the burst fires, the cut aborts turns.
+    ex.add_serving(_ids(700, 9), GREEDY, "s")
+    outputs = ex.step()
+    aborted = [out for out in outputs if out.finish_reason == "abort"]
+    assert aborted and all(out.request_id.startswith("t") for out in aborted)
+    assert ex.burst.state.name in ("BURST", "FROZEN") and ex.pool.used("rollout") < held
+    got = _drain(ex)
+    assert got["s"].finish_reason == "length" and ex.served == 1
+
+
+def test_the_scheduler_never_lets_a_guest_displace_serving() -> None:
+    model = _model()
+    spec = KVSpec.of(model.config)
+    pool = KVPool.for_specs(12 * spec.block_bytes, spec)
+    engine = LLMEngine(model, EngineConfig(), pool=pool, name="serving", guest="rollout")
+    short = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine.add_request(_ids(100, 1), short, "guest", priority=1, guest=True)
+    engine.step()
+    assert pool.used("rollout") == 7 and pool.used("serving") == 0
+    # Serving needs more pages than are free: the guest is preempted (recomputed later; its full
+    # blocks stay in its prefix cache, which gives them up as serving needs them).
+    engine.add_request(_ids(90, 2), short, "serving")
+    engine.step()
+    assert pool.used("serving") == 6 and engine.num_preemptions == 1
+    assert engine.guest_blocks is not None and engine.guest_blocks.num_active_pages == 0
+    # With serving holding the pool the guest waits; it never takes serving's pages.
+    for _ in range(40):
+        engine.step()
+        assert engine.last_step.guests == TokenLoad()
+    assert pool.used("serving") == 9  # 130 tokens' KV: 3 pages taken from the guest's cache
+    assert pool.used("rollout") == 3
+    with pytest.raises(ValueError, match="takes no guest requests"):
+        LLMEngine(model, EngineConfig(kv_cache_bytes=1 << 20)).add_request([1, 2], GREEDY, guest=True)
+
+
+def test_weights_and_a_foreign_adapter_are_refused() -> None:
+    model = _model()
+    ex = _executor(model, typical_rollout_context=64)
+    with pytest.raises(ValueError, match="ride the serving model"):
+        ex.load_weights(model.named_parameters(), 2)
+    other = random_model(preset_config("qwen3", "tiny", num_hidden_layers=3, head_dim=8), seed=2)
+    with pytest.raises(ValueError, match="q_proj"):
+        ex.load_adapter("other", LORA, _adapter(other).items(), 1)
+    with pytest.raises(ValueError, match="adapter mode"):
+        CoServingExecutor(model, other, ExecutorConfig(), adapter_mode=True)
+    cap = ex.capacity()
+    assert cap.policy_version == 1 and cap.free_slots > 0
