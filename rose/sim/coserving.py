@@ -28,7 +28,16 @@ from rose.coserve.admission import (
 from rose.coserve.loadgen import fit_lengths
 from rose.sim.aggregate import AggregateServing
 from rose.sim.burst import BurstMemory
-from rose.sim.costs import Device, Efficiency, ModelShape, RooflineLatency, forward_cost
+from rose.sim.costs import (
+    Device,
+    Efficiency,
+    ForwardCost,
+    ModelShape,
+    OneForwardLatency,
+    RooflineLatency,
+    forward_cost,
+    model_by_name,
+)
 from rose.sim.rates import WorkerLoad, plan_rates
 from rose.sim.rollout import TickRates
 from rose.sim.scenarios import Scenario, ServingFleetConfig
@@ -58,6 +67,27 @@ def replay_start(trace: Trace, s: ServingFleetConfig) -> float | None:
     return None if s.replay_start_s is None else s.replay_start_s * s.load
 
 
+def rollout_weight_bytes(sc: Scenario) -> float:
+    """What a serving replica holds for its rollouts beside serving's weights: the policy's
+    weights, or in adapter mode (`serving.rollout`) the adapter's tensors."""
+    s = sc.serving
+    if s.rollout == "adapter":
+        return model_by_name(sc.models.serving).adapter_bytes(s.adapter_rank)
+    return model_by_name(sc.models.policy).weight_bytes
+
+
+def pool_bytes(sc: Scenario, device: Device, eff: Efficiency, alone: bool = False) -> int:
+    """A serving replica's page pool, in bytes, for serving's KV and the rollouts' (`alone`: no
+    rollout weights beside serving's): the executor's pool_mb where the scenario sets it, else
+    what the GPUs' memory leaves beside the weights."""
+    e = sc.serving.executor
+    if "pool_mb" in e.changed():
+        return e.pool_bytes
+    rollout = 0.0 if alone else rollout_weight_bytes(sc)
+    return int(device.memory * sc.cluster.serving_tp * eff.memory_utilization
+               - model_by_name(sc.models.serving).weight_bytes - rollout)
+
+
 class CoServing:
     """`n` serving replicas of `serving_model`, the co-serving workers `first_wid` on, lending
     capacity to rollouts of `policy` (`alone`: serving only, no rollout weights beside it);
@@ -72,8 +102,10 @@ class CoServing:
         self.n, self.first_wid, self.typical_ctx, self.sharing = n, first_wid, typical_ctx, sharing
         self.dt, self.chunk = sc.sim.tick_s, e.chunk_tokens
         self.batched_tokens = float(sc.rl.rollout_batched_tokens)
-        # The time a serving iteration leaves the GPU idle for a rollout engine beside it.
-        self.host_s = s.engine_host_share * s.engine_overhead_ms / 1e3
+        # The time a serving iteration leaves the GPU idle for a rollout engine beside it; in adapter
+        # mode there is none: one engine, whose host time idles the GPU for its rollout rows too.
+        self.adapter = s.rollout == "adapter"
+        self.host_s = 0.0 if self.adapter else s.engine_host_share * s.engine_overhead_ms / 1e3
         self.policy, self.serving_model = policy, serving_model
         self.slo = SLOBudgets.of(e)
         trace = load_trace(s.trace).scaled(prompt_tokens=s.prompt_scale, output_tokens=s.output_scale)
@@ -89,13 +121,11 @@ class CoServing:
         self.fleet = (AggregateServing(*replay, decode_floor_s=float(self.serve_cost.time(0, 1, 0)))
                       if sc.sim.serving_model == "aggregate" else ServingFleet(*replay))
         self.cs_cost = forward_cost(policy, device, c.serving_tp, eff)
-        self.latency = RooflineLatency(self.serve_cost, self.cs_cost)
-        rollout_weights = 0.0 if alone else policy.weight_bytes
-        # One page pool in bytes holds both models' KV (two KV shapes): the executor's pool_mb
-        # where the scenario sets it, else what the GPUs' memory leaves beside the weights.
-        self.pool = (e.pool_bytes if "pool_mb" in e.changed() else
-                     int(device.memory * c.serving_tp * eff.memory_utilization
-                         - serving_model.weight_bytes - rollout_weights))
+        self.latency: RooflineLatency | OneForwardLatency = (
+            OneForwardLatency(self.serve_cost, ForwardCost.of_adapter(serving_model, s.adapter_rank, device,
+                                                                      c.serving_tp, eff))
+            if self.adapter else RooflineLatency(self.serve_cost, self.cs_cost))
+        self.pool = pool_bytes(sc, device, eff, alone)
         if self.pool <= 0:
             raise ValueError(f"scenario {sc.name}: {serving_model.name} and {policy.name} do "
                              f"not fit together on {c.serving_tp} x {device.name}; raise serving_tp")
@@ -132,8 +162,12 @@ class CoServing:
 
     def seq_s(self) -> np.ndarray:
         """Each replica's time per token of one typical rollout sequence: the serving model's
-        decodes run in every iteration too, and the rollout's own iterations in its host time."""
+        decodes run in every iteration too, and the rollout's own iterations in its host time (in
+        adapter mode the sequence's row rides serving's decode iterations, and that is all)."""
         _, t_d = self.alone_times()
+        if self.adapter:
+            serving = TokenLoad(0, self.fleet.decode_seqs(), self.fleet.decode_context())
+            return np.maximum(t_d, self.latency.iteration_time(serving, TokenLoad(0, 1, self.typical_ctx)))
         one = float(self.cs_cost.time(0, 1, self.typical_ctx))
         return (t_d + one) / (1.0 + math.floor(self.host_s / one))
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import numba
 import numpy as np
 
 from rose.contracts import TURN_CHUNK_S, TokenLoad
+from rose.contracts.adapter import LoRAConfig
 
 GB = 1e9
 # Token counts and times: plain numbers, or numpy arrays of them (one entry per replica or turn).
@@ -128,6 +130,18 @@ class ModelShape:
     def kv_bytes_per_token(self) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
 
+    def adapter_params(self, rank: int) -> int:
+        """A rank-`rank` LoRA adapter's parameters on this model's attention and MLP projections,
+        as `LoRAConfig.shapes` lays its tensors out (it reads a model config's Hugging Face names)."""
+        config = types.SimpleNamespace(num_hidden_layers=self.layers, hidden_size=self.hidden,
+                                       num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                                       head_dim=self.head_dim, intermediate_size=self.intermediate)
+        return sum(math.prod(shape) for shape in LoRAConfig(rank=rank).shapes(config).values())
+
+    def adapter_bytes(self, rank: int) -> float:
+        """The adapter's tensors, in the model's own precision."""
+        return self.adapter_params(rank) * self.bytes_per_param
+
 
 # Shapes from each model's Hugging Face config.json (Qwen/Qwen3-8B, Qwen/Qwen3-32B,
 # Qwen/Qwen2.5-7B-Instruct, Qwen/Qwen2.5-32B-Instruct).
@@ -197,15 +211,26 @@ class ForwardCost:
         out = _roofline_each(math.prod(shape), *loads, *self.terms)
         return out.reshape(shape) if shape else float(out[0])
 
-    def scalar(self, load: TokenLoad) -> Amount:
+    @classmethod
+    def of_adapter(cls, model: ModelShape, rank: int, device: Device, tp: int,
+                   eff: Efficiency) -> ForwardCost:
+        """A LoRA adapter's own kernels in a forward of `model`'s rows that carry it (a LoRA
+        engine runs them after the base's matmuls): two thin matmuls a targeted projection per
+        token, and its weights streamed once."""
+        flops = device.flops * tp * eff.prefill_mfu
+        return cls(s_token=2 * model.adapter_params(rank) / flops, s_attn=0.0, s_head=0.0,
+                   s_weights=model.adapter_bytes(rank) / (device.hbm_bw * tp * eff.decode_bw),
+                   s_kv=0.0, fixed=0.0, prefill_attn=0.0)
+
+    def scalar(self, load: TokenLoad, chunk_seqs: Amount = 1.0) -> Amount:
         """`time` of one iteration's load, as the admission policy asks it (about 600k times a
         paper-8b run): on plain numbers the formula itself, as numpy's ufuncs cost microseconds a
         call on scalars; on arrays (one entry per replica: the policy deciding for many replicas
         at once) `time`."""
         p, d, c = load.prefill_tokens, load.decode_seqs, load.context_tokens
-        if isinstance(p, np.ndarray) or isinstance(d, np.ndarray) or isinstance(c, np.ndarray):
-            return self.time(p, d, c)
-        return _roofline(p, d, c, 1, *self.terms)
+        if any(isinstance(x, np.ndarray) for x in (p, d, c, chunk_seqs)):
+            return self.time(p, d, c, chunk_seqs)
+        return _roofline(p, d, c, chunk_seqs, *self.terms)
 
     @functools.cached_property
     def terms(self) -> tuple[float, ...]:
@@ -318,6 +343,27 @@ class RooflineLatency:
 
     def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> float:
         return self.serving.scalar(serving) + self.rollout.scalar(rollout)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneForwardLatency:
+    """The latency model of adapter mode (`serving.rollout=adapter`): the policy is a LoRA adapter
+    of the serving model, so rollout rows ride in serving's forward. One roofline forward over both
+    loads (the weights read and the fixed cost paid once; rollout decodes add their KV reads and
+    their compute), plus the adapter's kernels on the rollout rows."""
+
+    model: ForwardCost      # the serving model's forward, its engine's time per iteration in `fixed`
+    adapter: ForwardCost    # `ForwardCost.of_adapter`
+
+    def iteration_time(self, serving: TokenLoad, rollout: TokenLoad) -> Amount:
+        ps, pr = serving.prefill_tokens, rollout.prefill_tokens
+        both = serving + rollout
+        # Two prompts' chunks in one forward attend each to itself only: as far as the roofline's
+        # attention of a chunk on itself goes, the chunk is split over P^2 / (ps^2 + pr^2) equal
+        # parts (1 with either alone; 0 with neither, which has no prefill: the divisor made 1).
+        squares = ps * ps + pr * pr
+        parts = both.prefill_tokens * both.prefill_tokens / (squares + (squares == 0))
+        return self.model.scalar(both, parts) + self.adapter.scalar(TokenLoad(pr, rollout.decode_seqs))
 
 
 def kv_capacity_tokens(model: ModelShape, device: Device, tp: int, eff: Efficiency,

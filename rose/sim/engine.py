@@ -30,7 +30,7 @@ from rose.rollout.routing import RoutingTable
 from rose.sim.aggregate import LatencyHistogram
 from rose.sim.burst import Cut
 from rose.sim.control import ControlPlane
-from rose.sim.coserving import CoServing, ServingTimes
+from rose.sim.coserving import CoServing, ServingTimes, rollout_weight_bytes
 from rose.sim.costs import (
     TRANSPORTS,
     WeightSync,
@@ -269,13 +269,11 @@ class Simulation:
                                logprob_passes, self.eff)
 
     def _serving_sync_s(self, step: int) -> float:
-        payload = WeightSync(self.sc.sync.changed_fraction, self.sc.sync.full_every).payload_bytes(
-            self.policy, step, self.system.sparse_sync)
-        return weight_sync_times(self.sc, payload)["relay"]
+        return weight_sync_times(self.sc, sync_payload(self.sc, step, self.system.sparse_sync))["relay"]
 
     def _intra_sync_s(self) -> float:
         """Trainer to rollout GPUs inside the cluster (NCCL broadcast at one NIC's speed)."""
-        return self.policy.weight_bytes / self.device.nic_bw
+        return sync_payload(self.sc, 0, sparse=False) / self.device.nic_bw
 
     def _result(self, steps: list[SimStep], wall_s: float) -> SimRun:
         tick_t = np.array([x[0] for x in self.ticks])
@@ -405,6 +403,16 @@ def _async_split(sc: Scenario) -> int:
         if max(step.rollout_s, step.train_s) < best_s:
             best, best_s = gpus, max(step.rollout_s, step.train_s)
     return best
+
+
+def sync_payload(sc: Scenario, step: int, sparse: bool) -> float:
+    """The bytes the policy's update for RL step `step` moves: the policy's sparse delta or its full
+    weights (`WeightSync`); in adapter mode (`serving.rollout`) the adapter's tensors, whole at every
+    step (all of them train), the first load too (the serving replicas hold the base already)."""
+    if sc.serving.rollout == "adapter":
+        return rollout_weight_bytes(sc)
+    policy = model_by_name(sc.models.policy)
+    return WeightSync(sc.sync.changed_fraction, sc.sync.full_every).payload_bytes(policy, step, sparse)
 
 
 def weight_sync_times(sc: Scenario, payload: float) -> dict[str, float]:

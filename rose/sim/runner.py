@@ -13,8 +13,16 @@ from omegaconf import OmegaConf
 
 from rose.sim.aggregate import LatencyHistogram
 from rose.sim.batched import BatchedSimulation
-from rose.sim.costs import WeightSync, model_by_name
-from rose.sim.engine import SimRun, Simulation, serving_alone, weight_sync_times, with_serving_engine
+from rose.sim.coserving import pool_bytes
+from rose.sim.costs import device_by_name, efficiency_for, model_by_name
+from rose.sim.engine import (
+    SimRun,
+    Simulation,
+    serving_alone,
+    sync_payload,
+    weight_sync_times,
+    with_serving_engine,
+)
 from rose.sim.scenarios import SWEEPS, Scenario, Sweep, apply_overrides, load_scenario, scale_overrides
 from rose.sim.serving import ServingLog
 from rose.sim.systems import SYSTEMS, Extra, System
@@ -134,7 +142,11 @@ class ScenarioResult:
             prompts, generated = sum(s.prompt_tokens for s in steps), sum(s.generated_tokens for s in steps)
             out["rollout_prefill_share"] = round(prompts / (prompts + generated), 3)
         if self.scenario.cluster.serving_gpus:
-            out["weight_sync_s"] = self.weight_sync_s()
+            sync = self.weight_sync()
+            out["weight_sync_s"], out["weight_sync_mb"] = sync["s"], sync["mb"]
+            device = device_by_name(self.scenario.cluster.device)
+            pool = pool_bytes(self.scenario, device, efficiency_for(device))
+            out["serving_kv_pool_gb"] = round(pool / 1e9, 2)     # a replica's, as co-serving has it
         if self.spike:
             out["spike"] = self.spike_summary()
         if rose is not None:
@@ -151,15 +163,17 @@ class ScenarioResult:
                 "driver_cores_needed": {k: _driver_cores_needed(r) for k, r in runs.items()},
                 "driver_saturated_share": {k: round(r.driver_saturated_share, 3) for k, r in runs.items()}}
 
-    def weight_sync_s(self) -> dict[str, float]:
-        """One update of the policy to the whole serving fleet: ROSE's sparse delta and full
-        weights over the relay, and the naive baseline's full copies."""
+    def weight_sync(self) -> dict[str, dict[str, float]]:
+        """One update of the policy to the whole serving fleet, its seconds and its MB: ROSE's
+        sparse delta (in adapter mode, `serving.rollout`, the adapter) and full weights over the
+        relay, and the naive baseline's full copies."""
         sc = self.scenario
-        policy = model_by_name(sc.models.policy)
-        delta = WeightSync(sc.sync.changed_fraction, sc.sync.full_every).payload_bytes(policy, 1, sparse=True)
-        full = weight_sync_times(sc, policy.weight_bytes)
-        return {"delta": round(weight_sync_times(sc, delta)["relay"], 2), "full": round(full["relay"], 2),
-                "naive": round(full["naive"], 1)}
+        update, full = sync_payload(sc, 1, sparse=True), model_by_name(sc.models.policy).weight_bytes
+        key = "adapter" if sc.serving.rollout == "adapter" else "delta"
+        times = weight_sync_times(sc, full)
+        return {"s": {key: round(weight_sync_times(sc, update)["relay"], 2), "full": round(times["relay"], 2),
+                      "naive": round(times["naive"], 1)},
+                "mb": {key: round(update / 1e6, 1), "full": round(full / 1e6, 1)}}
 
     def spike_summary(self) -> dict[str, Any]:
         """Per co-serving system: serving's P99s inside the spike and outside it against serving

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rose.config import load, read_named_config
+from rose.contracts.adapter import LoRAConfig
 from rose.coserve.settings import ExecutorConfig
 from rose.sim.costs import DEVICES, MODELS, TRANSPORTS, WeightSync
 from rose.sim.systems import SYSTEMS, Extra, batchable
@@ -112,6 +113,14 @@ class ServingFleetConfig:
     # Every replica replays the trace from this many seconds into it, as replayed at this load
     # (`rose loadgen --start`, `rose bench coserve --start`), on a flat day. None: as above.
     replay_start_s: float | None = None
+    # How each replica hosts the rollouts: "model", the policy a second model beside serving's (its
+    # weights in device memory, its own forward after serving's each iteration); "adapter", the
+    # policy a LoRA adapter of the serving model (models.policy must be models.serving): one set of
+    # weights, rollout rows in serving's forward, one KV pool, and each RL step's weight sync the
+    # adapter's tensors (`rose.sim.costs.OneForwardLatency`). Its rank, on every attention and MLP
+    # projection, is adapter_rank.
+    rollout: str = "model"
+    adapter_rank: int = LoRAConfig.rank
     # Each replica's executor, as `rose serve`'s and with its defaults; the scenarios state their
     # SLOs. Only SIMULATED_SETTINGS may differ from the defaults.
     executor: ExecutorConfig = dataclasses.field(default_factory=ExecutorConfig)
@@ -262,8 +271,18 @@ def validate(sc: Scenario) -> Scenario:
                        ("rl.group", r.group), ("rl.steps", r.steps),
                        ("rl.rollout_max_seqs", r.rollout_max_seqs),
                        ("rl.rollout_batched_tokens", r.rollout_batched_tokens),
-                       ("sync.full_every", sc.sync.full_every)):
+                       ("sync.full_every", sc.sync.full_every), ("serving.adapter_rank", s.adapter_rank)):
         need(value >= 1, key, ">= 1", value)
+    need(s.rollout in ("model", "adapter"), "serving.rollout", "model or adapter", s.rollout)
+    if s.rollout == "adapter" and sc.models.policy != sc.models.serving:
+        raise ValueError(f"scenario {sc.name}: serving.rollout=adapter trains a LoRA adapter of the serving "
+                         f"model, so models.policy ({sc.models.policy}) must be models.serving "
+                         f"({sc.models.serving})")
+    if s.rollout == "adapter":
+        try:
+            MODELS[sc.models.serving].adapter_params(s.adapter_rank)
+        except ValueError as exc:   # a rank above a projection's smaller side
+            raise ValueError(f"scenario {sc.name}: serving.adapter_rank: {exc}") from None
     need(c.train_gpus >= c.rollout_tp and c.train_gpus % c.rollout_tp == 0, "cluster.train_gpus",
          f"a positive multiple of rollout_tp ({c.rollout_tp})", c.train_gpus)
     for key, value, tp in (("cluster.rollout_gpus", c.rollout_gpus, c.rollout_tp),
