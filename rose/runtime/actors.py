@@ -46,7 +46,7 @@ from rose.model.lora import adapter_base, is_adapter
 from rose.rl import Objective, Trainer, TrainerConfig, Trajectory
 from rose.rl.trainer import process_group_backend
 from rose.runtime.checkpoints import Checkpoint, open_checkpoint, probe_dir
-from rose.runtime.config import POLICY_ADAPTER, ServingDeviceConfig
+from rose.runtime.config import POLICY_ADAPTER, ServingDeviceConfig, ServingRollout
 from rose.runtime.devices import pin
 from rose.steploop import StepLoop
 from rose.traces import load_trace
@@ -294,16 +294,21 @@ class ServingDeviceActor(_HttpReplica):
     process, through the engine loop the server runs on; they are the rollout model's, which
     runs on ROSE's engine whatever `engine` serves the serving model (`serving.engine`: vLLM's
     in this process, its KV cache `config.serving_pool_share` of the pool, as `rose serve
-    --engine vllm`)."""
+    --engine vllm`). With `serving.rollout=adapter` there is no rollout model: turns run on the
+    serving model with the policy's adapter, and each sync loads the adapter there."""
 
     def __init__(self, worker_id: str, cores: list[int], local: bool, serving: Checkpoint, policy: Checkpoint,
                  config: ExecutorConfig, device: str, replay_spec: ServingDeviceConfig, relay: str,
                  group: str, limits: ServerLimits, engine: Engine = Engine.NATIVE,
                  lora: LoRAConfig | None = None) -> None:
         self._start_as(worker_id, cores, local)
-        serving_path, rollout_path = open_checkpoint(serving), open_checkpoint(policy)
+        serving_path = open_checkpoint(serving)
+        adapter_mode = replay_spec.rollout is ServingRollout.ADAPTER
+        # In adapter mode the policy's base is the serving model (the config's checks): its
+        # checkpoint is not loaded a second time.
+        rollout_path = None if adapter_mode else open_checkpoint(policy)
         executor = CoServingExecutor.from_pretrained(serving_path, rollout_path, config, device,
-                                                     engine=engine)
+                                                     engine=engine, adapter_mode=adapter_mode)
         executor.profile()
         self.limits = limits
         loop = StepLoop(executor, name="rose-executor")
@@ -316,7 +321,8 @@ class ServingDeviceActor(_HttpReplica):
             maxlen=POOL_SAMPLES_KEPT)  # (wall clock, `ExecutorMetrics.pool_sample`)
         self._stop = threading.Event()
         self._replay: threading.Thread | None = None
-        self._join(relay, group, worker_id, policy_spec(executor.rollout.model, lora), loop,
+        assert executor.turns is not None  # a rollout model, or the serving engine in adapter mode
+        self._join(relay, group, worker_id, policy_spec(executor.turns.model, lora), loop,
                    policy_load(executor, lora))
 
     def start_replay(self) -> None:

@@ -28,7 +28,15 @@ from rose.rl.envs.heldout import SPLITS
 from rose.rl.objective import OBJECTIVES
 from rose.rl.trainer import SHARDINGS
 from rose.rollout.agent import load_agent
-from rose.runtime.config import BACKENDS, Config, Mode, ModelSource, RolloutConfig, objective_options
+from rose.runtime.config import (
+    BACKENDS,
+    Config,
+    Mode,
+    ModelSource,
+    RolloutConfig,
+    ServingRollout,
+    objective_options,
+)
 from rose.runtime.devices import available_cores, cluster_address
 from rose.runtime.loggers import LOGGERS, missing_package
 from rose.runtime.placement import ROLES
@@ -76,6 +84,7 @@ def check_config(config: Config, mode: Mode | None = None) -> None:
     for tool in config.rollout.tools:
         _check(tool in TOOLS, f"rollout.tools: {tool!r} is not a tool; the tools are {', '.join(TOOLS)}")
     _check_backend(config)
+    _check_serving_rollout(config)
     _check_serving_engine(config)
     _check(t.objective in OBJECTIVES, f"train.objective must be one of {', '.join(OBJECTIVES)}, "
                                       f"got {t.objective!r}")
@@ -214,6 +223,30 @@ def _check_backend(config: Config) -> None:
         check_model(_context("model", config.model), str(resolve(config.rollout.device)[0]))
     except ValueError as exc:
         raise ValueError(f"config: rollout.backend=vllm: {exc} (model, rollout.device)") from None
+
+
+def _check_serving_rollout(config: Config) -> None:
+    """serving.rollout=adapter: the policy a LoRA adapter of the very model the devices serve, on
+    the native engine (the one whose forward takes the adapter's rows beside serving's)."""
+    m, s = config.model, config.serving
+    if s.rollout is not ServingRollout.ADAPTER:
+        return
+    _check(m.lora is not None, "serving.rollout=adapter runs the policy as a LoRA adapter of the serving "
+                               "model: set model.lora (or serving.rollout=model)")
+    _check(m.identity() == s.model.identity(),
+           f"serving.rollout=adapter: the policy's base must be the serving model; model is "
+           f"{_named(m.identity())}, serving.model {_named(s.model.identity())} (give both the same path, "
+           f"pretrained, or arch/preset/seed)")
+    _check(s.engine is Engine.NATIVE,
+           "serving.rollout=adapter with serving.engine=vllm: adapter mode runs on the native engine")
+
+
+def _named(identity: tuple[str, ...]) -> str:
+    """A `ModelSource.identity` as the config's keys give it."""
+    kind, *rest = identity
+    if kind == "preset":
+        return "arch {} preset {} seed {}".format(*rest)
+    return f"{kind} {rest[0]}"
 
 
 def _check_serving_engine(config: Config) -> None:

@@ -23,6 +23,15 @@ from rose.coserve.settings import Engine, ExecutorConfig
 BACKENDS = ("native", "vllm")  # rollout.backend: the dedicated workers' engines
 
 
+class ServingRollout(str, enum.Enum):
+    """What runs a serving device's rollout turns (`serving.rollout`)."""
+
+    MODEL = "model"  # a rollout model of the policy's own beside the serving model
+    # The serving model itself, the policy's LoRA adapter on its turns' rows (model.lora on the
+    # serving model's checkpoint): one set of weights, one forward, each sync the adapter alone.
+    ADAPTER = "adapter"
+
+
 class Mode(enum.Enum):
     FIXED = "fixed"  # dedicated devices only
     ELASTIC = "elastic"  # plus devices started on demand, each paying start-up and provisioning
@@ -49,6 +58,15 @@ class ModelSource:
     @property
     def is_pretrained(self) -> bool:
         return self.path is not None or self.pretrained is not None
+
+    def identity(self) -> tuple[str, ...]:
+        """What names the weights `checkpoint` gives: the resolved path, the pretrained model, or
+        the random preset and its seed. Two sources of one identity hold the same weights."""
+        if self.path is not None:
+            return ("path", str(Path(self.path).resolve()))
+        if self.pretrained is not None:
+            return ("pretrained", self.pretrained)
+        return ("preset", self.arch, self.preset, str(self.seed))
 
     def checkpoint(self, out: Path) -> Path:
         """`path`, else the `pretrained` model or a random `arch`/`preset` checkpoint written to `out`."""
@@ -208,6 +226,10 @@ class ServingDeviceConfig:
     # (vLLM's, from .venv-vllm, its KV cache `executor.serving_pool_share` of the pool, the rollout
     # model's the rest), as `rose serve --engine`; the rollout model runs on ROSE's engine either way.
     engine: Engine = Engine.NATIVE
+    # What runs the rollout turns lent to the device: `model` (a rollout model, the policy's
+    # weights, beside the serving model) or `adapter` (the serving model itself with the policy's
+    # LoRA adapter: needs model.lora on the serving model's checkpoint, and the native engine).
+    rollout: ServingRollout = ServingRollout.MODEL
     device: str | None = None  # both models (None: cuda if there is one, else cpu; bfloat16 on cuda)
     # `rose serve` processes started on their own (a serving team's replicas), attached by URL
     # beside or instead of `devices.serving`: turns are leased there and the policy's weights

@@ -4,6 +4,7 @@ was expected; YAML files and dotted overrides compose."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from rose.runtime.config import (
     DAPO_SAMPLING_ROUNDS,
     Config,
     Mode,
+    ServingRollout,
     chosen_defaults,
     load_config,
     objective_options,
@@ -111,6 +113,20 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     (["model.lora.targets=[q_proj,qkv]"], r"model\.lora\.targets: 'qkv' names no module of the model"),
     (["serving.model.lora.rank=8"], r"serving\.model\.lora: the serving model serves as it is"),
     (["model.lora.rank=8", "train.sharding=fsdp"], r"train\.sharding=fsdp with model\.lora is not supported"),
+    (["serving.rollout=adapter"], r"^config: serving\.rollout=adapter runs the policy as a LoRA adapter of "
+                                  r"the serving model: set model\.lora \(or serving\.rollout=model\)$"),
+    (["serving.rollout=adapter", "model.lora.rank=4"],
+     r"^config: serving\.rollout=adapter: the policy's base must be the serving model; model is arch qwen3 "
+     r"preset tiny seed 0, serving\.model arch qwen2 preset tiny seed 1 \(give both the same path, "
+     r"pretrained, or arch/preset/seed\)$"),
+    (["serving.rollout=adapter", "model.lora.rank=4", "model.arch=qwen2", "serving.model.seed=2"],
+     r"model is arch qwen2 preset tiny seed 0, serving\.model arch qwen2 preset tiny seed 2"),
+    (["serving.rollout=adapter", "model.lora.rank=4", "model.pretrained=smollm2-135m-instruct"],
+     r"model is pretrained smollm2-135m-instruct, serving\.model arch qwen2 preset tiny seed 1"),
+    (["serving.rollout=adapter", "model.lora.rank=4", "model.arch=qwen2", "model.seed=1",
+      "serving.engine=vllm"],
+     r"^config: serving\.rollout=adapter with serving\.engine=vllm: adapter mode runs on the native engine$"),
+    (["serving.rollout=lora"], r"^config: serving\.rollout: Invalid value 'lora'"),
 ])
 def test_bad_config_is_one_clear_error(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -213,6 +229,23 @@ def test_serving_model_path_is_served_and_sets_its_context(tiny_qwen3: Path, tmp
     with pytest.raises(ValueError, match=rf"serving\.max_context \({limit + 1}\) exceeds the serving model's "
                                          rf"context \({limit} tokens"):
         load_config(None, [f"serving.model.path={tiny_qwen3}", f"serving.max_context={limit + 1}"])
+
+
+def test_adapter_mode_takes_the_serving_models_own_checkpoint(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """serving.rollout=adapter: the policy's LoRA base and the serving model are one checkpoint,
+    the same directory however it is written, the same preset and seed, or the same pretrained model."""
+    assert load_config(None).serving.rollout is ServingRollout.MODEL  # the default
+    lora = ["serving.rollout=adapter", "model.lora.rank=4"]
+    config = load_config(None, [*lora, f"model.path={tiny_qwen3}", f"serving.model.path={tiny_qwen3}/../"
+                                f"{tiny_qwen3.name}/", "serving.max_context=256"])
+    assert config.serving.rollout is ServingRollout.ADAPTER
+    preset = load_config(None, [*lora, "model.arch=qwen2", "model.seed=1"])
+    assert preset.serving.rollout is ServingRollout.ADAPTER
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_qwen3, copy)
+    with pytest.raises(ValueError, match=rf"model is path {tiny_qwen3}, serving\.model path {copy} "):
+        load_config(None, [*lora, f"model.path={tiny_qwen3}", f"serving.model.path={copy}",
+                           "serving.max_context=256"])
 
 
 def test_a_checkpoint_config_it_cannot_run_names_the_key(tiny_qwen3: Path, tmp_path: Path) -> None:
