@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         group.add_argument(name, dest=key, default=argparse.SUPPRESS, help=f"{text}{shown}".strip(), **kwargs)
 
     flag("--model", "serving model checkpoint (HF format); required, here or in --config")
-    flag("--rollout-model", "rollout model checkpoint; leases are refused without one")
+    flag("--rollout-model", "rollout model checkpoint; leases are refused without one (or --rollout-adapter)")
     flag("--rollout-adapter", "a PEFT LoRA adapter directory of the rollout model, loaded at start as "
-         "version 0; turns that name it (Turn.adapter) run with it")
+         "version 0; turns that name it (Turn.adapter) run with it. Without --rollout-model, an adapter "
+         "of --model: turns ride the serving model (adapter mode: one forward, one KV pool)")
     flag("--rollout-adapter-name", "the name turns give --rollout-adapter by (default: its directory's name)")
     flag("--engine", "what serves the serving model (vllm: vLLM's engine, which needs --rollout-model)",
          choices=[engine.value for engine in Engine])
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     # and queued, beyond the iteration itself (coserve.md, "Admission").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     executor = CoServingExecutor.from_pretrained(serve.model, serve.rollout_model, serve.executor,
-                                                 serve.device, serve.dtype, serve.engine)
+                                                 serve.device, serve.dtype, serve.engine, serve.adapter_mode)
     if serve.rollout_adapter:
         config, tensors, _ = load_adapter(serve.rollout_adapter)
         executor.load_adapter(serve.adapter_name(), config, tensors.items(), 0)

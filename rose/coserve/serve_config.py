@@ -21,8 +21,10 @@ from rose.coserve.settings import MB, ChatOptions, Engine, ExecutorConfig, Serve
 @dataclasses.dataclass
 class ServeConfig:
     model: str | None = None  # serving checkpoint (HF format); required
-    rollout_model: str | None = None  # leases are refused without one
-    rollout_adapter: str | None = None  # a PEFT adapter directory the rollout model loads at start
+    rollout_model: str | None = None  # leases are refused without one (or a rollout_adapter)
+    # A PEFT adapter directory loaded at start: of the rollout model, or without one of the serving
+    # model, whose engine then runs the turns too (adapter mode)
+    rollout_adapter: str | None = None
     rollout_adapter_name: str | None = None  # the name turns run it by; None: the directory's name
     engine: Engine = Engine.NATIVE  # what serves the serving model
     served_model_name: str | None = None  # None: the model directory's name
@@ -51,6 +53,11 @@ class ServeConfig:
     max_waiting: int = ServerLimits.max_waiting_per_model
     queue_timeout_s: float = ServerLimits.queue_timeout_s
     limit_concurrency: int = ServerLimits.max_connections
+
+    @property
+    def adapter_mode(self) -> bool:
+        """Rollout turns ride the serving model with `rollout_adapter` (no rollout model)."""
+        return self.rollout_model is None and self.rollout_adapter is not None
 
     def adapter_name(self) -> str:
         """The name turns run `rollout_adapter` by (`Turn.adapter`)."""
@@ -100,23 +107,24 @@ def load_serve_config(files: Sequence[str | Path] = (), overrides: Sequence[str]
                              "makes .venv-vllm, which has it)")
         if config.rollout_model is None:
             raise ValueError("config: engine: vllm serves beside a rollout model, which it needs "
-                             "(--rollout-model)")
+                             "(--rollout-model; adapter mode, --rollout-adapter alone, runs on the "
+                             "native engine)")
     return config
 
 
 def _check_rollout_adapter(config: ServeConfig) -> None:
-    """`--rollout-adapter` names a PEFT adapter directory, for a rollout model (its shapes are
-    checked against the model once both load)."""
-    from rose.model.lora import CONFIG_FILE, WEIGHTS_FILE
+    """`--rollout-adapter` names a PEFT adapter directory, of the rollout model (its shapes are
+    checked against the model once both load), or in adapter mode of the serving model: its
+    base must be that model."""
+    from rose.model.lora import CONFIG_FILE, WEIGHTS_FILE, check_base
 
-    if config.rollout_model is None:
-        raise ValueError("config: rollout_adapter: an adapter of the rollout model, which it needs "
-                         "(--rollout-model)")
     path = Path(config.rollout_adapter or "")
     missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (path / name).is_file()]
     if missing:
         raise ValueError(f"config: rollout_adapter: {path} has no {missing[0]}; expected a PEFT adapter "
                          "directory")
+    if config.adapter_mode:
+        check_base(path, config.model or "", "config: rollout_adapter (adapter mode: no rollout model)")
 
 
 def _chat_template(value: str) -> str:

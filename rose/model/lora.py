@@ -82,6 +82,19 @@ def adapter_base(path: str | Path) -> str:
     return base
 
 
+def check_base(path: str | Path, model: str | Path, where: str) -> None:
+    """ValueError unless the adapter at `path` was trained on `model`: its base
+    (`base_model_name_or_path`) is that directory, or, for a base that is no directory here (a
+    hub id, a path on the training machine), has that directory's name."""
+    base = str(json.loads((Path(path) / CONFIG_FILE).read_text()).get("base_model_name_or_path") or "")
+    model = Path(model).resolve()
+    same = Path(base).resolve() == model if Path(base).is_dir() else Path(base).name == model.name
+    if not same:
+        raise ValueError(f"{where}: the adapter's base is {base or 'not named'!r} "
+                         f"(base_model_name_or_path), the model it would run on {str(model)!r}; expected "
+                         "an adapter of that model")
+
+
 def merged(model: nn.Module, config: LoRAConfig, tensors: Mapping[str, torch.Tensor]) -> nn.Module:
     """`model` with the adapter folded into its weights (W + scaling * B @ A, in float32), in place."""
     modules = dict(model.named_modules())

@@ -6,16 +6,23 @@ lets a guest displace serving."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 
-from rose.contracts import TokenLoad, Turn
+from rose.contracts import TokenLoad, Turn, TurnOutput
 from rose.contracts.adapter import LoRAConfig
+from rose.coserve.cli import serve_process
 from rose.coserve.executor import CoServingExecutor
+from rose.coserve.lease_client import LeaseClient
 from rose.coserve.settings import MB, ExecutorConfig, Policy
 from rose.engine import EngineConfig, KVPool, KVSpec, LLMEngine, RequestOutput, SamplingParams
-from rose.model import preset_config, random_model
+from rose.model import load_model, load_tokenizer, preset_config, random_model
 from rose.model.decoder import CausalLM
+from rose.model.lora import save_adapter
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -51,6 +58,10 @@ def _merge(merged: dict[str, RequestOutput], outputs: list[RequestOutput]) -> di
         else:
             merged[out.request_id] = out
     return merged
+
+
+def local_text(checkpoint: Path, token_ids: list[int]) -> str:
+    return load_tokenizer(checkpoint).decode(token_ids)
 
 
 def _drain(ex: CoServingExecutor, merged: dict[str, RequestOutput] | None = None) -> dict[str, RequestOutput]:
@@ -157,3 +168,32 @@ def test_weights_and_a_foreign_adapter_are_refused() -> None:
         CoServingExecutor(model, other, ExecutorConfig(), adapter_mode=True)
     cap = ex.capacity()
     assert cap.policy_version == 1 and cap.free_slots > 0
+
+
+def test_rose_serve_with_only_a_rollout_adapter_runs_turns_on_the_serving_model(tiny_qwen2: Path,
+                                                                                 tmp_path: Path) -> None:
+    tensors = _adapter(load_model(tiny_qwen2))
+    directory = save_adapter(tmp_path / "policy", LORA, tensors, str(tiny_qwen2))
+    prompt = _ids(9, 2)
+    argv = ["--model", str(tiny_qwen2), "--rollout-adapter", str(directory), "--device", "cpu",
+            "--no-profile", "--threads", "1", "--pool-mb", "8"]
+
+    async def turn(url: str) -> TurnOutput:
+        client = LeaseClient(url)
+        try:
+            return await client.run_turn(Turn("t", "traj", prompt, GREEDY, 0, "policy"))
+        finally:
+            await client.close()
+
+    with serve_process(argv, startup_s=120) as (url, _):
+        got = asyncio.run(turn(url))
+        served = httpx.post(f"{url}/v1/completions", json={"model": tiny_qwen2.name, "prompt": prompt,
+                                                             "max_tokens": 6, "temperature": 0})
+        metrics = httpx.get(f"{url}/metrics").text
+    local = LLMEngine.from_pretrained(tiny_qwen2)
+    local.load_adapter("policy", LORA, tensors.items(), 0)
+    want = local.generate([prompt, prompt], GREEDY, adapter=["policy", None])
+    assert got.token_ids == want[0].token_ids and got.logprobs == pytest.approx(want[0].logprobs, abs=1e-5)
+    assert served.status_code == 200
+    assert served.json()["choices"][0]["text"] == local_text(tiny_qwen2, want[1].token_ids)
+    assert 'rose:iterations_total{engine="rollout"} 0.0' in metrics  # one forward: serving's

@@ -231,12 +231,15 @@ def test_rose_serve_loads_a_rollout_adapter_at_start(checkpoints: tuple[Path, Pa
 
 
 def test_rollout_adapter_settings_are_checked_before_any_model_loads(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="rollout_adapter: an adapter of the rollout model"):
-        load_serve_config(flags={"model": "m", "rollout_adapter": str(tmp_path)})
     with pytest.raises(ValueError, match=r"has no adapter_config\.json; expected a PEFT adapter directory"):
         load_serve_config(flags={"model": "m", "rollout_model": "r", "rollout_adapter": str(tmp_path)})
-    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_config.json").write_text('{"base_model_name_or_path": "/elsewhere/base"}')
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    # Adapter mode (no rollout model): the adapter must be the serving model's.
+    with pytest.raises(ValueError, match=r"rollout_adapter \(adapter mode: no rollout model\): the "
+                                         r"adapter's base is '/elsewhere/base'"):
+        load_serve_config(flags={"model": "/models/served", "rollout_adapter": str(tmp_path)})
+    assert load_serve_config(flags={"model": "/models/base", "rollout_adapter": str(tmp_path)}).adapter_mode
     config = load_serve_config(flags={"model": "m", "rollout_model": "r", "rollout_adapter": str(tmp_path)})
     assert config.adapter_name() == tmp_path.name
     named = load_serve_config(flags={"model": "m", "rollout_model": "r", "rollout_adapter": str(tmp_path),
