@@ -314,7 +314,8 @@ class ServingDeviceActor(_HttpReplica):
         loop = StepLoop(executor, name="rose-executor")
         app = build_app(loop, executor, load_tokenizer(serving_path), Path(serving_path).name, limits)
         self.server = self._serve(app, limits)
-        log.info("serving %s (%s engine) at %s", Path(serving_path).name, engine.value, self.url)
+        log.info("serving %s (%s engine; rollout turns on %s) at %s", Path(serving_path).name, engine.value,
+                 "it, with the policy's adapter" if adapter_mode else "a rollout model", self.url)
         self.spec, self.executor = replay_spec, executor
         self.results: list[tuple[float, RequestResult]] = []  # (arrival, wall clock), result
         self.pool: collections.deque[tuple[float, dict[str, float]]] = collections.deque(

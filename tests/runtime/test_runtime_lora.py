@@ -42,3 +42,19 @@ def test_a_lora_run_trains_syncs_and_resumes_the_adapter_alone(tmp_path: Path) -
     [resumed] = json.loads(summary.read_text())["steps"]
     assert (resumed["step"], resumed["version"]) == (2, 3)
     assert set(resumed["staleness"]) == {"0"}
+
+
+@pytest.mark.slow
+def test_adapter_mode_runs_the_serving_devices_turns_on_the_serving_model(tmp_path: Path) -> None:
+    """serving.rollout=adapter: the policy is a LoRA adapter of the serving model's own checkpoint
+    (the serving default's preset and seed), and the serving device runs its turns on the serving
+    model with the adapter each sync loads, at the trained version, no rollout model beside it."""
+    summary = tmp_path / "summary.json"
+    assert main(["train", *RUN, "serving.rollout=adapter", "model.arch=qwen2", "model.seed=1",
+                 "train.steps=2", f"train.out_dir={tmp_path / 'run'}", "--json", str(summary)]) == 0
+    report = json.loads(summary.read_text())
+    steps = report["steps"]
+    assert [s["version"] for s in steps] == [steps[0]["version"], steps[0]["version"] + 1]
+    for s in steps:
+        assert set(s["staleness"]) == {"0"} and s["lost_trajectories"] == s["failed_trajectories"] == 0
+    assert sum(s["serving_tokens"] for s in steps) > 0 and report["summary"]["serving_token_share"] > 0
