@@ -10,6 +10,10 @@ window: `serving_alone`, `naive_share`, `static_partition`, `rose`. With `--engi
 engine serves (`rose serve --engine vllm`): its KV cache is its own, `--serving-pool-share` of the
 pool, so the spike fills vLLM's cache, not the rollouts' pool, and vLLM preempts serving requests
 when it is full; the modes there are `serving_alone`, `naive_share`, `priority` and `rose`.
+`--rollout adapter` (native engine) adds `rose_adapter`, the executor's adapter mode: the policy
+an adapter of the serving model, its turns' pages in the same pool as serving's (the two-model
+`rose` runs the adapter on a second copy of the serving model, `rose.bench.rollouts`); both on
+the same pool, the pages the second copy's weights would give back stated beside them.
 
 Measured, besides what the server's /metrics say at the end:
 - every ~100 ms, the pool (serving, rollout and free pages, the rollout budget, the burst
@@ -34,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,12 +52,14 @@ from rose.bench.coserve import (
     PROMPT_IDS,
     bench_server,
     check_engine,
+    check_rollout,
     default_models,
     first_prompt,
     pin_server_core,
     rose_args,
     slo_kwargs,
 )
+from rose.bench.rollouts import ADAPTER_MODE, Rollouts, adapter_rollouts, second_model_pages
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.lease_client import ExecutorBusy, LeaseClient, LeaseError
 from rose.coserve.loadgen import RequestResult, build_trace, kv_tokens, replay, summarize
@@ -195,7 +202,7 @@ class Room:
 
 
 async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator,
-                  hand_back: HandBack) -> None:
+                  hand_back: HandBack, adapter: str | None = None) -> None:
     """Multi-turn rollouts that keep the device saturated until `stop_at`, as `rose bench
     coserve`'s backlog, resuming a turn handed back as the rollout scheduler does
     (`rose.rollout.routing.resume`): the tokens it produced join its prompt and come off its
@@ -217,7 +224,8 @@ async def backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Ge
             got = TurnOutput()
             params = SamplingParams(max_tokens=TURN_TOKENS - produced, temperature=1.0, ignore_eos=True)
             try:
-                await client.run_turn(Turn(f"t{k}-{turn}-{attempt}", f"traj{k}", history, params), got)
+                turn_id = f"t{k}-{turn}-{attempt}"
+                await client.run_turn(Turn(turn_id, f"traj{k}", history, params, None, adapter), got)
             except ExecutorBusy:
                 hand_back.refused += 1
                 await asyncio.sleep(0.05)
@@ -368,9 +376,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Namespace,
-                   slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
+                   slo: dict[str, float], adapter: str | None) -> tuple[dict[str, Any], list[RequestResult]]:
     """One mode over the window: its figures and its serving requests' results."""
-    policy, rollouts = ENGINE_MODES[args.engine][mode]
+    policy, rollouts = engine_modes(args)[mode]
     scale = window.scale
     samples: list[dict[str, float]] = []
     steps: list[dict[str, Any]] = []
@@ -383,7 +391,7 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
                    vocab=PROMPT_IDS),
             timeline(url, t0, wall0, stop, next_step, samples, steps, missed)]
     if rollouts:
-        jobs.append(backlog(url, stop, args.trajectories, np.random.default_rng(1), hand_back))
+        jobs.append(backlog(url, stop, args.trajectories, np.random.default_rng(1), hand_back, adapter))
     requests = (await asyncio.gather(*jobs))[0]
     wall = time.perf_counter() - t0
     text = httpx.get(f"{url}/metrics", timeout=60.0).text
@@ -419,12 +427,12 @@ async def _measure(url: str, mode: str, window: BurstWindow, args: argparse.Name
     return result, requests
 
 
-def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollout: Path, core: str | None,
-             device: tuple[str, ...], run: int = 0) -> dict[str, Any]:
+def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollouts: Rollouts,
+             core: str | None, device: tuple[str, ...], run: int = 0) -> dict[str, Any]:
     pool = ("--pool-mb", str(args.burst_pool_mb))
     if args.engine == "vllm":  # vLLM's KV cache is its own: this share of the pool
         pool += ("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
-    modes = {m: v for m, v in ENGINE_MODES[args.engine].items() if m in burst_modes(args)}
+    modes = {m: v for m, v in engine_modes(args).items() if m in burst_modes(args)}
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     results: dict[str, Any] = {}
     requests: dict[str, list[RequestResult]] = {}
@@ -437,8 +445,9 @@ def _one_run(args: argparse.Namespace, window: BurstWindow, serving: Path, rollo
                    if args.iteration_log else ())
             extra = (*pool, *(rose_args(args) if policy == "rose" else ()),
                      *(split if policy == "static" else ()), *log, *device)
-            with bench_server(serving, rollout, policy, slo, core, extra) as url:
-                results[mode], requests[mode] = asyncio.run(_measure(url, mode, window, args, slo))
+            with bench_server(serving, rollouts, mode, policy, slo, core, extra) as url:
+                measured = _measure(url, mode, window, args, slo, rollouts.turn_adapter)
+                results[mode], requests[mode] = asyncio.run(measured)
             if mode == "serving_alone":  # its P99s over the window x --slo-factor: the others' SLO
                 alone = results[mode]
                 slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
@@ -486,13 +495,14 @@ def summarize_burst(run: dict[str, Any], window: BurstWindow, pool_mb: float,
         if "rollout_tokens_per_s" in r:
             figures["rollout_tokens_per_s"] = r["rollout_tokens_per_s"]
         summary[mode] = figures
-    rose = modes["rose"]
-    summary["rose"].update({k: rose.get(k) for k in (
-        "bursts", "burst_cuts", "trigger_s", "burst_state_s", "freeze_s", "trigger_to_next_step_s",
-        "rollout_pages_cut", "rollout_turns_cut", "reclaim_iterations", "reclaim_ms", "hand_back",
-        "harvest_tokens_per_s")})
-    reclaim = rose["reclaim_iterations"]["max_at_most"]
-    summary["rose"]["reclaimed_within_one_iteration"] = reclaim is not None and reclaim <= 1
+    for name in ("rose", ADAPTER_MODE) if ADAPTER_MODE in modes else ("rose",):
+        ran = modes[name]
+        summary[name].update({k: ran.get(k) for k in (
+            "bursts", "burst_cuts", "trigger_s", "burst_state_s", "freeze_s", "trigger_to_next_step_s",
+            "rollout_pages_cut", "rollout_turns_cut", "reclaim_iterations", "reclaim_ms", "hand_back",
+            "harvest_tokens_per_s")})
+        reclaim = ran["reclaim_iterations"]["max_at_most"]
+        summary[name]["reclaimed_within_one_iteration"] = reclaim is not None and reclaim <= 1
     ours = summary["rose"]["inside"]
     for mode, name in (("static_partition", "static"), ("priority", "priority")):
         if mode in summary:
@@ -583,10 +593,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="static_partition's rollout share of the pool (default: half, as without --burst)")
 
 
+def engine_modes(args: argparse.Namespace) -> dict[str, tuple[str, bool]]:
+    """The engine's modes, with adapter mode's under `--rollout adapter`."""
+    adapter = {ADAPTER_MODE: ("rose", True)} if args.rollout == "adapter" else {}
+    return {**ENGINE_MODES[args.engine], **adapter}
+
+
 def burst_modes(args: argparse.Namespace) -> list[str]:
     """The modes to run on the engine: serving_alone (every other's SLO and reference), then
     `--modes` (all the engine's by default)."""
-    known = list(ENGINE_MODES[args.engine])
+    known = list(engine_modes(args))
     if not args.modes:
         return known
     asked = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -645,18 +661,24 @@ def run(args: argparse.Namespace) -> int:
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
     check_engine(args, serving)
+    check_rollout(args)
     duration = args.duration or (60.0 if args.quick else 90.0)
     # The replay `rose bench coserve` makes (the trace's mean rate is 5.53 requests/s).
     window = burst_window(Scale(load=args.rate / 5.53), duration, args.spike_s, args.lead_s)
     if args.iteration_log:
         Path(args.iteration_log).mkdir(parents=True, exist_ok=True)
-    with default_models(serving, rollout) as (serving, rollout):
+    with default_models(serving, rollout) as (serving, rollout), tempfile.TemporaryDirectory() as tmp:
         if args.engine == "vllm":
             _check_vllm_cache(args, serving, window.scale.max_context)
         core = pin_server_core()
-        reports = [_one_run(args, window, serving, rollout, core, device, k) for k in range(args.runs)]
+        rollouts = (adapter_rollouts(serving, Path(tmp) / "adapter", args.lora_rank)
+                    if args.rollout == "adapter" else Rollouts(rollout))
+        reports = [_one_run(args, window, serving, rollouts, core, device, k) for k in range(args.runs)]
+        second = (second_model_pages(serving, args.lora_rank, resolve(args.device, args.dtype)[1])
+                  if args.rollout == "adapter" else None)
     summaries = [{"engine": args.engine, **summarize_burst(r, window, args.burst_pool_mb,
-                                                            args.static_rollout_pages)} for r in reports]
+                                                            args.static_rollout_pages),
+                  **({"second_model": second} if second else {})} for r in reports]
     worst = worst_run(summaries)
     summary = summaries[0] if args.runs == 1 else {
         "runs": args.runs, "worst_run": worst, "worst": summaries[worst], "median": median_summary(summaries),
@@ -664,7 +686,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot_burst({**reports[worst], "summary": summaries[worst]}, args.plot)
     config = {k: getattr(args, k) for k in (
-        "engine", "serving_pool_share", "serving_model", "rollout_model", "duration", "quick", "trajectories",
+        "engine", "serving_pool_share", "serving_model", "rollout_model", "rollout", "lora_rank", "duration",
+        "quick", "trajectories",
         "slo_factor", "admission_quantile", "tpot_inflation", "ttft_inflation", "burst_pool_mb",
         "next_step_s", "spike_s", "lead_s", "static_rollout_pages", "rate", "runs", "modes", "device",
         "dtype")}

@@ -14,6 +14,12 @@ fresh server, the same trace window and the same backlog:
 - `rose`: dual-SLO admission and burst control (`rose_q<Q>` with `--sweep-quantile`, `rose_i<E>`
   with `--sweep-inflation`: the same at other admission quantiles or TPOT inflation budgets).
 
+`--rollout adapter` makes the policy a LoRA adapter of the serving model (`rose.bench.rollouts`)
+and measures `serving_alone`, `rollout_alone`, `rose` (the adapter on a second copy of the
+serving model beside it: two forwards an iteration) and `rose_adapter` (the executor's adapter
+mode: the rollout rows in serving's forward), with the rollout tokens each computed in iterations
+where serving computed too, and the KV pages the second copy's weights would give back.
+
 `--engine vllm` serves the serving model on vLLM's engine (`rose serve --engine vllm`; the rollout
 model stays on the native engine) in modes `serving_alone`, `rollout_alone`, `naive_share`,
 `priority` (vLLM's priority scheduling across the two models: serving first, rollouts fill the
@@ -46,6 +52,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from rose.bench import checkpoint_arg, serve_device_args
+from rose.bench.rollouts import ADAPTER_MODE, Rollouts, adapter_rollouts, second_model_pages
 from rose.contracts import Turn, TurnOutput
 from rose.coserve.cli import serve_process
 from rose.coserve.lease_client import LeaseClient, LeaseError
@@ -53,7 +60,7 @@ from rose.coserve.loadgen import RequestResult, build_trace, replay, summarize
 from rose.coserve.settings import ExecutorConfig
 from rose.engine import SamplingParams
 from rose.model import ModelConfig, init_model
-from rose.model.device import add_device_arguments
+from rose.model.device import add_device_arguments, resolve
 from rose.progress import bar
 from rose.reporting import write_report
 
@@ -64,12 +71,15 @@ MODES = {  # mode -> (server policy, serving traffic, rollout backlog)
     "static_partition": ("static", True, True),
     "priority": ("priority", True, True),
     "rose": ("rose", True, True),
+    ADAPTER_MODE: ("rose", True, True),
 }
 # The modes measured on each serving engine (`--engine`), serving_alone first: it sets the SLO.
 ENGINE_MODES = {"native": ("serving_alone", "rollout_alone", "naive_share", "static_partition", "rose"),
                 "vllm": ("serving_alone", "rollout_alone", "naive_share", "priority", "rose")}
 # The engines `--engine` measures in one run: vLLM's table comes with the native one beside it.
 ENGINES = {"native": ("native",), "vllm": ("vllm", "native")}
+# `--rollout adapter`'s modes (on the native engine).
+ADAPTER_MODES = ("serving_alone", "rollout_alone", "rose", ADAPTER_MODE)
 
 
 # Token ids of the serving prompts and rollout turns, drawn uniformly: valid in any vocabulary of
@@ -94,6 +104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--serving-model", help="serving checkpoint (HF format; default: a fresh qwen2 `small`)")
     p.add_argument("--rollout-model", help="rollout checkpoint (HF format; default: a fresh qwen3 `small`)")
+    p.add_argument("--rollout", choices=("model", "adapter"), default="model",
+                   help="adapter: the policy is a LoRA adapter of the serving model, run as a second copy "
+                   "of it (rose) and riding its forward (rose_adapter)")
+    p.add_argument("--lora-rank", type=int, default=16, help="with --rollout adapter: the adapter's rank")
     p.add_argument("--duration", type=float,
                    help="seconds of trace for serving_alone and rose (default 700: 214 requests at the "
                    "default rate and start)")
@@ -121,11 +135,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def bench_server(serving: Path, rollout: Path, policy: str, slo: dict[str, float], core: str | None,
-                 extra: tuple[str, ...] = ()) -> Iterator[str]:
+def bench_server(serving: Path, rollouts: Rollouts, mode: str, policy: str, slo: dict[str, float],
+                 core: str | None, extra: tuple[str, ...] = ()) -> Iterator[str]:
     """A `rose serve` process as every benchmark mode runs it (one thread, on `core`, a 512 MiB
-    pool unless `extra` says otherwise): its URL."""
-    argv = ["--model", str(serving), "--rollout-model", str(rollout), "--policy", policy, "--threads", "1",
+    pool unless `extra` says otherwise, `mode`'s rollouts): its URL."""
+    argv = ["--model", str(serving), *rollouts.server_args(mode), "--policy", policy, "--threads", "1",
             "--pool-mb", "512", "--slo-ttft-ms", str(slo["ttft_ms"]), "--slo-tpot-ms", str(slo["tpot_ms"])]
     if core is not None:
         argv += ["--cores", core]
@@ -172,9 +186,11 @@ def next_prompt(history: list[int], produced: list[int], finished: bool,
     return first_prompt(rng) if len(history) > 1500 else history
 
 
-async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator) -> dict[str, int]:
+async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.Generator,
+                   adapter: str | None) -> dict[str, int]:
     """Multi-turn rollouts that keep the device saturated until `stop_at`: each turn is the
-    trajectory so far plus a new observation; a turn handed back is resumed with its tokens."""
+    trajectory so far plus a new observation, run with `adapter`; a turn handed back is resumed
+    with its tokens."""
     client = LeaseClient(url)
     counts = {"tokens": 0, "turns": 0, "handed_back": 0}
 
@@ -185,7 +201,7 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
             params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
             got = TurnOutput()
             try:
-                await client.run_turn(Turn(f"t{k}-{turn}", f"traj{k}", history, params), got)
+                await client.run_turn(Turn(f"t{k}-{turn}", f"traj{k}", history, params, None, adapter), got)
             except LeaseError:
                 await asyncio.sleep(0.05)
             finally:  # a turn cut off at the end of the window still counts what it produced
@@ -204,14 +220,14 @@ async def _backlog(url: str, stop_at: float, trajectories: int, rng: np.random.G
     return counts
 
 
-async def _measure(url: str, mode: str, duration: float, args: argparse.Namespace,
-                   slo: dict[str, float]) -> tuple[dict[str, Any], list[RequestResult]]:
+async def _measure(url: str, mode: str, duration: float, args: argparse.Namespace, slo: dict[str, float],
+                   adapter: str | None = None) -> tuple[dict[str, Any], list[RequestResult]]:
     """Run one mode for `duration` s: its figures, and the serving requests' own results."""
     _, traffic, rollouts = MODES.get(mode, MODES["rose"])  # rose_q<Q>, rose_i<E>: rose's
     work0, t0 = _work(url), time.perf_counter()
     jobs = []
     if rollouts:
-        jobs.append(_backlog(url, t0 + duration, args.trajectories, np.random.default_rng(1)))
+        jobs.append(_backlog(url, t0 + duration, args.trajectories, np.random.default_rng(1), adapter))
     if traffic:
         trace = build_trace("azure-conv", duration, load=args.rate / 5.53, start_s=args.start,
                             prompt_scale=0.125)
@@ -229,6 +245,8 @@ async def _measure(url: str, mode: str, duration: float, args: argparse.Namespac
                               "rollout_share_end": _metric(url, "rose:rollout_share"),
                               "rollout_interrupted": _metric(url, "rose:rollout_interrupted_total"),
                               "rollout_turns_cut": _metric(url, "rose:rollout_aborted_turns_total"),
+                              "rollout_tokens_beside_serving": _metric(
+                                  url, "rose:rollout_tokens_beside_serving_total"),
                               "bursts": _metric(url, "rose:burst_transitions_total",
                                                 from_state="normal", to_state="burst")}
     if rollouts:
@@ -259,15 +277,16 @@ def _modes(args: argparse.Namespace, engine: str, duration: float, baseline: flo
     # could harvest from an idle device (the idle cap bounds each step).
     each = {"rollout_alone": ("rose", baseline, rose_args(args)), "naive_share": ("naive", baseline, ()),
             "static_partition": ("static", baseline, ()), "priority": ("priority", baseline, ()),
-            "rose": ("rose", duration, rose_args(args))}
-    return [*((mode, *each[mode]) for mode in ENGINE_MODES[engine][1:]),
+            "rose": ("rose", duration, rose_args(args)), ADAPTER_MODE: ("rose", duration, rose_args(args))}
+    names = ADAPTER_MODES if args.rollout == "adapter" else ENGINE_MODES[engine]
+    return [*((mode, *each[mode]) for mode in names[1:]),
             *((f"rose_q{q:g}", "rose", duration, rose_args(args, quantile=q))
               for q in _floats(args.sweep_quantile)),
             *((f"rose_i{e:g}", "rose", duration, rose_args(args, tpot_inflation=e))
               for e in _floats(args.sweep_inflation))]
 
 
-def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str | None,
+def _one_run(args: argparse.Namespace, serving: Path, rollouts: Rollouts, core: str | None,
              device: tuple[str, ...]) -> dict[str, Any]:
     """Each engine of `--engine` in turn (`ENGINES`): its summary and modes; with more than one
     engine, keyed by engine."""
@@ -275,7 +294,7 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
     baseline = args.baseline_duration or (duration if args.quick else 200.0)
     engines = {engine: _modes(args, engine, duration, baseline) for engine in ENGINES[args.engine]}
     with bar("bench coserve", sum(1 + len(modes) for modes in engines.values())) as progress:
-        runs = {engine: _engine_run(args, engine, modes, duration, serving, rollout, core, device, progress)
+        runs = {engine: _engine_run(args, engine, modes, duration, serving, rollouts, core, device, progress)
                 for engine, modes in engines.items()}
     if len(runs) == 1:
         return next(iter(runs.values()))
@@ -284,7 +303,7 @@ def _one_run(args: argparse.Namespace, serving: Path, rollout: Path, core: str |
 
 
 def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, str, float, tuple[str, ...]]],
-                duration: float, serving: Path, rollout: Path, core: str | None, device: tuple[str, ...],
+                duration: float, serving: Path, rollouts: Rollouts, core: str | None, device: tuple[str, ...],
                 progress: Any) -> dict[str, Any]:
     """serving_alone on `engine` (which sets its SLO), then every other mode on a fresh server."""
     loose = {"ttft_ms": 1e6, "tpot_ms": 1e6}
@@ -293,7 +312,7 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     flags = (*(("--engine", "vllm", "--serving-pool-share", str(args.serving_pool_share))
                if engine == "vllm" else ()), *device)
     progress.describe(f"{tag}serving_alone")
-    with bench_server(serving, rollout, "rose", loose, core, flags) as url:
+    with bench_server(serving, rollouts, "serving_alone", "rose", loose, core, flags) as url:
         alone, requests = asyncio.run(_measure(url, "serving_alone", duration, args, loose))
     progress.advance()
     slo = {"ttft_ms": round(args.slo_factor * alone["p99_ttft_ms"], 1),
@@ -303,8 +322,9 @@ def _engine_run(args: argparse.Namespace, engine: str, modes: list[tuple[str, st
     print(f"{tag}serving_alone", alone, "slo", slo, flush=True)
     for mode, policy, seconds, extra in modes:
         progress.describe(f"{tag}{mode}")
-        with bench_server(serving, rollout, policy, slo, core, (*extra, *flags)) as url:
-            results[mode], served = asyncio.run(_measure(url, mode, seconds, args, slo))
+        with bench_server(serving, rollouts, mode, policy, slo, core, (*extra, *flags)) as url:
+            measured = _measure(url, mode, seconds, args, slo, rollouts.turn_adapter)
+            results[mode], served = asyncio.run(measured)
         if served and seconds == duration:  # the same trace requests as serving alone's
             added[mode] = _ttft_added(requests, served)
         print(f"{tag}{mode}", {k: v for k, v in results[mode].items() if k != "rollout"}, flush=True)
@@ -318,12 +338,13 @@ def _summary(results: dict[str, dict[str, Any]], slo: dict[str, float], added: d
     serving alone's, its harvest against the idle capacity and against naive sharing's."""
     idle = 1.0 - results["serving_alone"]["serving_busy_fraction"]
     capacity = results["rollout_alone"]["rollout_tokens_per_s"]
-    naive = results["naive_share"]["rollout_tokens_per_s"]
+    naive = results.get("naive_share", {}).get("rollout_tokens_per_s")
     alone = results["serving_alone"]
     summary: dict[str, Any] = {"slo": slo, "idle_fraction_serving_alone": round(idle, 4)}
     for mode, r in results.items():
         summary[mode] = {k: r.get(k) for k in ("p99_ttft_ms", "p99_tpot_ms", "slo_attainment",
-                                               "rollout_tokens_per_s", "completed")}
+                                               "rollout_tokens_per_s", "rollout_tokens_beside_serving",
+                                               "completed")}
         if mode not in ("serving_alone", "rollout_alone"):
             summary[mode].update(ttft_vs_alone=round(r["p99_ttft_ms"] / alone["p99_ttft_ms"], 3),
                                  tpot_vs_alone=round(r["p99_tpot_ms"] / alone["p99_tpot_ms"], 3),
@@ -336,6 +357,9 @@ def _summary(results: dict[str, dict[str, Any]], slo: dict[str, float], added: d
     summary["admission_quantile"] = admission_quantile
     summary["latency_model_error_rose"] = results["rose"]["latency_model_error"]
     summary["admission_overruns_rose"] = results["rose"]["admission_overruns"]
+    if ADAPTER_MODE in results:
+        summary["adapter_vs_two_models"] = round(
+            results[ADAPTER_MODE]["rollout_tokens_per_s"] / results["rose"]["rollout_tokens_per_s"], 3)
     return summary
 
 
@@ -426,6 +450,21 @@ def check_engine(args: argparse.Namespace, serving: Path | None) -> None:
             raise ValueError(f"--engine vllm --serving-model {serving}: {exc}") from None
 
 
+def check_rollout(args: argparse.Namespace) -> None:
+    """`--rollout adapter`: an adapter of the serving model, on the native engine (its rollout
+    model is the serving model again: none other may be named)."""
+    if args.rollout != "adapter":
+        return
+    if args.engine != "native":
+        raise ValueError("--rollout adapter: adapter mode runs on the native engine; expected --engine "
+                         "native")
+    if args.rollout_model is not None:
+        raise ValueError("--rollout adapter: the policy is an adapter of the serving model, whose second "
+                         "copy is the two-model modes' rollout model; expected no --rollout-model")
+    if args.lora_rank < 1:
+        raise ValueError(f"--lora-rank must be >= 1, got {args.lora_rank}")
+
+
 def pin_server_core() -> str | None:
     """The server's core (None with one core): the server gets a core of its own; this process,
     the load generator and the rollout driver, keeps the others."""
@@ -455,10 +494,17 @@ def run(args: argparse.Namespace) -> int:
                         for flag, path in (("--serving-model", args.serving_model),
                                            ("--rollout-model", args.rollout_model)))
     check_engine(args, serving)
+    check_rollout(args)
     server_core = pin_server_core()
-    with default_models(serving, rollout) as (serving, rollout):
-        runs = [_one_run(args, serving, rollout, server_core, device) for _ in range(args.runs)]
+    with default_models(serving, rollout) as (serving, rollout), tempfile.TemporaryDirectory() as tmp:
+        rollouts = (adapter_rollouts(serving, Path(tmp) / "adapter", args.lora_rank)
+                    if args.rollout == "adapter" else Rollouts(rollout))
+        runs = [_one_run(args, serving, rollouts, server_core, device) for _ in range(args.runs)]
+        given_back = second_model_pages(serving, args.lora_rank, resolve(args.device, args.dtype)[1])
     summaries = [r["summary"] for r in runs]
+    if args.rollout == "adapter":
+        for s in summaries:
+            s["second_model"] = given_back
     engines = ENGINES[args.engine]
     if len(engines) == 1:
         summary = _combined(summaries)
@@ -468,6 +514,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:  # the modes of the engine asked for
         plot_tradeoff(summaries, args.plot)
     config = {k: getattr(args, k) for k in ("engine", "serving_pool_share", "serving_model", "rollout_model",
+                                            "rollout", "lora_rank",
                                             "duration", "baseline_duration", "quick", "rate", "trajectories",
                                             "start", "slo_factor", "runs",
                                             "admission_quantile", "tpot_inflation", "ttft_inflation",

@@ -433,6 +433,8 @@ class CoServingExecutor:
             ran = self.rollout.step(budget, interrupt)
             step = self._rolled = self.rollout.last_step
             self._measure(ROLLOUT, step)
+            if serving.load != TokenLoad() and not step.interrupted:
+                self.metrics.rollout_beside_serving.inc(step.load.prefill_tokens + step.load.decode_seqs)
             outputs += self._account(ROLLOUT, ran)
             self._charge_rollout_time(step.seconds, time.monotonic())
             if self.config.policy is Policy.ROSE and not step.interrupted:
@@ -452,6 +454,8 @@ class CoServingExecutor:
         outputs += self._account(ROLLOUT, turns)
         if step.guests != TokenLoad():
             self._rolled = EngineStep(step.guests)  # its seconds are the forward's, serving's
+            if step.load != step.guests:
+                self.metrics.rollout_beside_serving.inc(step.guests.prefill_tokens + step.guests.decode_seqs)
             seconds = OneForward(self.tail, SERVING).rollout_seconds(step.load - step.guests, step.guests,
                                                                      step.seconds)
             self._charge_rollout_time(seconds, started)

@@ -125,6 +125,9 @@ class ExecutorMetrics:
         self.slo_attainment = Gauge("rose:serving_slo_attainment",
                                     "Share of finished serving requests within both SLOs", registry=r)
         self.rollout_tokens = Counter("rose:rollout_tokens", "Tokens generated for rollout turns", registry=r)
+        self.rollout_beside_serving = Counter(
+            "rose:rollout_tokens_beside_serving", "Rollout tokens computed (prompt and decode) in iterations "
+            "in which serving computed too", registry=r)
         self.turns_running = Gauge("rose:rollout_turns_running", "Leased rollout turns running", registry=r)
         self.turns_finished = Counter("rose:rollout_turns_finished", "Finished rollout turns, by finish "
                                       "reason", ["finished_reason"], registry=r)

@@ -16,6 +16,7 @@ import pytest
 
 from rose.bench import burst
 from rose.bench.coserve import bench_server
+from rose.bench.rollouts import ADAPTER_MODE, Rollouts, adapter_rollouts
 from rose.cli import main
 from rose.coserve.loadgen import RequestResult, kv_tokens
 from rose.coserve.metrics import ExecutorMetrics, read_pool_sample, transitions
@@ -150,20 +151,25 @@ def test_runs_give_each_runs_figures_their_medians_and_the_worst() -> None:
     assert median["slo"] == {"ttft_ms": 600.0}
 
 
-def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(tiny_qwen2: Path, tiny_qwen3: Path,
-                                                                     tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["rose", ADAPTER_MODE])
+def test_a_spike_cuts_rollout_turns_which_come_back_with_their_tokens(
+        mode: str, tiny_qwen2: Path, tiny_qwen3: Path, tmp_path: Path) -> None:
     """Tiny models on a pool of 128 pages: the trace's spike (its rate and prompts scaled up, long
     outputs) needs the pages rollouts hold; the burst cuts turns, hands them back with their tokens,
-    and their trajectories finish them after the next RL step. The server traces its iterations."""
+    and their trajectories finish them after the next RL step. The server traces its iterations.
+    In adapter mode the turns are the serving engine's own guests, their pages in its pool."""
     scale = burst.Scale(load=0.5, prompt_scale=0.25, max_output=200, max_context=512)
     window = burst.burst_window(scale, duration_s=24.0, spike_s=4.0, lead_s=8.0)
-    args = argparse.Namespace(trajectories=8, next_step_s=6.0, engine="native")
+    args = argparse.Namespace(trajectories=8, next_step_s=6.0, engine="native", rollout="model")
+    rollouts = Rollouts(tiny_qwen3)
+    if mode == ADAPTER_MODE:
+        args.rollout, rollouts = "adapter", adapter_rollouts(tiny_qwen2, tmp_path / "adapter", 4)
     slo = {"ttft_ms": 1e6, "tpot_ms": 1e6}
     log = tmp_path / "iterations.jsonl"
     extra = ("--pool-mb", "0.5", "--chunk-tokens", "64", "--no-profile", "--iteration-log", str(log))
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(bench_server(tiny_qwen2, tiny_qwen3, "rose", slo, None, extra))
-        result, requests = asyncio.run(burst._measure(url, "rose", window, args, slo))
+        url = stack.enter_context(bench_server(tiny_qwen2, rollouts, mode, "rose", slo, None, extra))
+        result, requests = asyncio.run(burst._measure(url, mode, window, args, slo, rollouts.turn_adapter))
     assert result["bursts"] >= 1 and result["burst_cuts"] >= 1
     assert result["rollout_turns_cut"] >= 1 and result["rollout_pages_cut"] > 0
     assert result["reclaim_iterations"]["max_at_most"] <= 1.0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from rose.bench import coserve
 from rose.bench.coserve import (
@@ -22,8 +23,12 @@ from rose.bench.coserve import (
     _ttft_added,
     plot_tradeoff,
 )
+from rose.bench.rollouts import ADAPTER_MODE, Rollouts, adapter_rollouts, second_model_pages
 from rose.cli import main
 from rose.coserve.loadgen import RequestResult
+from rose.engine import KVSpec
+from rose.model import load_model
+from rose.model.lora import load_adapter
 
 
 def _summary(k: float) -> dict:
@@ -165,3 +170,39 @@ def test_a_vllm_run_has_a_table_per_engine(monkeypatch: pytest.MonkeyPatch) -> N
     seen.clear()
     native = coserve._one_run(_args("--quick"), Path("s"), Path("r"), None, ())
     assert native["summary"] == {"engine_was": "native"}  # one engine: its summary as it always was
+
+
+def test_rollout_adapter_runs_the_adapter_as_a_second_model_and_riding_serving(tiny_qwen2: Path,
+                                                                               tmp_path: Path) -> None:
+    args = _args("--rollout", "adapter", "--lora-rank", "4")
+    assert [m[:3] for m in _modes(args, "native", 700.0, 200.0)] == [
+        ("rollout_alone", "rose", 200.0), ("rose", "rose", 700.0), (ADAPTER_MODE, "rose", 700.0)]
+    rollouts = adapter_rollouts(tiny_qwen2, tmp_path / "adapter", 4)
+    adapter = ("--rollout-adapter", str(tmp_path / "adapter"), "--rollout-adapter-name", "policy")
+    assert rollouts.server_args("rose") == ("--rollout-model", str(tiny_qwen2), *adapter)
+    assert rollouts.server_args(ADAPTER_MODE) == adapter and rollouts.turn_adapter == "policy"
+    assert Rollouts(tiny_qwen2).server_args("rose") == ("--rollout-model", str(tiny_qwen2))
+    assert load_adapter(tmp_path / "adapter")[2] == str(tiny_qwen2)  # an adapter of the serving model
+    freed = second_model_pages(tiny_qwen2, 4, torch.float32)
+    model = load_model(tiny_qwen2)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    assert freed["weights_mb"] == round(weights / 2**20, 1) and 0 < freed["kv_pages_given_back"] < (
+        weights // KVSpec.of(model.config).block_bytes)
+    refusals = ((("--engine", "vllm"), "--engine native"), (("--rollout-model", "r"), "--rollout-model"),
+                (("--lora-rank", "0"), "--lora-rank"))
+    for argv, named in refusals:
+        with pytest.raises(ValueError, match=named):
+            coserve.check_rollout(_args("--rollout", "adapter", *argv))
+
+
+def test_summary_compares_adapter_mode_with_two_models() -> None:
+    def mode(tokens: float | None) -> dict:
+        return {"serving_busy_fraction": 0.4, "rollout_tokens_per_s": tokens, "p99_ttft_ms": 100.0,
+                "p99_tpot_ms": 30.0, "slo_attainment": 1.0, "completed": 10, "latency_model_error": 0.1,
+                "admission_overruns": 0.0, "rollout_tokens_beside_serving": 50.0}
+
+    results = {"serving_alone": mode(None), "rollout_alone": mode(200.0), "rose": mode(80.0),
+               ADAPTER_MODE: mode(120.0)}
+    summary = coserve._summary(results, {"ttft_ms": 150.0, "tpot_ms": 45.0}, {}, 0.95)
+    assert summary["adapter_vs_two_models"] == 1.5 and summary["rose"]["harvest_vs_naive"] is None
+    assert summary[ADAPTER_MODE]["rollout_tokens_beside_serving"] == 50.0
