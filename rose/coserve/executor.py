@@ -408,7 +408,7 @@ class CoServingExecutor:
         if self._turns:
             self.metrics.admissions.labels("held" if budget == 0 else "admitted").inc()
         if self.adapter_mode:
-            outputs += self._one_forward(budget, started[1])
+            outputs += self._one_forward(budget, started[1], state)
         else:
             ran, budget = self._two_forwards(budget)
             outputs += ran
@@ -441,13 +441,18 @@ class CoServingExecutor:
                 self._observe_slack(serving.seconds + step.seconds)
         return outputs, budget
 
-    def _one_forward(self, budget: int | None, started: float) -> list[RequestOutput]:
-        """Adapter mode: serving's batch and at most `budget` rollout tokens, in one forward. No
-        serving arrival interrupts it (serving's own rows are in it): admission's arrival
-        reserve keeps room for a request that waits for it."""
+    def _one_forward(self, budget: int | None, started: float, state: ServingState) -> list[RequestOutput]:
+        """Adapter mode: serving's batch and at most `budget` rollout tokens, in one forward. One
+        with serving rows in it runs whole (admission's arrival reserve keeps room for a request
+        that waits for it); one of rollout rows alone, on a device serving nothing, is given up
+        for an arriving request under `rose`, as the rollout model's forward is."""
         engine = self._turn_engine()
-        ran = engine.step(guest_budget=budget)
+        idle = not state.waiting and not len(state.decoding_last_token_s)
+        interrupt = self.serving_arrived if self.config.policy is Policy.ROSE and idle else None
+        ran = engine.step(guest_budget=budget, interrupt=interrupt)
         step = engine.last_step
+        if step.interrupted:
+            self._rolled = step
         self._measure(SERVING, step)  # one forward: the latency model's one term
         turns = [out for out in ran if out.request_id in self._turns]
         outputs = self._account(SERVING, [out for out in ran if out.request_id not in self._turns])

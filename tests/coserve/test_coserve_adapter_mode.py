@@ -197,3 +197,26 @@ def test_rose_serve_with_only_a_rollout_adapter_runs_turns_on_the_serving_model(
     assert served.status_code == 200
     assert served.json()["choices"][0]["text"] == local_text(tiny_qwen2, want[1].token_ids)
     assert 'rose:iterations_total{engine="rollout"} 0.0' in metrics  # one forward: serving's
+
+
+def test_an_arrival_interrupts_only_a_forward_of_rollout_rows_alone() -> None:
+    model = _model()
+    turn = Turn("t", "traj", _ids(40, 2), GREEDY, None, "policy")
+    clean = _executor(model)
+    clean.submit_turn(turn)
+    want = _drain(clean)["t"]
+    ex = _executor(model)
+    ex.submit_turn(turn)
+    arrivals = iter([False, True])  # before each layer: the first forward is given up at its 2nd
+    ex.serving_arrived = lambda: next(arrivals, False)
+    ex.step()
+    assert ex.serving.last_step.interrupted and ex.metrics.rollout_interrupted._value.get() == 1
+    got = _drain(ex)["t"]  # the same tokens, recomputed
+    assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-6)
+    # With a serving request in flight its rows are in the forward: nothing interrupts it.
+    ex.add_serving(_ids(12, 1), LONG, "s")
+    ex.step()
+    ex.serving_arrived = lambda: True
+    ex.submit_turn(Turn("t2", "traj", _ids(20, 3), GREEDY, None, "policy"))
+    ex.step()
+    assert not ex.serving.last_step.interrupted and ex.metrics.rollout_interrupted._value.get() == 1
