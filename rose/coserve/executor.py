@@ -453,7 +453,8 @@ class CoServingExecutor:
         step = engine.last_step
         if step.interrupted:
             self._rolled = step
-        self._measure(SERVING, step)  # one forward: the latency model's one term
+        # One forward: the latency model's one term; in the metrics, rollout's when it ran alone.
+        self._measure(ROLLOUT if step.load == step.guests else SERVING, step, SERVING)
         turns = [out for out in ran if out.request_id in self._turns]
         outputs = self._account(SERVING, [out for out in ran if out.request_id not in self._turns])
         outputs += self._account(ROLLOUT, turns)
@@ -514,11 +515,12 @@ class CoServingExecutor:
         self.metrics.rollout_share.set(self.guard.observe(measured_s, self._limit_s))
         self.metrics.admission_overruns.inc(self.guard.overruns - overruns)
 
-    def _measure(self, name: str, step: EngineStep) -> None:
-        """One engine's part of the iteration: its time, which refits the latency model."""
+    def _measure(self, name: str, step: EngineStep, model: str | None = None) -> None:
+        """`name`'s part of the iteration: its time, which refits the latency model's `model`
+        term (None: `name`'s)."""
         if step.interrupted:
             self.metrics.rollout_interrupted.inc()
-        self.latency.observe(name, step.load, step.seconds)
+        self.latency.observe(model or name, step.load, step.seconds)
         if step.seconds:
             self.metrics.iterations.labels(name).inc()
             self.metrics.busy.labels(name).inc(step.seconds)
