@@ -343,7 +343,7 @@ class CoServingExecutor:
         typical = sum(contexts) // len(contexts) if contexts else self.config.typical_rollout_context
         turn_pages = rollout.blocks.pages_for(typical)
         room = min(self.config.max_rollout_turns - running,
-                   memory_room(self.burst.state, self.pool.headroom(ROLLOUT), turn_pages))
+                   memory_room(self.burst.state, self._rollout_room(), turn_pages))
         free = rollout_capacity(now, state, RolloutDemand(contexts), self.predict, self.slo, typical, chunk,
                                 limit=room, share=self.guard.share)
         slack = iteration_limit(now, state, self.slo, self.predict, chunk, self.guard.share)
@@ -352,6 +352,15 @@ class CoServingExecutor:
         version = newest_version(rollout)
         return Capacity(free, slack * 1e3, self.burst.state.name.lower(), version,
                         self.pool.budget(ROLLOUT), self.pool.used(ROLLOUT), running)
+
+    def _rollout_room(self) -> int:
+        """Pages the turns could map now, within the rollout budget less the pages they hold:
+        free ones and those only a prefix cache holds (reclaimed as they are needed; counted as
+        taken, a device whose turns' cache had filled its budget would report no room again)."""
+        blocks = self._turn_blocks()
+        cached = blocks.num_cached_pages + (0 if self.own_pages else self.serving.cached_pages())
+        free = self.pool.num_free + cached
+        return max(0, min(free, self.pool.budget(ROLLOUT) - blocks.num_active_pages))
 
     def new_rl_step(self) -> None:
         """A new RL step: the rollout budget may grow again after a burst."""

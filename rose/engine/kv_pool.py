@@ -143,10 +143,6 @@ class KVPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def headroom(self, owner: str) -> int:
-        """Pages `owner` could map right now without reclaiming anyone's cache."""
-        return max(0, min(self.num_free, self.budget(owner) - self._used[owner]))
-
     def allocate(self, owner: str) -> int | None:
         """A free page for `owner`, reclaiming cached pages if needed; None when none can be had."""
         reclaim_own = self._reclaimers.get(owner, lambda: False)

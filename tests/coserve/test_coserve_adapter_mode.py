@@ -219,3 +219,22 @@ def test_an_arrival_interrupts_only_a_forward_of_rollout_rows_alone() -> None:
     ex.submit_turn(Turn("t2", "traj", _ids(20, 3), GREEDY, None, "policy"))
     ex.step()
     assert not ex.serving.last_step.interrupted and ex.metrics.rollout_interrupted._value.get() == 1
+
+
+@pytest.mark.parametrize("adapter_mode", [True, False])
+def test_turns_whose_prefix_cache_filled_the_budget_leave_room_for_more(adapter_mode: bool) -> None:
+    """Pages only the turns' prefix cache holds are reclaimed as new turns need them: counted as
+    taken, a device whose finished turns' cache had filled its rollout budget would report no
+    free slot again, and no turn would be routed to it."""
+    model = _model()
+    rollout = None if adapter_mode else random_model(preset_config("qwen2", "tiny"), seed=2)
+    config = ExecutorConfig(pool_mb=64 * KVSpec.of(model.config).block_bytes / MB, typical_rollout_context=64)
+    ex = CoServingExecutor(model, rollout, config, adapter_mode=adapter_mode)
+    for i in range(12):
+        ex.submit_turn(Turn(f"t{i}", "traj", _ids(100, i), GREEDY))
+        _drain(ex)
+    blocks = ex._turn_blocks()
+    assert blocks.num_active_pages == 0 and blocks.num_cached_pages >= ex.pool.budget("rollout") - 1
+    assert ex.capacity().free_slots > 0
+    ex.submit_turn(Turn("next", "traj", _ids(100, 99), GREEDY))
+    assert _drain(ex)["next"].finish_reason == "length"  # it runs: the cache gave its pages back
