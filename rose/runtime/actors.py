@@ -102,26 +102,6 @@ def policy_load(target: Any, lora: LoRAConfig | None) -> WeightUpdate:
     return functools.partial(target.load_adapter, POLICY_ADAPTER, lora)
 
 
-def serving_policy_load(executor: CoServingExecutor, lora: LoRAConfig | None) -> WeightUpdate:
-    """A serving device's `policy_load`. Under LoRA the turns' cached KV pages go with each sync:
-    a new adapter version shares no KV with the old, so they would never be hit again, yet they
-    count against the rollout headroom the executor reports free slots from; once they fill it,
-    no turn comes to reclaim them and the device lends nothing more (a run's held-out evaluation
-    filled it in 5 steps: docs/rl.md, "Adapter mode")."""
-    load = policy_load(executor, lora)
-    if lora is None:
-        return load
-    assert executor.turns is not None  # a rollout model, or the serving engine in adapter mode
-    engine = executor.turns
-    blocks = engine.blocks if engine.guest_blocks is None else engine.guest_blocks  # the turns' pages
-
-    def apply(named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        load(named, version)
-        blocks.reset_prefix_cache()
-
-    return apply
-
-
 class Role:
     """An actor whose log lines carry its role (Ray prefixes the lines it forwards with the
     actor's repr, so that names the role too), on its device: its cores (local mode) or the
@@ -344,7 +324,7 @@ class ServingDeviceActor(_HttpReplica):
         self._replay: threading.Thread | None = None
         assert executor.turns is not None  # a rollout model, or the serving engine in adapter mode
         self._join(relay, group, worker_id, policy_spec(executor.turns.model, lora), loop,
-                   serving_policy_load(executor, lora))
+                   policy_load(executor, lora))
 
     def start_replay(self) -> None:
         self._replay = threading.Thread(target=lambda: asyncio.run(self._replay_windows()), daemon=True)
